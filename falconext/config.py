@@ -1,0 +1,116 @@
+"""The one configuration object of falconext.
+
+Every threshold the pipeline uses lives here, with the value the Falcon paper gives as
+the default (shared/FALCON-NOTES.md), so an experiment changes behaviour in one place and
+an ablation can name exactly what it changed. Megatron-style ``--falcon-*`` flags map onto
+these fields by name (``--falcon-acf-threshold`` -> ``acf_threshold``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class FalconConfig:
+    # --- period finding (detect/period.py) -------------------------------------------
+    #: first lag whose autocorrelation reaches this is the recurring period (paper: 0.95)
+    acf_threshold: float = 0.95
+    #: a period is accepted only once the buffer holds this many repetitions of it
+    acf_min_repeats: int = 3
+    #: longest period, in calls, the finder looks for (no fixed small lag limit)
+    max_period_calls: int = 8192
+    #: calls the streaming tracker keeps while (re)finding the period
+    tracker_buffer_calls: int = 32768
+    #: a period of identical symbols is refined by inter-call gaps when the gap profile
+    #: explains at least this share of the gap variance
+    gap_profile_r2: float = 0.8
+
+    # --- BOCD (detect/bocd.py) ---------------------------------------------------------
+    #: constant hazard: prior probability of a change point at each iteration
+    bocd_hazard: float = 1.0 / 250.0
+    #: posterior mass needed on "a change happened recently" (paper: 0.9)
+    bocd_threshold: float = 0.9
+    #: "recently" = run length <= this many iterations
+    bocd_recent_window: int = 15
+    #: run lengths kept after pruning; each update costs O(this)
+    bocd_max_run_length: int = 300
+    #: iterations observed before BOCD may report anything
+    bocd_warmup: int = 10
+
+    # --- verification (detect/verify.py) -----------------------------------------------
+    #: a change below this relative size is jitter (paper: 10%)
+    min_slowdown: float = 0.10
+    #: a slowdown must hold for this many iterations before it is an event
+    min_duration: int = 30
+    #: healthy iterations before a change point used as the baseline
+    baseline_window: int = 100
+    #: fewest healthy iterations a baseline may be computed from
+    min_baseline: int = 10
+    #: the post-change window is split into this many chunks; each must be slow
+    sustain_chunks: int = 3
+    #: an open event ends when the level is back within this fraction of the baseline
+    recovery_margin: float = 0.05
+
+    # --- slide-window baseline (detect/baselines.py) -----------------------------------
+    #: recent iterations averaged and compared with the reference median
+    slide_window: int = 10
+    #: iterations before the recent window whose median is the reference
+    slide_reference: int = 100
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be finite, got {value!r}")
+        _check(0.0 < self.acf_threshold <= 1.0, "acf_threshold must be in (0, 1]")
+        _check(self.acf_min_repeats >= 2, "acf_min_repeats must be >= 2")
+        _check(self.max_period_calls >= 1, "max_period_calls must be >= 1")
+        _check(
+            self.tracker_buffer_calls >= self.acf_min_repeats * 2,
+            "tracker_buffer_calls is too small for acf_min_repeats",
+        )
+        _check(0.0 < self.gap_profile_r2 <= 1.0, "gap_profile_r2 must be in (0, 1]")
+        _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
+        _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
+        _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")
+        _check(
+            self.bocd_max_run_length > self.bocd_recent_window,
+            "bocd_max_run_length must exceed bocd_recent_window",
+        )
+        _check(self.bocd_warmup >= 2, "bocd_warmup must be >= 2")
+        _check(self.min_slowdown > 0.0, "min_slowdown must be > 0")
+        _check(self.min_duration >= 1, "min_duration must be >= 1")
+        _check(self.sustain_chunks >= 1, "sustain_chunks must be >= 1")
+        _check(self.min_duration >= self.sustain_chunks, "min_duration must be >= sustain_chunks")
+        _check(self.min_baseline >= 2, "min_baseline must be >= 2")
+        _check(self.baseline_window >= self.min_baseline, "baseline_window must be >= min_baseline")
+        _check(
+            0.0 <= self.recovery_margin < self.min_slowdown,
+            "recovery_margin must be in [0, min_slowdown)",
+        )
+        _check(self.slide_window >= 1, "slide_window must be >= 1")
+        _check(self.slide_reference >= 1, "slide_reference must be >= 1")
+
+    def replace(self, **changes: Any) -> "FalconConfig":
+        """A copy with some fields changed; unknown names are an error, not ignored."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ConfigError(f"unknown FalconConfig field(s): {', '.join(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

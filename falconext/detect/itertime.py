@@ -1,0 +1,452 @@
+"""Iteration times of one rank from its collective calls, online and with bounded memory.
+
+Once the period is known, Falcon takes the iteration time as the time between a call
+and its occurrence one period earlier. :class:`IterationTracker` does this on a stream:
+
+* SEARCHING: calls are buffered and the period search (``detect/period.py``: find,
+  sharpen, refine by gaps) runs each time the buffer has grown by max(16, 10%), not on
+  every call, so searching costs a bounded multiple of one scan of the final buffer.
+  A full buffer without a period drops its oldest half.
+* LOCKED: a template (the symbols of one period) is followed call by call, O(1) per
+  call. At each anchor call an :class:`IterationTime` is emitted.
+* LOST: a call did not match the template (an evaluation or checkpoint-save iteration
+  inserted calls). Calls are kept until one full period of the template, starting at
+  the anchor, is seen again; tracking resumes there without emitting the span that
+  held the break. If it is not seen within ``4 * period + 64`` calls, or the template
+  breaks again within two periods of three resyncs in a row (it is a fragment of a
+  longer new pattern), the pattern has changed for good (e.g. re-planned
+  micro-batches) and the search restarts on the calls since the break.
+
+A template found early can be a unit repeated inside the iteration (a layer, or a
+micro-batch on the last pipeline stage), exact in the short buffer it was found in.
+It then breaks once per iteration; at such breaks the tracker looks at its history for
+a longer exact period and moves to it. Until the history holds ``acf_min_repeats``
+iterations, such a tracker emits sub-iteration times; ``IterationTime.period`` says
+which template produced each one, and a consumer should restart its series when it
+changes.
+
+The anchor is the call that follows the longest median gap within the period: usually
+the first call of an iteration, after the optimizer step and the first forward compute,
+so an iteration boundary never falls between two halves of one anchor-to-anchor span.
+
+Clock steps: calls are taken in the order they are fed (the issue order). An anchor
+whose time is not after the previous anchor's gives no iteration (it is counted in
+``dropped``) and becomes the new reference, so a clock that stepped back yields one
+missing iteration instead of a negative or inflated duration.
+
+Memory: the last ``tracker_buffer_calls`` calls sit in a fixed ring (a symbol code and
+an issue time each); every buffer a state uses is a window of it.
+
+Ranks are independent: pipeline stages issue different numbers of calls per iteration,
+so every rank gets its own tracker (:func:`iteration_times_by_rank`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable
+
+import numpy as np
+
+from falconext.config import FalconConfig
+from falconext.detect.period import (
+    SymbolTable,
+    chance_match,
+    find_period,
+    refine_by_gaps,
+    sharpen_period,
+)
+from falconext.trace.records import CallRecord
+
+#: fewest calls the tracker locks on: with a symbolic period of 1 (one repeated call) it
+#: needs room to test several multiples before settling for one call per iteration
+MIN_LOCK_CALLS = 32
+#: a window of one repeated call with no gap structure is locked on (period 1) only
+#: after this many calls
+SINGLE_SYMBOL_LOCK_CALLS = 1024
+#: the search runs again after the buffer grew by max(this, 10%)
+MIN_ATTEMPT_GROWTH = 16
+#: breaks in a row, each within 2 periods of the previous resync, that end a template
+SHAKY_BREAKS = 3
+#: LOST gives up after this many calls plus 4 periods
+LOST_SLACK_CALLS = 64
+
+
+@dataclass(frozen=True)
+class IterationTime:
+    """One anchor-to-anchor span: a training iteration as seen from one rank's calls.
+
+    It is the true iteration shifted by the anchor's offset into it; ``seq_end`` and the
+    times let a consumer map it onto training-loop step numbers.
+    """
+
+    #: 0-based count of iterations emitted by this tracker (not the training step number)
+    index: int
+    t_begin: float
+    t_end: float
+    duration: float
+    #: calls per iteration of the template that produced it; a change means the series
+    #: restarted on a new pattern
+    period: int
+    #: index, in the rank's call stream as fed (0-based), of the anchor call that ended it
+    seq_end: int
+
+
+class TrackerState(Enum):
+    SEARCHING = "searching"
+    LOCKED = "locked"
+    LOST = "lost"
+
+
+class IterationTracker:
+    """Streaming iteration-time tracker for one rank; see the module docstring."""
+
+    def __init__(self, config: FalconConfig | None = None) -> None:
+        self.config = FalconConfig() if config is None else config
+        self._cap = self.config.tracker_buffer_calls
+        self._symbols = SymbolTable()
+        # ring of the last `cap` calls, indexed by seq % cap; every buffer the states use
+        # is a window of it, so memory is fixed at `cap` calls
+        self._codes = np.zeros(self._cap, dtype=np.int64)
+        self._times = np.zeros(self._cap, dtype=np.float64)
+        self._fed = 0
+        self._rank: int | None = None
+        self._queue: deque[int] = deque()
+        self._out: list[IterationTime] = []
+
+        self._state = TrackerState.SEARCHING
+        self._window_from = 0  # first seq of the SEARCHING or LOST buffer
+        self._next_attempt = MIN_ATTEMPT_GROWTH
+
+        self._template: list[int] = []
+        self._rotated: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._anchor = 0
+        self._phase = 0
+        self._last_anchor: tuple[float, int] | None = None
+
+        # counters, for tests and monitoring
+        self.emitted = 0
+        self.locks = 0  # templates adopted (first lock, relocks, locks after fallback)
+        self.breaks = 0  # calls that did not match the template
+        self.resyncs = 0  # LOST -> LOCKED on the same template
+        self.fallbacks = 0  # template given up, back to SEARCHING
+        self.relocks = 0  # template replaced by a longer exact one at a break
+        self.dropped = 0  # anchors not after the previous one (clock steps)
+
+        self._checked_at = 0
+        self._checked_held = 0
+        self._clean = 0  # anchors matched since the last lock or resync
+        self._shaky = 0  # breaks in a row that came before 2 clean periods
+        self._shaky_from = 0
+
+    # --- public -------------------------------------------------------------------
+    @property
+    def period(self) -> int | None:
+        """Calls per iteration being followed; None while searching."""
+        return None if self._state is TrackerState.SEARCHING else len(self._template)
+
+    @property
+    def state(self) -> TrackerState:
+        return self._state
+
+    @property
+    def anchor_phase(self) -> int | None:
+        return None if self._state is TrackerState.SEARCHING else self._anchor
+
+    @property
+    def buffered(self) -> int:
+        """Calls the current state holds on to (0 while locked); never above the cap."""
+        if self._state is TrackerState.LOCKED or self._fed == 0:
+            return 0
+        return self._fed - self._window_from
+
+    @property
+    def calls(self) -> int:
+        return self._fed
+
+    def feed(self, record: CallRecord) -> list[IterationTime]:
+        """Take the rank's next call; returns the iterations it completed (often none)."""
+        if self._rank is None:
+            self._rank = record.rank
+        elif record.rank != self._rank:
+            raise ValueError(
+                f"tracker follows rank {self._rank}, got a record of rank {record.rank}"
+            )
+        seq = self._fed
+        slot = seq % self._cap
+        self._codes[slot] = self._symbols.code(record)
+        self._times[slot] = record.t_issue
+        self._fed += 1
+        self._queue.append(seq)
+        while self._queue:
+            self._process(self._queue.popleft())
+        out, self._out = self._out, []
+        return out
+
+    # --- state machine ------------------------------------------------------------
+    def _process(self, seq: int) -> None:
+        if self._state is TrackerState.LOCKED:
+            self._step_locked(seq)
+        elif self._state is TrackerState.LOST:
+            self._step_lost(seq)
+        else:
+            self._step_searching(seq)
+
+    def _step_locked(self, seq: int) -> None:
+        slot = seq % self._cap
+        if self._codes[slot] != self._template[self._phase]:
+            self._break(seq)
+            return
+        if self._phase == self._anchor:
+            t = float(self._times[slot])
+            if self._last_anchor is not None:
+                t_prev = self._last_anchor[0]
+                if t > t_prev:
+                    self._emit(t_prev, t, seq)
+                else:
+                    self.dropped += 1
+            self._last_anchor = (t, seq)
+            self._clean += 1
+        self._phase = (self._phase + 1) % len(self._template)
+
+    def _break(self, seq: int) -> None:
+        """The call at ``seq`` does not fit the template."""
+        self.breaks += 1
+        self._state = TrackerState.LOST
+        # A template that breaks again right after every resync is a fragment of a new,
+        # longer pattern (more micro-batches after re-planning): the fragment is found
+        # once per iteration, so LOST alone would never time out.
+        if self._clean < 2:
+            self._shaky += 1
+            if self._shaky == 1:
+                self._shaky_from = seq
+        else:
+            self._shaky = 0
+        self._clean = 0
+        if self._shaky >= SHAKY_BREAKS:
+            self._fall_back(max(self._shaky_from, seq + 1 - self._history(seq)), seq)
+            return
+        if self._recheck(seq):
+            # a new, longer template: look for it among the latest calls
+            self._window_from = seq + 1 - min(len(self._template), self._history(seq))
+        elif self._last_anchor is not None:
+            # search from the last anchor: an evaluation that began like an iteration
+            # lets the real iteration start inside calls already matched
+            self._window_from = self._last_anchor[1] + 1
+        else:
+            self._window_from = seq
+        self._last_anchor = None
+        self._step_lost(seq)
+
+    def _fall_back(self, window_from: int, seq: int) -> None:
+        """The pattern changed for good: search again on the calls since ``window_from``."""
+        self.fallbacks += 1
+        self._state = TrackerState.SEARCHING
+        self._template = []
+        self._last_anchor = None
+        self._shaky = 0
+        self._window_from = window_from
+        self._next_attempt = 0  # search right away
+        self._step_searching(seq)
+
+    def _step_lost(self, seq: int) -> None:
+        q = len(self._template)
+        held = seq - self._window_from + 1
+        if held > min(4 * q + LOST_SLACK_CALLS, self._cap):
+            self._fall_back(self._window_from, seq)
+            return
+        if held < q or self._codes[seq % self._cap] != self._rotated[-1]:
+            return
+        start = seq - q + 1
+        if np.array_equal(self._window_codes(start, seq + 1), self._rotated):
+            self.resyncs += 1
+            self._state = TrackerState.LOCKED
+            self._last_anchor = (float(self._times[start % self._cap]), start)
+            self._phase = self._anchor
+
+    def _step_searching(self, seq: int) -> None:
+        held = seq - self._window_from + 1
+        if held > self._cap:
+            # never found a period in a full buffer: keep the newest half
+            self._window_from = seq + 1 - self._cap // 2
+            held = seq - self._window_from + 1
+            self._next_attempt = held + max(MIN_ATTEMPT_GROWTH, held // 10)
+        if held < self._next_attempt:
+            return
+        self._next_attempt = held + max(MIN_ATTEMPT_GROWTH, held // 10)
+        self._attempt(seq)
+
+    def _attempt(self, seq: int) -> None:
+        codes = self._window_codes(self._window_from, seq + 1)
+        times = self._window_times(self._window_from, seq + 1)
+        q = self._search(codes, times)
+        if q is None:
+            return
+        needed = max(self.config.acf_min_repeats * q, MIN_LOCK_CALLS)
+        if q == 1 and chance_match(codes) >= 1.0 - 1e-12:
+            # one symbol and no gap structure: nothing shows where an iteration ends
+            # yet; a long run of one call inside an iteration looks the same
+            needed = max(needed, min(SINGLE_SYMBOL_LOCK_CALLS, self._cap))
+        if codes.size < needed:
+            return
+        start = self._adopt(codes, times, q)
+        if start is None:
+            return
+        # process the calls from the template's start again, now LOCKED, so the
+        # iterations they hold are emitted
+        self._state = TrackerState.LOCKED
+        self._phase = 0
+        self._last_anchor = None
+        self._clean = 0
+        self._shaky = 0
+        self._queue.extendleft(reversed(range(self._window_from + start, seq + 1)))
+
+    def _search(self, codes: np.ndarray, times: np.ndarray) -> int | None:
+        cfg = self.config
+        period = find_period(codes, cfg.acf_threshold, cfg.acf_min_repeats, cfg.max_period_calls)
+        if period is None:
+            return None
+        period = sharpen_period(codes, period, cfg.acf_min_repeats, cfg.max_period_calls)
+        return refine_by_gaps(
+            period,
+            times,
+            cfg.gap_profile_r2,
+            min_repeats=cfg.acf_min_repeats,
+            max_period=cfg.max_period_calls,
+        )
+
+    def _adopt(self, codes: np.ndarray, times: np.ndarray, q: int) -> int | None:
+        """Take the template from the longest stretch that repeats exactly.
+
+        The ACF tolerates a few mismatches, the template must not: a window holding a
+        break would make every later call look like one. Returns the index in ``codes``
+        where the template starts (phase 0), or None with fewer than two clean periods.
+        """
+        start, run = _longest_run(codes[q:] == codes[:-q])
+        if run < q:
+            return None
+        template = codes[start : start + q]
+        # gap before each call of `rows` whole periods after the first, by phase
+        rows = run // q
+        first = start + q
+        gaps = np.diff(times[first - 1 : first + rows * q]).reshape(rows, q)
+        anchor = int(np.argmax(np.median(gaps, axis=0)))
+        self.locks += 1
+        self._template = [int(c) for c in template]
+        self._anchor = anchor
+        self._rotated = np.roll(template, -anchor)
+        return start
+
+    def _recheck(self, seq: int) -> bool:
+        """At a break, test whether the history shows a longer exact period.
+
+        A template found early can be a unit repeated inside the iteration (a layer, a
+        micro-batch) that was exact in the short buffer it came from; it then breaks
+        every iteration. Once the history holds enough iterations the longer period is
+        visible. Runs when the history grew by a quarter since the last look or, once
+        the ring is full, after half a ring of new calls.
+        """
+        held = self._history(seq)
+        grown = held >= 1.25 * self._checked_held
+        if not grown and seq + 1 - self._checked_at < held // 2:
+            return False
+        self._checked_at = seq + 1
+        self._checked_held = held
+        cfg = self.config
+        q = len(self._template)
+        codes = self._window_codes(seq + 1 - held, seq + 1)
+        longer = sharpen_period(codes, q, cfg.acf_min_repeats, cfg.max_period_calls)
+        if longer <= q:
+            return False
+        times = self._window_times(seq + 1 - held, seq + 1)
+        longer = refine_by_gaps(
+            longer,
+            times,
+            cfg.gap_profile_r2,
+            min_repeats=cfg.acf_min_repeats,
+            max_period=cfg.max_period_calls,
+        )
+        if self._adopt(codes, times, longer) is None:
+            return False
+        self.relocks += 1
+        return True
+
+    # --- helpers ------------------------------------------------------------------
+    def _emit(self, t_begin: float, t_end: float, seq: int) -> None:
+        self._out.append(
+            IterationTime(
+                index=self.emitted,
+                t_begin=t_begin,
+                t_end=t_end,
+                duration=t_end - t_begin,
+                period=len(self._template),
+                seq_end=seq,
+            )
+        )
+        self.emitted += 1
+
+    def _history(self, seq: int) -> int:
+        """Calls up to and including ``seq`` that the ring still holds."""
+        return min(seq + 1, self._cap - (self._fed - 1 - seq))
+
+    def _window_codes(self, start: int, stop: int) -> np.ndarray:
+        return self._codes[np.arange(start, stop) % self._cap]
+
+    def _window_times(self, start: int, stop: int) -> np.ndarray:
+        return self._times[np.arange(start, stop) % self._cap]
+
+
+def _longest_run(flags: np.ndarray) -> tuple[int, int]:
+    """(start, length) of the longest run of True; the latest one on ties."""
+    if flags.size == 0:
+        return 0, 0
+    padded = np.concatenate(([False], flags, [False])).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    starts, stops = edges[0::2], edges[1::2]
+    if starts.size == 0:
+        return 0, 0
+    lengths = stops - starts
+    best = int(np.flatnonzero(lengths == lengths.max())[-1])
+    return int(starts[best]), int(lengths[best])
+
+
+def iteration_times(
+    records: Iterable[CallRecord], config: FalconConfig | None = None
+) -> list[IterationTime]:
+    """Iteration times of one rank's calls, in issue order (a tracker fed in order).
+
+    Records of several ranks are an error (ValueError): use :func:`iteration_times_by_rank`.
+    """
+    tracker = IterationTracker(config)
+    out: list[IterationTime] = []
+    for record in records:
+        out.extend(tracker.feed(record))
+    return out
+
+
+def iteration_times_by_rank(
+    records: Iterable[CallRecord], config: FalconConfig | None = None
+) -> dict[int, tuple[int | None, list[IterationTime]]]:
+    """(final period, iterations) per rank of an interleaved multi-rank stream.
+
+    Each rank's calls keep their relative order in the input, which is their issue
+    order in a log merged by time; where every record of a rank carries ``seq`` (the
+    hook's own counter) that order is used instead, so a merge that is not stable in
+    time cannot reorder a rank's calls.
+    """
+    by_rank: dict[int, list[CallRecord]] = {}
+    for record in records:
+        by_rank.setdefault(record.rank, []).append(record)
+    result: dict[int, tuple[int | None, list[IterationTime]]] = {}
+    for rank in sorted(by_rank):
+        calls = by_rank[rank]
+        if all(r.seq is not None for r in calls):
+            calls.sort(key=lambda r: r.seq)  # type: ignore[arg-type, return-value]
+        tracker = IterationTracker(config)
+        out: list[IterationTime] = []
+        for record in calls:
+            out.extend(tracker.feed(record))
+        result[rank] = (tracker.period, out)
+    return result

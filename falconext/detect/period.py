@@ -1,0 +1,310 @@
+"""Recover the recurring period (calls per training iteration) from a call sequence alone.
+
+Falcon (section 4.2) finds the iteration boundary without framework cooperation: the
+collective calls of a training loop repeat, so the first lag whose autocorrelation reaches
+M = 0.95 is the period. Two changes to the paper's formula make it usable here:
+
+* Calls are categorical. A numeric ACF over integer symbol codes depends on the arbitrary
+  order in which codes were handed out, so we take the ACF of the one-hot encoding. Its
+  numerator summed over channels is the number of equal pairs, which reduces the ACF to a
+  chance-corrected match rate (see :func:`acf`).
+* Each lag is normalised by its own number of pairs. The paper's biased ``1/N``
+  normalisation shrinks the ACF by ``(N - k) / N``; with three repetitions in the buffer a
+  perfect period scores only 0.67 and 0.95 is out of reach for long periods.
+
+The first lag reaching the threshold can be a unit repeated inside the iteration (a
+layer, a micro-batch), broken once per iteration by the calls issued once per step;
+:func:`sharpen_period` moves to the longer lag that is exact. A symbolic period can also
+be a fraction of the iteration when an iteration issues several identical calls
+(gradient buckets of equal size); :func:`refine_by_gaps` uses the inter-call gaps, which
+do differ by phase, to find the multiple that is the iteration.
+
+:func:`detect_period` chains the three: find, sharpen, refine.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from falconext.config import FalconConfig
+from falconext.trace.records import CallRecord
+
+Symbol = tuple[str, str, int]
+
+#: gaps are floored here before taking logs: two calls with the same timestamp (or a
+#: clock step backwards) must not produce -inf and swamp the variance
+MIN_GAP_SECONDS = 1e-9
+
+#: a sum of squared symbol shares this close to 1 means a single symbol
+_ONE_SYMBOL = 1.0 - 1e-12
+
+
+def symbol_of(record: CallRecord) -> Symbol:
+    """Identity of a call for pattern matching.
+
+    Byte counts are coarsened to their bit length so that sizes that differ by a few
+    bytes of padding still match, while a gradient bucket and a loss scalar do not.
+    """
+    return (record.op, record.group, int(record.bytes).bit_length())
+
+
+class SymbolTable:
+    """Stable small-int codes for symbols, in order of first appearance.
+
+    A streaming tracker must give a call the same code across the whole run; a code
+    assigned per buffer would change whenever the buffer is trimmed.
+    """
+
+    def __init__(self) -> None:
+        self._codes: dict[Hashable, int] = {}
+
+    def code_of(self, symbol: Hashable) -> int:
+        code = self._codes.get(symbol)
+        if code is None:
+            code = len(self._codes)
+            self._codes[symbol] = code
+        return code
+
+    def code(self, record: CallRecord) -> int:
+        return self.code_of(symbol_of(record))
+
+    def symbols(self) -> list[Hashable]:
+        return list(self._codes)
+
+    def __len__(self) -> int:
+        return len(self._codes)
+
+
+def symbolize(records: Iterable[CallRecord], table: SymbolTable | None = None) -> np.ndarray:
+    """Integer codes of ``records``; pass ``table`` to keep codes stable across calls."""
+    table = SymbolTable() if table is None else table
+    return np.fromiter((table.code(r) for r in records), dtype=np.int64)
+
+
+def chance_match(codes: np.ndarray) -> float:
+    """Probability that two calls drawn at random have the same symbol (sum of p_s^2)."""
+    codes = np.asarray(codes)
+    if codes.size == 0:
+        return 1.0
+    _, counts = np.unique(codes, return_counts=True)
+    p = counts / codes.size
+    return float(np.dot(p, p))
+
+
+def acf(codes: Sequence[int] | np.ndarray, k: int) -> float:
+    """Autocorrelation at lag ``k`` of the one-hot encoding of ``codes``.
+
+    With x_t the one-hot vector of symbol t and p the symbol shares, summing the paper's
+    covariance over channels gives ``sum_t [x_t == x_{t+k}] - (N - k) sum_s p_s^2`` and the
+    variance ``N (1 - sum_s p_s^2)``. Normalising each by its own count of terms:
+
+        acf(k) = (match_rate(k) - sum_s p_s^2) / (1 - sum_s p_s^2)
+
+    where match_rate(k) is the share of the N - k pairs (t, t + k) with equal symbols.
+    It is 1 for an exact period and about 0 when symbols are independent, whatever codes
+    the symbols were given. A sequence of one symbol has no variance; every pair matches,
+    so we call its ACF 1 rather than divide by zero.
+    """
+    codes = np.asarray(codes)
+    n = codes.size
+    if not 1 <= k < n:
+        raise ValueError(f"lag must be in [1, {n - 1}], got {k}")
+    chance = chance_match(codes)
+    if chance >= _ONE_SYMBOL:
+        return 1.0
+    match_rate = np.count_nonzero(codes[:-k] == codes[k:]) / (n - k)
+    return float((match_rate - chance) / (1.0 - chance))
+
+
+def mismatch_rate(codes: Sequence[int] | np.ndarray, k: int) -> float:
+    """Share of the pairs (t, t + k) whose symbols differ."""
+    codes = np.asarray(codes)
+    if not 1 <= k < codes.size:
+        raise ValueError(f"lag must be in [1, {codes.size - 1}], got {k}")
+    return float(np.count_nonzero(codes[:-k] != codes[k:]) / (codes.size - k))
+
+
+def _first_lag_within(
+    codes: np.ndarray, lo: int, hi: int, max_rate: float, chance: float
+) -> int | None:
+    """First lag in [lo, hi] whose mismatch rate is at most ``max_rate``.
+
+    Lags are rejected on a prefix first, a block of lags at a time: a prefix that
+    already holds more mismatches than the whole sequence may have rules the lag out
+    exactly, not approximately. The prefix is long enough that a lag matching only by
+    chance (mismatch rate about 1 - chance) fails it.
+    """
+    n = codes.size
+    tolerance = 1e-9
+    block = 32
+    lag = lo
+    while lag <= hi:
+        last = min(hi, lag + block - 1)
+        lags = np.arange(lag, last + 1)
+        want = 3.0 * max_rate * n / max(1.0 - chance, 1e-3)
+        probe = int(min(n - last, max(256, np.ceil(want))))
+        windows = sliding_window_view(codes, probe)[lag : last + 1]
+        prefix = np.count_nonzero(windows != codes[:probe], axis=1)
+        allowed = max_rate * (n - lags) * (1.0 + tolerance) + tolerance
+        for candidate in lags[prefix <= allowed]:
+            k = int(candidate)
+            mismatches = np.count_nonzero(codes[:-k] != codes[k:])
+            if mismatches <= max_rate * (n - k) * (1.0 + tolerance) + tolerance:
+                return k
+        lag = last + 1
+        block = min(2 * block, max(32, (1 << 21) // probe))
+    return None
+
+
+def find_period(
+    codes: Sequence[int] | np.ndarray,
+    threshold: float = 0.95,
+    min_repeats: int = 3,
+    max_period: int | None = None,
+    min_period: int = 1,
+) -> int | None:
+    """First lag in [min_period, len / min_repeats] (and <= max_period) with acf >= threshold.
+
+    There is no small fixed lag limit: the Falcon prototype missed periods longer than
+    its limit, and a pipeline stage of a large model issues thousands of calls per
+    iteration. Returns None when nothing repeats often enough; 1 for a sequence of one
+    symbol (its ACF is undefined; see :func:`acf`).
+    """
+    codes = np.ascontiguousarray(codes, dtype=np.int64)
+    n = codes.size
+    limit = n // min_repeats
+    if max_period is not None:
+        limit = min(limit, max_period)
+    lag = max(1, min_period)
+    if n < 2 or limit < lag:
+        return None
+    chance = chance_match(codes)
+    if chance >= _ONE_SYMBOL:
+        return 1
+    # acf >= threshold  <=>  mismatch rate <= (1 - threshold) * (1 - chance)
+    return _first_lag_within(codes, lag, limit, (1.0 - threshold) * (1.0 - chance), chance)
+
+
+def sharpen_period(
+    codes: Sequence[int] | np.ndarray,
+    period: int,
+    min_repeats: int = 3,
+    max_period: int | None = None,
+) -> int:
+    """Move from a near period to a longer exact one when the data shows it.
+
+    The first lag reaching the ACF threshold is often a unit repeated inside the
+    iteration: a layer, or a micro-batch of the last pipeline stage or of a job without
+    pipelining, broken once per iteration by the few calls issued once per step
+    (gradient buckets, gradient norm). A template of that unit breaks every iteration.
+    So while the period is not exact, take the first longer lag with at most half its
+    mismatch rate. Evaluation iterations inserted every E iterations also make the
+    E-iteration cycle exact; it is preferred only if it fits in ``max_period`` and the
+    data holds ``min_repeats`` of it, which for realistic evaluation intervals it does not.
+    """
+    codes = np.ascontiguousarray(codes, dtype=np.int64)
+    n = codes.size
+    limit = n // min_repeats
+    if max_period is not None:
+        limit = min(limit, max_period)
+    chance = chance_match(codes)
+    k = period
+    while k < limit:
+        rate = mismatch_rate(codes, k)
+        if rate == 0.0:
+            break
+        longer = _first_lag_within(codes, k + 1, limit, rate / 2.0, chance)
+        if longer is None:
+            break
+        k = longer
+    return k
+
+
+def _log_gaps(t_issue: Sequence[float] | np.ndarray) -> np.ndarray:
+    t = np.asarray(t_issue, dtype=np.float64)
+    return np.log(np.maximum(np.diff(t), MIN_GAP_SECONDS))
+
+
+def phase_r2(values: np.ndarray, q: int) -> float:
+    """Adjusted share of the variance of ``values`` explained by the phase ``i mod q``.
+
+    Plain R^2 grows with the number of phases even on noise (its null mean is about
+    (q - 1) / (n - 1)); the adjustment keeps a long candidate from winning on noise.
+    q = 1 has a single phase and explains nothing: 0 by definition.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    n = values.size
+    if q <= 1 or n <= q:
+        return 0.0
+    centred = values - values.mean()
+    total = float(np.dot(centred, centred))
+    if total <= 0.0:
+        return 0.0
+    phase = np.arange(n) % q
+    sums = np.bincount(phase, weights=centred, minlength=q)
+    counts = np.bincount(phase, minlength=q)
+    between = float(np.sum(sums * sums / counts))
+    r2 = between / total
+    return 1.0 - (1.0 - r2) * (n - 1) / (n - q)
+
+
+def refine_by_gaps(
+    period: int,
+    t_issue: Sequence[float] | np.ndarray,
+    r2_threshold: float = 0.8,
+    max_multiple: int = 256,
+    min_repeats: int = 3,
+    max_period: int | None = None,
+) -> int:
+    """Smallest multiple q = m * period whose phase explains the inter-call gaps, else period.
+
+    Why gaps: when an iteration issues m identical calls the symbols repeat every
+    ``period`` calls, but the time before the first call of an iteration (forward pass,
+    optimizer step) is far longer than the time between buckets, so log-gaps repeat only
+    every m * period calls. A candidate needs ``min_repeats`` repetitions in the data.
+    """
+    if period < 1:
+        raise ValueError(f"period must be >= 1, got {period}")
+    gaps = _log_gaps(t_issue)
+    for m in range(1, max_multiple + 1):
+        q = m * period
+        if (max_period is not None and q > max_period) or gaps.size < min_repeats * q:
+            break
+        if q > 1 and phase_r2(gaps, q) >= r2_threshold:
+            return q
+    return period
+
+
+def detect_period(
+    data: Sequence[CallRecord] | tuple[np.ndarray, np.ndarray],
+    config: FalconConfig | None = None,
+) -> int | None:
+    """Calls per iteration of one rank: symbolise, find, sharpen, refine by gaps.
+
+    ``data`` is either the rank's records or a pair ``(codes, t_issue)``.
+    """
+    config = FalconConfig() if config is None else config
+    if isinstance(data, tuple) and len(data) == 2 and not isinstance(data[0], CallRecord):
+        codes, times = (np.asarray(a) for a in data)
+    else:
+        records = list(data)
+        codes = symbolize(records)
+        times = np.array([r.t_issue for r in records], dtype=np.float64)
+    if codes.shape != times.shape:
+        raise ValueError("codes and t_issue must have the same length")
+    period = find_period(
+        codes, config.acf_threshold, config.acf_min_repeats, config.max_period_calls
+    )
+    if period is None:
+        return None
+    period = sharpen_period(codes, period, config.acf_min_repeats, config.max_period_calls)
+    return refine_by_gaps(
+        period,
+        times,
+        config.gap_profile_r2,
+        min_repeats=config.acf_min_repeats,
+        max_period=config.max_period_calls,
+    )

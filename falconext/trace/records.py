@@ -1,0 +1,87 @@
+"""Collective call records: the one data type that flows from interception to detection.
+
+A record is plain data so the detector can be fed from a live hook, a JSONL log or a
+generator alike. Parsing is strict because logs cross process and machine boundaries:
+a record with a missing or mistyped field is rejected with its field named, never guessed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+
+class RecordError(ValueError):
+    """A call record is malformed; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    rank: int
+    op: str
+    group: str
+    bytes: int
+    t_issue: float
+    t_start: float | None = None
+    t_end: float | None = None
+    seq: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+_REQUIRED = ("rank", "op", "group", "bytes", "t_issue")
+_OPTIONAL_TIMES = ("t_start", "t_end")
+
+
+def parse_record(obj: Any, where: str = "record") -> CallRecord:
+    """Build a CallRecord from a decoded JSON object, rejecting anything ambiguous."""
+    if not isinstance(obj, Mapping):
+        raise RecordError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in _REQUIRED if k not in obj]
+    if missing:
+        raise RecordError(f"{where}: missing field(s) {', '.join(missing)}")
+    rank = _int(obj["rank"], "rank", where)
+    if rank < 0:
+        raise RecordError(f"{where}: rank must be >= 0, got {rank}")
+    op = obj["op"]
+    if not isinstance(op, str) or not op:
+        raise RecordError(f"{where}: op must be a non-empty string")
+    group = obj["group"]
+    if isinstance(group, (int, str)) and not isinstance(group, bool):
+        group = str(group)
+    else:
+        raise RecordError(f"{where}: group must be a string or integer id")
+    nbytes = _int(obj["bytes"], "bytes", where)
+    if nbytes < 0:
+        raise RecordError(f"{where}: bytes must be >= 0, got {nbytes}")
+    t_issue = _time(obj["t_issue"], "t_issue", where)
+    times: dict[str, float | None] = {}
+    for key in _OPTIONAL_TIMES:
+        value = obj.get(key)
+        times[key] = None if value is None else _time(value, key, where)
+    seq = obj.get("seq")
+    seq = None if seq is None else _int(seq, "seq", where)
+    return CallRecord(rank, op, group, nbytes, t_issue, times["t_start"], times["t_end"], seq)
+
+
+def _int(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RecordError(f"{where}: {name} must be an integer, got {value!r}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise RecordError(f"{where}: {name} must be an integer, got {value!r}")
+        value = int(value)
+    return value
+
+
+def _time(value: Any, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RecordError(f"{where}: {name} must be a number of seconds, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RecordError(f"{where}: {name} is not finite ({value!r})")
+    if value < 0:
+        raise RecordError(f"{where}: {name} must be >= 0, got {value!r}")
+    return value

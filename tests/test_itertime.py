@@ -1,0 +1,344 @@
+"""Iteration times from call streams (detect/itertime.py) against generated ground truth."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from falconext.config import FalconConfig
+from falconext.detect.itertime import (
+    IterationTime,
+    IterationTracker,
+    TrackerState,
+    iteration_times,
+    iteration_times_by_rank,
+)
+from falconext.sim.calllog import (
+    CallLog,
+    Slowdown,
+    dp_only_spec,
+    generate,
+    long_period_spec,
+    pipeline_patterns,
+    tp_pp_spec,
+)
+from falconext.trace.records import CallRecord
+
+
+def match(log: CallLog, rank: int, its: list[IterationTime]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Pair each estimate with the true iteration it measures.
+
+    An estimate runs from one anchor call to the next. When the anchor ending it was
+    issued in true iteration m and the one starting it in m - 1, it is iteration m - 1
+    shifted by the anchor's offset into its iteration, so it is compared with
+    durations[m - 1]. Returns (relative errors, matched true indices, unmatched count);
+    estimates whose anchors are not in consecutive true iterations stay unmatched.
+    """
+    errors, indices, unmatched = [], [], 0
+    for it in its:
+        m_end = log.iteration_at(rank, it.t_end)
+        m_begin = log.iteration_at(rank, it.t_begin)
+        if m_begin < 0 or m_end != m_begin + 1:
+            unmatched += 1
+            continue
+        true = log.durations[rank][m_begin]
+        errors.append(abs(it.duration - true) / true)
+        indices.append(m_begin)
+    return np.array(errors), np.array(indices, dtype=int), unmatched
+
+
+def stream(
+    pattern: list[tuple[str, float]],
+    repeats: int,
+    t0: float = 1.0,
+    rank: int = 0,
+    jitter: float = 0.0,
+    seed: int = 0,
+) -> list[CallRecord]:
+    """``repeats`` copies of (op, gap before the call)."""
+    rng = np.random.default_rng(seed)
+    out, t = [], t0
+    for _ in range(repeats):
+        for op, gap in pattern:
+            t += gap * float(np.exp(jitter * rng.standard_normal()))
+            out.append(CallRecord(rank, op, "g", 1024, t))
+    return out
+
+
+ITERATION = [("A", 0.1), ("B", 0.01), ("C", 0.02), ("D", 0.01)]
+
+
+# --- state machine on hand-made streams ----------------------------------------------
+
+
+def test_locks_and_emits_anchor_to_anchor_times() -> None:
+    records = stream(ITERATION, 20)
+    tracker = IterationTracker()
+    its = [it for r in records for it in tracker.feed(r)]
+    assert tracker.period == 4 and tracker.state is TrackerState.LOCKED
+    assert tracker.anchor_phase == 0  # "A" follows the longest gap
+    anchors = [r.t_issue for r in records[::4]]
+    assert [(it.t_begin, it.t_end) for it in its] == list(zip(anchors[:-1], anchors[1:]))
+    assert [it.index for it in its] == list(range(19))
+    for it in its:
+        assert it.duration == pytest.approx(0.14)
+        assert records[it.seq_end].op == "A" and records[it.seq_end].t_issue == it.t_end
+        assert it.period == 4
+
+
+def test_break_resyncs_without_emitting_the_span_that_held_it() -> None:
+    records = stream(ITERATION, 10)
+    t = records[-1].t_issue
+    extra = [CallRecord(0, "EVAL", "g", 4, t + 0.05), CallRecord(0, "SAVE", "g", 4, t + 0.5)]
+    later = stream(ITERATION, 10, t0=t + 0.6)
+    tracker = IterationTracker()
+    its = [it for r in records + extra + later for it in tracker.feed(r)]
+    assert tracker.breaks == 1 and tracker.resyncs == 1 and tracker.fallbacks == 0
+    assert tracker.period == 4
+    anchors = [r.t_issue for r in records[::4]] + [r.t_issue for r in later[::4]]
+    pairs = list(zip(anchors[:-1], anchors[1:]))
+    del pairs[9]  # the span from the last anchor before the break to the first after
+    assert [(it.t_begin, it.t_end) for it in its] == pairs
+    assert all(it.duration == pytest.approx(0.14) for it in its)
+
+
+def test_permanent_change_falls_back_and_finds_the_new_period() -> None:
+    records = stream(ITERATION, 15)
+    new = [("X", 0.2), ("Y", 0.01), ("Z", 0.03)]
+    later = stream(new, 60, t0=records[-1].t_issue + 0.1)
+    tracker = IterationTracker()
+    its = [it for r in records + later for it in tracker.feed(r)]
+    assert tracker.fallbacks == 1 and tracker.period == 3
+    assert {it.period for it in its} == {4, 3}
+    tail = [it for it in its if it.period == 3]
+    assert len(tail) >= 15
+    assert all(it.duration == pytest.approx(0.24) for it in tail)
+
+
+def test_identical_calls_are_split_by_gaps() -> None:
+    pattern = [("AR", 0.08), ("AR", 0.01), ("AR", 0.01), ("AR", 0.01)]
+    records = stream(pattern, 30, jitter=0.02)
+    its = iteration_times(records)
+    tracker = IterationTracker()
+    for r in records:
+        tracker.feed(r)
+    assert tracker.period == 4
+    assert np.median([it.duration for it in its]) == pytest.approx(0.11, rel=0.02)
+
+
+def test_single_repeated_call_without_structure_waits_for_long_evidence() -> None:
+    records = stream([("AR", 0.1)], 1500, jitter=0.02)
+    tracker = IterationTracker()
+    first_emit = None
+    for i, r in enumerate(records):
+        if tracker.feed(r) and first_emit is None:
+            first_emit = i
+    assert tracker.period == 1
+    assert first_emit is not None and first_emit >= 1000
+
+
+def test_rejects_records_of_another_rank() -> None:
+    tracker = IterationTracker()
+    tracker.feed(CallRecord(0, "A", "g", 1, 1.0))
+    with pytest.raises(ValueError):
+        tracker.feed(CallRecord(1, "A", "g", 1, 1.1))
+
+
+# --- generated jobs: accuracy -----------------------------------------------------------
+
+
+MIXED_BUCKETS = [40 << 20, 25 << 20, 25 << 20, 4 << 20]
+CASES = [
+    ("dp-identical-buckets", dp_only_spec(iterations=60), 0),
+    ("dp-identical-buckets", dp_only_spec(iterations=60), 1),
+    ("dp-mixed-buckets", dp_only_spec(iterations=60, bucket_bytes=MIXED_BUCKETS), 2),
+    ("tp2-pp4-1f1b", tp_pp_spec(iterations=40), 0),
+    ("tp2-pp4-1f1b-jitter5%", tp_pp_spec(iterations=40, jitter=0.05), 1),
+    ("tp1-pp2-dp2", tp_pp_spec(iterations=40, tp=1, pp=2, dp=2, micro_batches=6), 2),
+    ("long-period", long_period_spec(iterations=12), 0),
+]
+
+
+@pytest.mark.parametrize("name,spec,seed", CASES, ids=[f"{c[0]}-s{c[2]}" for c in CASES])
+def test_median_relative_error_below_one_percent(name: str, spec, seed: int) -> None:
+    log = generate(spec, seed)
+    result = iteration_times_by_rank(log.records)
+    assert sorted(result) == sorted(spec.patterns)
+    for rank, (period, its) in result.items():
+        assert period == len(spec.patterns[rank]), (name, rank)
+        final = [it for it in its if it.period == period]
+        errors, indices, unmatched = match(log, rank, final)
+        assert unmatched == 0
+        # all but the few iterations spent finding the period are measured
+        assert len(errors) >= spec.iterations - 5
+        assert np.median(errors) <= 0.01, (name, rank, np.median(errors))
+        assert np.all(np.diff(indices) > 0)
+
+
+def test_estimates_follow_an_injected_slowdown() -> None:
+    spec = tp_pp_spec(iterations=60, slowdowns=(Slowdown(30, 60, 1.3),))
+    log = generate(spec, 3)
+    true = log.durations[0]
+    true_ratio = np.median(true[30:]) / np.median(true[:30])
+    assert true_ratio == pytest.approx(1.3, rel=0.03)
+    for rank, (period, its) in iteration_times_by_rank(log.records).items():
+        final = [it for it in its if it.period == period]
+        _, indices, unmatched = match(log, rank, final)
+        assert unmatched == 0
+        durations = np.array([it.duration for it in final])
+        before = np.median(durations[indices < 30])
+        after = np.median(durations[indices >= 30])
+        assert np.sum(indices < 30) >= 20 and np.sum(indices >= 30) >= 25
+        assert after / before == pytest.approx(true_ratio, rel=0.01)
+
+
+# --- generated jobs: breaks, changes, ranks ------------------------------------------------
+
+
+def test_eval_and_checkpoint_iterations_are_skipped_and_tracking_resumes() -> None:
+    spec = tp_pp_spec(iterations=60, eval_every=20, checkpoint_every=25)
+    log = generate(spec, 4)
+    specials = np.flatnonzero(log.special)
+    assert specials.tolist() == [19, 24, 39, 49, 59]
+    for rank, (period, its) in iteration_times_by_rank(log.records).items():
+        assert period == len(spec.patterns[rank])
+        final = [it for it in its if it.period == period]
+        errors, indices, _ = match(log, rank, final)
+        # no estimate spans an evaluation or a checkpoint save
+        assert not np.any(log.special[indices])
+        assert np.max(errors) < 0.02
+        # tracking resumed within three iterations after each one
+        for n in specials[:-1]:
+            assert np.any((indices > n) & (indices <= n + 3)), (rank, n)
+    tracker = IterationTracker()
+    for r in log.rank_records(0):
+        tracker.feed(r)
+    assert tracker.breaks >= 4 and tracker.resyncs >= 4 and tracker.fallbacks == 0
+
+
+def test_micro_batch_replanning_is_found_on_every_stage() -> None:
+    shape = dict(tp=2, pp=4)
+    after = pipeline_patterns(micro_batches=6, **shape)
+    spec = tp_pp_spec(iterations=50, micro_batches=4, pattern_change=(25, after), **shape)
+    log = generate(spec, 5)
+    for rank, (period, its) in iteration_times_by_rank(log.records).items():
+        assert len(spec.patterns[rank]) != len(after[rank])
+        assert period == len(after[rank]), rank
+        final = [it for it in its if it.period == period]
+        errors, indices, _ = match(log, rank, final)
+        assert indices.min() >= 25 and len(errors) >= 15
+        assert np.median(errors) < 0.01
+
+
+def test_pipeline_stages_have_their_own_periods_in_an_interleaved_stream() -> None:
+    spec = tp_pp_spec(iterations=20, tp=1, pp=4, micro_batches=8)
+    log = generate(spec, 6)
+    ranks_in_order = [r.rank for r in log.records[:40]]
+    assert len(set(ranks_in_order)) == 4  # really interleaved
+    result = iteration_times_by_rank(log.records)
+    periods = {rank: period for rank, (period, _) in result.items()}
+    assert periods == {rank: len(p) for rank, p in spec.patterns.items()}
+    assert len(set(periods.values())) == 3  # first, middle and last stage differ
+    # the split does not depend on how the ranks were interleaved
+    by_rank_first = sorted(log.records, key=lambda r: r.rank)
+    again = iteration_times_by_rank(by_rank_first)
+    assert {k: (p, len(v)) for k, (p, v) in again.items()} == {
+        k: (p, len(v)) for k, (p, v) in result.items()
+    }
+
+
+def test_seq_orders_a_rank_whose_records_arrive_out_of_order() -> None:
+    log = generate(tp_pp_spec(iterations=12, tp=1, pp=2), 7)
+    records = log.rank_records(0)
+    shuffled = list(reversed(records))
+    assert iteration_times_by_rank(shuffled)[0] == iteration_times_by_rank(records)[0]
+
+
+# --- memory and edges ----------------------------------------------------------------------
+
+
+def test_buffers_stay_within_the_cap_on_a_long_stream() -> None:
+    config = FalconConfig(tracker_buffer_calls=600)
+    log = generate(tp_pp_spec(iterations=60, eval_every=20, tp=1, pp=2), 8)
+    tracker = IterationTracker(config)
+    peak = 0
+    for r in log.rank_records(0):
+        tracker.feed(r)
+        peak = max(peak, tracker.buffered)
+    assert tracker.calls > 5 * 600
+    assert 0 < peak <= 600
+    assert tracker.period == len(log.spec.patterns[0])
+
+
+def test_a_stream_without_period_never_grows_past_the_cap() -> None:
+    config = FalconConfig(tracker_buffer_calls=512)
+    rng = np.random.default_rng(9)
+    tracker = IterationTracker(config)
+    peak = 0
+    for i, op in enumerate(rng.integers(0, 6, 5000)):
+        assert tracker.feed(CallRecord(0, f"op{op}", "g", 64, 1.0 + 0.01 * i)) == []
+        peak = max(peak, tracker.buffered)
+    assert peak == 512 and tracker.period is None and tracker.locks == 0
+
+
+def test_a_period_longer_than_the_cap_allows_is_not_locked() -> None:
+    config = FalconConfig(tracker_buffer_calls=256)
+    pattern = [(f"op{i}", 0.01) for i in range(100)]  # 3 repeats need 300 calls
+    tracker = IterationTracker(config)
+    for r in stream(pattern, 20):
+        assert tracker.feed(r) == []
+        assert tracker.buffered <= 256
+    assert tracker.period is None
+
+
+def test_empty_input() -> None:
+    assert iteration_times([]) == []
+    assert iteration_times_by_rank([]) == {}
+    assert IterationTracker().period is None
+
+
+def test_clock_step_back_drops_one_iteration_and_never_goes_negative() -> None:
+    records = stream(ITERATION, 30)
+    # the clock steps back by 100 s at call 62, between two anchors
+    stepped = [
+        replace(r, t_issue=r.t_issue + 200.0 - (100.0 if i >= 62 else 0.0))
+        for i, r in enumerate(records)
+    ]
+    tracker = IterationTracker()
+    its = [it for r in stepped for it in tracker.feed(r)]
+    assert all(it.duration > 0 for it in its)
+    assert tracker.dropped == 1
+    assert len(its) == 29 - 1
+    assert all(it.duration == pytest.approx(0.14) for it in its)
+
+
+def test_equal_timestamps_give_no_iterations() -> None:
+    spec = tp_pp_spec(iterations=6, tp=1, pp=2)
+    records = [replace(r, t_issue=5.0) for r in generate(spec, 0).rank_records(0)]
+    tracker = IterationTracker()
+    its = [it for r in records for it in tracker.feed(r)]
+    assert its == [] and tracker.period == len(spec.patterns[0])
+    assert tracker.dropped > 0
+
+
+def test_generator_ground_truth_is_consistent_and_seeded() -> None:
+    spec = tp_pp_spec(iterations=10, tp=1, pp=2, eval_every=4, checkpoint_every=5)
+    log = generate(spec, 11)
+    times = [r.t_issue for r in log.records]
+    assert times == sorted(times)
+    for rank, pattern in spec.patterns.items():
+        starts = log.starts[rank]
+        assert starts.size == spec.iterations + 1
+        assert np.allclose(log.durations[rank], np.diff(starts))
+        records = log.rank_records(rank)
+        assert [r.seq for r in records] == list(range(len(records)))
+        train = [r for r in records if log.iteration_at(rank, r.t_issue) == 0]
+        assert len(train) == len(pattern)  # iteration 0 has no evaluation
+        assert train[0].t_issue > starts[0]  # the first call follows some compute
+    # evaluations and checkpoint saves lengthen the iteration they follow
+    normal = np.median(log.durations[0][~log.special])
+    assert np.all(log.durations[0][log.special] > 1.2 * normal)
+    assert generate(spec, 11).records == log.records
+    assert generate(spec, 12).records != log.records
