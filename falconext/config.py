@@ -8,6 +8,7 @@ these fields by name (``--falcon-acf-threshold`` -> ``acf_threshold``).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, fields
@@ -114,3 +115,29 @@ class FalconConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--falcon-<field>`` option per FalconConfig field (Megatron-style names)."""
+    group = parser.add_argument_group("falcon thresholds (defaults: the paper's values)")
+    defaults = FalconConfig()
+    for f in fields(FalconConfig):
+        kind = type(getattr(defaults, f.name))
+        group.add_argument(
+            "--falcon-" + f.name.replace("_", "-"),
+            dest="falcon_" + f.name,
+            type=kind,
+            default=None,
+            metavar=kind.__name__.upper(),
+            help=f"default {getattr(defaults, f.name)!r}",
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> FalconConfig:
+    """The FalconConfig the ``--falcon-*`` options describe (unset ones keep defaults)."""
+    changes = {
+        f.name: getattr(args, "falcon_" + f.name)
+        for f in fields(FalconConfig)
+        if getattr(args, "falcon_" + f.name, None) is not None
+    }
+    return FalconConfig(**changes)

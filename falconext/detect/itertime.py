@@ -417,13 +417,26 @@ def iteration_times(
 ) -> list[IterationTime]:
     """Iteration times of one rank's calls, in issue order (a tracker fed in order).
 
+    Unlike the live stream, a batch answer can be corrected after the fact: spans
+    emitted under a template that a relock later replaced by a longer exact period were
+    sub-iteration units (a layer, a micro-batch), not iterations, and are left out.
     Records of several ranks are an error (ValueError): use :func:`iteration_times_by_rank`.
     """
     tracker = IterationTracker(config)
-    out: list[IterationTime] = []
+    kept: list[IterationTime] = []
+    current: list[IterationTime] = []  # emitted under the template now in force
+    relocks = 0
     for record in records:
-        out.extend(tracker.feed(record))
-    return out
+        emitted = tracker.feed(record)
+        if tracker.relocks != relocks:
+            relocks = tracker.relocks
+            current = [it for it in current if it.period == tracker.period]
+        for it in emitted:
+            if current and it.period != current[-1].period:
+                kept.extend(current)
+                current = []
+            current.append(it)
+    return kept + current
 
 
 def iteration_times_by_rank(
@@ -434,7 +447,7 @@ def iteration_times_by_rank(
     Each rank's calls keep their relative order in the input, which is their issue
     order in a log merged by time; where every record of a rank carries ``seq`` (the
     hook's own counter) that order is used instead, so a merge that is not stable in
-    time cannot reorder a rank's calls.
+    time cannot reorder a rank's calls. The period is the one in force at the end.
     """
     by_rank: dict[int, list[CallRecord]] = {}
     for record in records:
@@ -444,9 +457,13 @@ def iteration_times_by_rank(
         calls = by_rank[rank]
         if all(r.seq is not None for r in calls):
             calls.sort(key=lambda r: r.seq)  # type: ignore[arg-type, return-value]
-        tracker = IterationTracker(config)
-        out: list[IterationTime] = []
-        for record in calls:
-            out.extend(tracker.feed(record))
-        result[rank] = (tracker.period, out)
+        its = iteration_times(calls, config)
+        result[rank] = (its[-1].period if its else _final_period(calls, config), its)
     return result
+
+
+def _final_period(calls: list[CallRecord], config: FalconConfig | None) -> int | None:
+    tracker = IterationTracker(config)
+    for record in calls:
+        tracker.feed(record)
+    return tracker.period

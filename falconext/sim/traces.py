@@ -19,7 +19,7 @@ iteration time alone cannot tell them apart. Everything is drawn from a seeded g
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -91,7 +91,7 @@ def _healthy(
     for _ in range(n_spikes):  # isolated spikes of 1-3 iterations
         at = int(rng.integers(0, n))
         logx[at : at + int(rng.integers(1, 4))] += np.log(rng.uniform(1.3, 4.0))
-    n_bursts = int(rng.poisson(n / 700))
+    n_bursts = int(rng.poisson(n / 500)) if rng.random() < 0.6 else 0
     # short bursts: slower for 3-15 iterations, then gone; kept apart so that two bursts
     # never merge into a stretch as long as a real (sustained) fail-slow
     starts = np.sort(rng.integers(0, n, n_bursts))
@@ -186,10 +186,14 @@ def _labels(factor: np.ndarray, n: int) -> list[tuple[int, int | None, float]]:
     return labels
 
 
-def generate_traces(count: int, kind: str = "mixed", seed: int = 0, n: int = 2000) -> list[LabelledTrace]:
-    """A labelled set. 'mixed' draws compute, comm and healthy traces in equal shares."""
+def generate_traces(
+    count: int, kinds: str | Sequence[str] = "mixed", seed: int = 0, n: int = 2000
+) -> list[LabelledTrace]:
+    """A labelled set drawing ``kinds`` in turn ('mixed' = compute, comm and healthy)."""
     rng = np.random.default_rng(seed)
-    kinds = list(KINDS) if kind == "mixed" else [kind]
-    if any(k not in KINDS for k in kinds):
-        raise ValueError(f"unknown trace kind {kind!r} (choose from mixed, {', '.join(KINDS)})")
-    return [generate_trace(rng, kinds[i % len(kinds)], n, f"{kind}-{seed}-{i}") for i in range(count)]
+    if isinstance(kinds, str):
+        kinds = list(KINDS) if kinds == "mixed" else [kinds]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise ValueError(f"unknown trace kind {bad[0] if bad else ''!r} (choose from mixed, {', '.join(KINDS)})")
+    return [generate_trace(rng, kinds[i % len(kinds)], n, f"{kinds[i % len(kinds)]}-{seed}-{i}") for i in range(count)]

@@ -1,0 +1,188 @@
+"""The ``falconext`` command line.
+
+Every subcommand reads files strictly and prints JSON (or a table for people); any
+problem with the input ends in one line on stderr naming it and exit status 2, never a
+traceback, because these commands sit in scripts and pipelines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from typing import Sequence
+
+from falconext.config import ConfigError, add_config_arguments, config_from_args
+from falconext.detect import METHODS, UnknownMethod, detect
+from falconext.detect.evaluate import TraceScore, score_trace, summarize
+from falconext.detect.itertime import iteration_times_by_rank
+from falconext.detect.series_io import read_series
+from falconext.inputs import InputError
+from falconext.trace.logfile import read_call_log
+from falconext.trace.records import RecordError
+
+EXIT_BAD_INPUT = 2
+_USER_ERRORS = (InputError, RecordError, UnknownMethod, ConfigError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage problem in one line, like every other error here."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _method(value: str) -> str:
+    if value not in METHODS:
+        raise argparse.ArgumentTypeError(
+            f"unknown method {value!r} (choose from {', '.join(METHODS)})"
+        )
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="falconext", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("detect", help="find fail-slows in iteration-time series")
+    p.add_argument("file", help="CSV with an iter_time column, JSON list, or JSONL with id + iter_times")
+    p.add_argument("--method", type=_method, default="bocd+v", help="bocd+v (default), bocd or slide-window")
+    add_config_arguments(p)
+
+    p = sub.add_parser("period", help="recover the period and iteration times from a call log")
+    p.add_argument("log", help="JSONL call records: rank, op, group, bytes, t_issue (seconds)")
+    add_config_arguments(p)
+
+    p = sub.add_parser("eval-detect", help="score the detection methods on labelled traces")
+    p.add_argument("traces", help="JSONL with id, iter_times and events [[onset, end, slowdown], ...]")
+    p.add_argument("--method", type=_method, action="append", help="method(s) to score (default: all three)")
+    p.add_argument("--tolerance", type=int, default=10, help="iterations a detected onset may precede the label")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    add_config_arguments(p)
+
+    p = sub.add_parser("gen-traces", help="write a labelled trace set (JSONL) to stdout")
+    p.add_argument("--count", type=int, default=300)
+    p.add_argument("--kinds", default="compute,comm,healthy", help="comma-separated, drawn in turn")
+    p.add_argument("--length", type=int, default=2000, help="iterations per trace")
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except _USER_ERRORS as exc:
+        print(f"falconext {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `falconext ... | head`
+        return 0
+
+
+def _cmd_detect(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    data = read_series(args.file)
+    if data.format == "jsonl" or any(s.id is not None for s in data.series):
+        for s in data.series:
+            events = detect(s.iter_times, args.method, cfg)
+            print(json.dumps({"id": s.id, "events": [e.to_dict() for e in events]}))
+    else:
+        s = data.series[0]
+        events = detect(s.iter_times, args.method, cfg)
+        print(json.dumps({"method": args.method, "iterations": len(s.iter_times), "events": [e.to_dict() for e in events]}))
+    return 0
+
+
+def _cmd_period(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    records = read_call_log(args.log)
+    result = {}
+    for rank, (period, its) in iteration_times_by_rank(records, cfg).items():
+        entry: dict = {"period": period, "iter_times": [round(it.duration, 9) for it in its]}
+        changes = [(k, it.period) for k, it in enumerate(its) if k == 0 or it.period != its[k - 1].period]
+        if len(changes) > 1:  # the call pattern changed (e.g. re-planned micro-batches)
+            entry["periods"] = [{"from": k, "period": p} for k, p in changes]
+        result[str(rank)] = entry
+    print(json.dumps(result))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.tolerance < 0:
+        raise InputError(f"--tolerance must be >= 0, got {args.tolerance}")
+    data = read_series(args.traces)
+    if data.format != "jsonl":
+        raise InputError(f"{args.traces}: eval-detect needs JSONL lines with id, iter_times and events (got {data.format})")
+    unlabelled = [s.id for s in data.series if s.labels is None]
+    if unlabelled:
+        raise InputError(f"{args.traces}: every line needs 'events' labels (missing on id {unlabelled[0]!r})")
+    methods = args.method or list(METHODS)
+    groups = sorted({s.kind for s in data.series if s.kind})
+    report: dict[str, dict] = {}
+    jobs = [(s.iter_times, m, cfg, s.labels or [], args.tolerance) for m in methods for s in data.series]
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        all_scores = list(pool.map(_score_one, jobs, chunksize=8))
+    for k, m in enumerate(methods):
+        per = all_scores[k * len(data.series) : (k + 1) * len(data.series)]
+        scores = [(s.kind, sc) for s, sc in zip(data.series, per)]
+        entry = {"all": summarize(sc for _, sc in scores).to_dict()}
+        for g in groups:
+            entry[g] = summarize(sc for k, sc in scores if k == g).to_dict()
+        report[m] = entry
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_table(report, len(data.series)))
+    return 0
+
+
+def _score_one(job: tuple) -> TraceScore:
+    times, method, cfg, labels, tolerance = job
+    return score_trace(detect(times, method, cfg), labels, tolerance)
+
+
+def _table(report: dict[str, dict], n: int) -> str:
+    head = f"{'method':<13} {'set':<8} {'accuracy %':>20} {'FPR %':>16} {'FNR %':>16} {'false alarms':>12} {'median delay':>12}"
+    lines = [f"{n} traces", head, "-" * len(head)]
+    for method, entry in report.items():
+        for group, s in entry.items():
+            delay = "-" if s["median_delay"] is None else f"{s['median_delay']:.0f}"
+            lines.append(
+                f"{method:<13} {group:<8} {s['accuracy']:>7.2f} ({s['accuracy_n']:>10}) "
+                f"{s['fpr']:>5.2f} ({s['fpr_n']:>7}) {s['fnr']:>5.2f} ({s['fnr_n']:>7}) "
+                f"{s['false_alarms']:>12} {delay:>12}"
+            )
+    return "\n".join(lines)
+
+
+def _cmd_gen_traces(args: argparse.Namespace) -> int:
+    from falconext.sim.traces import KINDS, generate_traces
+
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if kinds == ["mixed"]:
+        kinds = list(KINDS)
+    if args.count < 1 or args.length < 400:
+        raise InputError("--count must be >= 1 and --length >= 400")
+    try:
+        traces = generate_traces(args.count, kinds, args.seed, args.length)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    for t in traces:
+        print(json.dumps(t.to_dict()))
+    return 0
+
+
+_COMMANDS = {
+    "detect": _cmd_detect,
+    "period": _cmd_period,
+    "eval-detect": _cmd_eval,
+    "gen-traces": _cmd_gen_traces,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

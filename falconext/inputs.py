@@ -1,0 +1,31 @@
+"""Reading input files given on the command line: one error type, one message shape.
+
+Every input the tools accept (iteration-time series, call logs, labelled traces, fault
+plans) comes from another tool or a person, so a problem is reported as an
+:class:`InputError` that names the file and what is wrong, never as a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class InputError(ValueError):
+    """An input file is unusable; the message says where and why."""
+
+
+def read_text(path: str | Path) -> str:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8-sig")  # tolerate a spreadsheet BOM
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{p}: is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{p}: not a UTF-8 text file") from None
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read ({exc.strerror})") from None
+    if not text.strip():
+        raise InputError(f"{p}: file is empty")
+    return text

@@ -1,0 +1,244 @@
+"""BOCD, verification and the baselines on synthetic iteration-time series."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from falconext.config import ConfigError, FalconConfig
+from falconext.detect import METHODS, InvalidSample, UnknownMethod, detect, make_detector
+from falconext.detect.bocd import BOCD
+from falconext.detect.evaluate import score_trace, summarize
+from falconext.detect.verify import VerifiedBOCD, best_split, chunk_levels, is_recovered, slow_level
+from falconext.sim.traces import generate_traces
+
+
+def healthy(n: int, seed: int = 0, sigma: float = 0.02, base: float = 0.5) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return base * np.exp(rng.normal(0.0, sigma, n))
+
+
+# -- BOCD ---------------------------------------------------------------------------------
+def test_bocd_changepoint_mass_is_constant_hazard_and_recent_mass_moves():
+    """The pitfall: P(r=0) is H at every step; our signal is near 0 when stable, ~1 after a change."""
+    h = 1 / 250
+    b = BOCD(hazard=h)
+    x = healthy(400)
+    x[300:] *= 1.3
+    signal = []
+    for v in x:
+        b.update(v)
+        assert math.isclose(b.run_length_posterior[0], h, rel_tol=1e-9)
+        signal.append(b.recent_mass(15))
+    assert max(signal[50:299]) < 0.9  # stable stretch: never fires
+    assert max(signal[300:310]) > 0.9  # within ten iterations of the change it does
+    fired = next(i for i in range(300, 400) if signal[i] > 0.9)
+    b2 = BOCD(hazard=h)
+    for v in x[: fired + 1]:
+        b2.update(v)
+    assert abs(b2.recent_start(15) - 300) <= 1
+
+
+def test_bocd_posterior_is_normalised_and_bounded():
+    b = BOCD(max_run_length=50)
+    for v in healthy(500, seed=1):
+        b.update(v)
+        p = b.run_length_posterior
+        assert p.size <= 51
+        assert math.isclose(p.sum(), 1.0, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_bocd_rejects_invalid_values(bad):
+    with pytest.raises(ValueError):
+        BOCD().update(bad)
+
+
+# -- verification (pure) -----------------------------------------------------------------
+def test_slow_level_requires_every_chunk_slow():
+    cfg = FalconConfig()
+    assert slow_level(1.0, [1.3] * 30, cfg) == pytest.approx(1.3)
+    burst = [1.5] * 15 + [1.0] * 15  # slow overall median? no: a burst that ends inside
+    assert slow_level(1.0, burst, cfg) is None
+    assert slow_level(1.0, [1.08] * 30, cfg) is None  # under 10%: jitter
+    assert slow_level(1.0, [0.7] * 30, cfg) is None  # faster is not a fail-slow
+
+
+def test_chunk_levels_split_evenly():
+    assert chunk_levels([1, 1, 1, 5, 5, 5, 9, 9, 9], 3) == [1, 5, 9]
+    assert len(chunk_levels(list(range(31)), 3)) == 3
+
+
+def test_recovery_needs_whole_window_healthy():
+    cfg = FalconConfig()
+    assert is_recovered(1.0, [1.0] * 30, cfg)
+    assert not is_recovered(1.0, [1.0] * 20 + [1.4] * 10, cfg)
+    # drifted healthy level: back under the line and a clear step down from before
+    assert is_recovered(1.0, [1.08] * 30, cfg, before=1.6)
+    assert not is_recovered(1.0, [1.08] * 30, cfg, before=1.12)
+
+
+def test_best_split_ignores_a_single_spike():
+    values = [1.0] * 10 + [8.0] + [1.0] * 5 + [1.5] * 20
+    assert best_split(values, 1.0, 1.5) == 16
+
+
+# -- the online detector -----------------------------------------------------------------
+def test_step_is_detected_with_onset_delay_and_recovery():
+    x = healthy(1000)
+    x[300:600] *= 1.4
+    det = VerifiedBOCD()
+    confirmed = None
+    for i, v in enumerate(x):
+        for ev in det.feed(v):
+            if ev.end is None and confirmed is None:
+                confirmed = (i, ev)
+    assert confirmed is not None
+    i, ev = confirmed
+    assert ev.detected_at == i
+    assert abs(ev.onset - 300) <= 2
+    assert i - 300 <= FalconConfig().min_duration + 5
+    assert ev.slowdown == pytest.approx(1.4, rel=0.03)
+    (final,) = det.events
+    assert final.end is not None and abs(final.end - 600) <= 3
+
+
+def test_min_duration_is_configurable():
+    x = healthy(800)
+    x[300:600] *= 1.4
+    for d in (10, 30, 60):
+        (ev,) = detect(x, config=FalconConfig(min_duration=d))
+        assert ev.detected_at - ev.onset == d - 1
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["spikes", "burst", "wave", "drift", "periodic_eval", "speedup", "small_step"],
+)
+def test_jitter_is_not_a_fail_slow(name):
+    n = 1500
+    x = healthy(n, seed=3)
+    rng = np.random.default_rng(4)
+    if name == "spikes":
+        idx = rng.choice(n, 40, replace=False)
+        x[idx] *= rng.uniform(2, 6, idx.size)
+    elif name == "burst":
+        for at in (200, 500, 800, 1100):
+            x[at : at + 20] *= 1.8  # shorter than min_duration
+    elif name == "wave":
+        x *= 1 + 0.04 * np.sin(np.arange(n) / 10)
+    elif name == "drift":
+        x *= np.linspace(1.0, 1.35, n)  # +35% over the run, slowly
+    elif name == "periodic_eval":
+        x[::100] *= 5.0
+        x[1::100] *= 5.0
+    elif name == "speedup":
+        x[700:] *= 0.7
+    elif name == "small_step":
+        x[700:] *= 1.06
+    events = detect(x)
+    assert events == [], [e.to_dict() for e in events]
+
+
+def test_ladder_is_one_event_with_peak_slowdown():
+    x = healthy(1500, seed=5)
+    x[300:600] *= 1.3
+    x[600:900] *= 1.8
+    (ev,) = detect(x)
+    assert abs(ev.onset - 300) <= 2
+    assert ev.slowdown == pytest.approx(1.8, rel=0.05)
+    assert abs(ev.end - 900) <= 3
+
+
+def test_two_separate_events():
+    x = healthy(1500, seed=6)
+    x[200:400] *= 1.5
+    x[800:1100] *= 1.25
+    events = detect(x)
+    assert [(abs(e.onset - o) <= 2) for e, o in zip(events, (200, 800))] == [True, True]
+    assert all(e.end is not None for e in events)
+
+
+def test_event_open_at_end_has_null_end():
+    x = healthy(600)
+    x[400:] *= 1.5
+    (ev,) = detect(x)
+    assert ev.end is None and ev.to_dict()["end"] is None
+
+
+def test_memory_stays_bounded():
+    det = VerifiedBOCD()
+    x = healthy(20000, seed=8)
+    for v in x:
+        det.feed(v)
+    assert len(det._hist) <= 2 * det._keep
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("bad", [float("nan"), -0.1, 0.0, float("inf"), "x"])
+def test_invalid_samples_are_named(method, bad):
+    det = make_detector(method)
+    det.feed(0.5)
+    with pytest.raises(InvalidSample, match="iteration 1"):
+        det.feed(bad)
+
+
+def test_unknown_method_and_bad_config():
+    with pytest.raises(UnknownMethod, match="nope"):
+        make_detector("nope")
+    with pytest.raises(ConfigError):
+        FalconConfig(min_slowdown=-1)
+    with pytest.raises(ConfigError, match="no_such"):
+        FalconConfig().replace(no_such=1)
+
+
+# -- against the baselines, on generated traces -----------------------------------------
+@pytest.fixture(scope="module")
+def trace_set():
+    return generate_traces(45, "mixed", seed=11, n=1500)
+
+
+def test_bocdv_beats_both_baselines(trace_set):
+    summaries = {}
+    for method in METHODS:
+        scores = [score_trace(detect(t.iter_times, method), t.events) for t in trace_set]
+        summaries[method] = summarize(scores)
+    v = summaries["bocd+v"]
+    assert v.accuracy >= 0.99 and v.fpr <= 0.01 and v.fnr <= 0.01
+    for base in ("bocd", "slide-window"):
+        assert v.accuracy > summaries[base].accuracy
+        assert v.false_alarms < summaries[base].false_alarms
+
+
+def test_generator_labels_match_series(trace_set):
+    kinds = {t.kind for t in trace_set}
+    assert kinds == {"compute", "comm", "healthy"}
+    for t in trace_set:
+        x = np.asarray(t.iter_times)
+        assert np.all(np.isfinite(x)) and np.all(x > 0)
+        if t.kind == "healthy":
+            assert t.events == []
+        else:
+            assert t.events
+        for onset, end, slow in t.events:
+            stop = end if end is not None else x.size
+            pre = np.median(x[max(0, onset - 100) : onset])
+            assert np.median(x[onset:stop]) > 1.1 * pre
+            assert slow > 1.1
+
+
+def test_score_trace_rules():
+    from falconext.detect.events import FailSlowEvent
+
+    labels = [(100, 200, 1.5)]
+    hit = FailSlowEvent(0, 101, 130, 1.5, 1.0, 199)
+    split = FailSlowEvent(1, 150, 180, 1.5, 1.0, 199)
+    stray = FailSlowEvent(2, 500, 530, 1.5, 1.0, None)
+    assert score_trace([hit], labels).correct
+    s = score_trace([hit, split], labels)
+    assert (s.detected, s.false_alarms) == (1, 1)
+    s = score_trace([stray], labels)
+    assert (s.detected, s.false_alarms) == (0, 1)
+    assert score_trace([], []).correct
