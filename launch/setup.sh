@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install everything falconext needs on a fresh Debian machine: system packages (Redis for
+# the control plane), the CPU build of PyTorch, then falconext itself with its test extra.
+# Idempotent: re-running it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+SUDO=""
+if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "setup: installing redis-server" >&2
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+# torch first and pinned: with 2.13.0 present, megatron-core's own torch requirement is
+# already met and pip does not pull a CUDA build from the registry.
+if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+    echo "setup: installing torch 2.13.0 (CPU)" >&2
+    "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[dev]"
+echo "setup: ok ($("$PY" -c 'import falconext, torch; print("falconext", falconext.__version__, "torch", torch.__version__)'))" >&2
