@@ -50,13 +50,13 @@ class FalconConfig:
     #: a change below this relative size is jitter (paper: 10%)
     min_slowdown: float = 0.10
     #: a slowdown must hold for this many iterations before it is an event
-    min_duration: int = 30
+    min_duration: int = 15
     #: healthy iterations before a change point used as the baseline
     baseline_window: int = 100
     #: fewest healthy iterations a baseline may be computed from
     min_baseline: int = 10
     #: the post-change window is split into this many chunks; each must be slow
-    sustain_chunks: int = 3
+    sustain_chunks: int = 5
     #: an open event ends when the level is back within this fraction of the baseline
     recovery_margin: float = 0.05
 

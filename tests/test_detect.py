@@ -126,7 +126,7 @@ def test_jitter_is_not_a_fail_slow(name):
         x[idx] *= rng.uniform(2, 6, idx.size)
     elif name == "burst":
         for at in (200, 500, 800, 1100):
-            x[at : at + 20] *= 1.8  # shorter than min_duration
+            x[at : at + 8] *= 1.8  # shorter than min_duration
     elif name == "wave":
         x *= 1 + 0.04 * np.sin(np.arange(n) / 10)
     elif name == "drift":

@@ -6,7 +6,7 @@ iterations after it are at least ``min_slowdown`` (10%) slower than the healthy
 iterations before it, and stay so: the post-change window of ``min_duration`` iterations
 is split into ``sustain_chunks`` chunks and every chunk must be slow by the same 10%, so
 a burst that ends inside the window is rejected. A noisy candidate that is slow overall
-but fails a chunk is checked again on a two and three times longer window (larger chunks,
+but fails a chunk is checked again on two, three and four times longer windows (larger chunks,
 steadier medians) before it is dropped. Levels are medians (a robust mean):
 one checkpoint-save spike in the window must not turn jitter into an event, nor hide one.
 
@@ -90,7 +90,7 @@ class VerifiedBOCD:
     name = "bocd+v"
     #: a candidate whose first window is slow overall but not sustained is checked again
     #: on a window this many times longer, at most (noisy communication fail-slows)
-    retries = 2
+    retries = 3
 
     def __init__(self, config: FalconConfig | None = None) -> None:
         self.cfg = config or FalconConfig()

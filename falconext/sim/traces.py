@@ -92,14 +92,14 @@ def _healthy(
         at = int(rng.integers(0, n))
         logx[at : at + int(rng.integers(1, 4))] += np.log(rng.uniform(1.3, 4.0))
     n_bursts = int(rng.poisson(n / 500)) if rng.random() < 0.6 else 0
-    # short bursts: slower for 3-15 iterations, then gone; kept apart so that two bursts
+    # short bursts: slower for 3-10 iterations, then gone; kept apart so that two bursts
     # never merge into a stretch as long as a real (sustained) fail-slow
     starts = np.sort(rng.integers(0, n, n_bursts))
     last = -BURST_GAP
     for at in starts:
         if at - last < BURST_GAP or any(0 <= o - at < BURST_GAP // 2 for o in onsets):
             continue
-        logx[at : at + int(rng.integers(3, 16))] += np.log(rng.uniform(1.15, 1.8))
+        logx[at : at + int(rng.integers(3, 11))] += np.log(rng.uniform(1.15, 1.8))
         last = int(at)
     meta.update(spikes=n_spikes, bursts=n_bursts)
     return logx, meta
