@@ -1,0 +1,105 @@
+"""Run megatron-core's real training code on CPU with gloo (the test bed), and nothing more.
+
+megatron-core targets GPUs: its pipeline schedules and P2P code create tensors with
+``device="cuda"`` / ``torch.cuda.current_device()``, call ``torch.cuda.synchronize``, and
+its tensor-parallel RNG tracker saves and restores CUDA RNG states. None of that is
+essential to what the schedules compute, so on CPU (and only there: ``--device cpu``):
+
+- a ``TorchFunctionMode`` rewrites CUDA device arguments (``"cuda"``, ``"cuda:N"``, a CUDA
+  ``torch.device``, or a bare device index) to CPU, and makes ``Tensor.cuda()`` a no-op;
+- ``torch.cuda.current_device`` answers 0 and ``synchronize`` does nothing;
+- the RNG tracker's ``fork()`` becomes a plain context (one CPU RNG stream), and seeding
+  seeds the CPU generator.
+
+Everything else runs unmodified. ``enable()`` is idempotent; ``disable()`` undoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA placement requests to CPU for every torch function and tensor method."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+_state: dict[str, Any] = {}
+
+
+def enable() -> None:
+    """Apply the CPU compatibility layer to this process (idempotent)."""
+    if _state:
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mode = _CudaToCpu()
+    mode.__enter__()
+    saved = {
+        "mode": mode,
+        "current_device": torch.cuda.current_device,
+        "synchronize": torch.cuda.synchronize,
+        "fork": mrandom.CudaRNGStatesTracker.fork,
+        "add": mrandom.CudaRNGStatesTracker.add,
+        "manual_seed": mrandom.model_parallel_cuda_manual_seed,
+    }
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):  # noqa: ARG001 - same signature
+        yield
+
+    def add(self, name: str, seed: int) -> None:  # noqa: ARG001
+        self.states_[name] = None
+        self.seeds_.add(seed)
+
+    def manual_seed(seed: int, *args: Any, **kwargs: Any) -> None:  # noqa: ARG001
+        torch.manual_seed(seed)
+
+    mrandom.CudaRNGStatesTracker.fork = fork  # type: ignore[method-assign]
+    mrandom.CudaRNGStatesTracker.add = add  # type: ignore[method-assign]
+    mrandom.model_parallel_cuda_manual_seed = manual_seed  # type: ignore[assignment]
+    _state.update(saved)
+
+
+def disable() -> None:
+    """Undo :func:`enable` (tests use it to leave the process as they found it)."""
+    if not _state:
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _state["mode"].__exit__(None, None, None)
+    torch.cuda.current_device = _state["current_device"]  # type: ignore[assignment]
+    torch.cuda.synchronize = _state["synchronize"]  # type: ignore[assignment]
+    mrandom.CudaRNGStatesTracker.fork = _state["fork"]  # type: ignore[method-assign]
+    mrandom.CudaRNGStatesTracker.add = _state["add"]  # type: ignore[method-assign]
+    mrandom.model_parallel_cuda_manual_seed = _state["manual_seed"]  # type: ignore[assignment]
+    _state.clear()
+
+
+def enabled() -> bool:
+    return bool(_state)

@@ -1,0 +1,147 @@
+"""The training loop of the test bed: one process per rank, started by torchrun.
+
+A plain Megatron loop: zero the DDP grad buffers, run megatron-core's
+forward-backward function over this replica's micro-batches (1F1B when PP > 1), step the
+optimizer. The loop measures its own wall-clock iteration time (start of one iteration
+to the start of the next: the ground truth falconext's estimates are compared with) and
+the global-batch loss on the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterator
+
+import torch
+
+from falconext.megatron import data
+from falconext.megatron.model import ModelShape, build
+
+
+@dataclass
+class TrainOptions:
+    tp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 2
+    global_batch_size: int = 16
+    iters: int = 100
+    shape: ModelShape = field(default_factory=ModelShape)
+    device: str = "cpu"
+    seed: int = 1234
+
+
+@dataclass
+class IterationResult:
+    iteration: int
+    t_start: float
+    t_end: float
+    loss: float | None
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss: (sum over tokens, token count, report) as megatron-core expects."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1)
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), tokens.to(torch.float32).view(1)])
+    return loss, tokens, {"lm loss": report}
+
+
+def _forward_step(data_iterator: Iterator[data.MicroBatch] | None, model: torch.nn.Module):
+    batch = next(data_iterator) if data_iterator is not None else None
+    if batch is None:  # a middle pipeline stage: input comes from the previous stage
+        output = model(None, None, None)
+        return output, partial(_loss_func, torch.ones(1))
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+    return output, partial(_loss_func, batch.loss_mask)
+
+
+class Trainer:
+    """Owns the model and optimizer of one rank; ``step(it)`` runs one iteration."""
+
+    def __init__(self, opts: TrainOptions, before_step: Callable[[int], None] | None = None) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import random as mrandom
+
+        self.opts = opts
+        self.ps = ps
+        world = torch.distributed.get_world_size()
+        self.dp = world // (opts.tp * opts.pp)
+        self.plan = data.even_plan(opts.global_batch_size, opts.micro_batch_size, self.dp)
+        mrandom.model_parallel_cuda_manual_seed(opts.seed)
+        torch.manual_seed(opts.seed)
+        self.model, self.optimizer, self.config = build(opts.shape, opts.device)
+        self.forward_backward = get_forward_backward_func()
+        self.replica = ps.get_data_parallel_rank()
+        self.first_stage = ps.is_pipeline_first_stage()
+        self.last_stage = ps.is_pipeline_last_stage()
+        self.before_step = before_step
+
+    def step(self, it: int) -> float | None:
+        opts = self.opts
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        n_micro = self.plan[self.replica]
+        it_data = None
+        if self.first_stage or self.last_stage:
+            it_data = data.microbatches(
+                opts.seed, it, self.plan, self.replica, opts.micro_batch_size, opts.shape.seq_len, opts.shape.vocab
+            )
+        losses = self.forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=it_data,
+            model=[self.model],
+            num_microbatches=n_micro,
+            seq_length=opts.shape.seq_len,
+            micro_batch_size=opts.micro_batch_size,
+            forward_only=False,
+        )
+        self.optimizer.step()
+        if not self.last_stage:
+            return None
+        total = torch.stack([entry["lm loss"] for entry in losses]).sum(dim=0)
+        torch.distributed.all_reduce(total, group=self.ps.get_data_parallel_group())
+        return float(total[0] / total[1])
+
+
+def init_distributed(opts: TrainOptions) -> None:
+    from megatron.core import parallel_state as ps
+
+    if opts.device == "cpu":
+        from falconext.megatron import cpu_compat
+
+        cpu_compat.enable()
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend=backend)
+    world = torch.distributed.get_world_size()
+    if world % (opts.tp * opts.pp):
+        raise ValueError(f"world size {world} is not divisible by TP {opts.tp} x PP {opts.pp}")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=opts.tp,
+        pipeline_model_parallel_size=opts.pp,
+    )
+
+
+def run_loop(trainer: Trainer, iters: int, on_iteration: Callable[[IterationResult], Any] | None = None) -> list[IterationResult]:
+    results: list[IterationResult] = []
+    t_prev = time.perf_counter()
+    for it in range(iters):
+        t0 = time.perf_counter() if it == 0 else t_prev
+        if trainer.before_step is not None:
+            trainer.before_step(it)
+        loss = trainer.step(it)
+        t_prev = time.perf_counter()
+        res = IterationResult(it, t0, t_prev, loss)
+        results.append(res)
+        if on_iteration is not None:
+            on_iteration(res)
+    return results
