@@ -20,6 +20,7 @@ from falconext.detect.evaluate import TraceScore, score_trace, summarize
 from falconext.detect.itertime import iteration_times_by_rank
 from falconext.detect.series_io import read_series
 from falconext.inputs import InputError
+from falconext.megatron.options import add_train_arguments
 from falconext.trace.logfile import read_call_log
 from falconext.trace.records import RecordError
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     add_config_arguments(p)
+
+    p = sub.add_parser("train", help="train a small megatron-core GPT on this machine (torchrun)")
+    add_train_arguments(p, launcher=True)
 
     p = sub.add_parser("gen-traces", help="write a labelled trace set (JSONL) to stdout")
     p.add_argument("--count", type=int, default=300)
@@ -176,7 +180,14 @@ def _cmd_gen_traces(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from falconext.megatron.launch import launch_training
+
+    return launch_training(args)
+
+
 _COMMANDS = {
+    "train": _cmd_train,
     "detect": _cmd_detect,
     "period": _cmd_period,
     "eval-detect": _cmd_eval,

@@ -1,0 +1,69 @@
+"""Per-rank tracking: collective calls in, iteration times and verified fail-slows out.
+
+This is Falcon-Detect's tracking analysis for one rank, as plain data: the streaming
+iteration tracker recovers iteration times from the call stream and BOCD+V watches
+them. It knows nothing about the training loop; what a "loop iteration" is gets mapped
+on at the edge (``falconext/megatron``), which needs only the times carried here.
+
+Early on, a tracker can lock onto a unit repeated inside the iteration (a layer, a
+micro-batch) and emit sub-iteration spans until it has seen enough history; when it
+relocks onto a multiple of that period, those spans were not iterations, so the
+detector's series restarts. A change to an unrelated period (the job re-planned its
+micro-batches) keeps the detector: iteration times stay comparable across it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from falconext.config import FalconConfig
+from falconext.detect.events import FailSlowEvent
+from falconext.detect.itertime import IterationTime, IterationTracker
+from falconext.detect.verify import VerifiedBOCD
+from falconext.trace.records import CallRecord
+
+
+@dataclass(frozen=True)
+class TrackingUpdate:
+    """What one call changed: iterations estimated, events confirmed/raised/ended.
+
+    ``series_index`` gives, for each event, the position in the detector's series of its
+    ``onset``, ``detected_at`` and ``end``; ``iterations`` carry their own series index.
+    """
+
+    iterations: list[tuple[int, IterationTime]]
+    events: list[FailSlowEvent]
+    restarted: bool = False
+
+
+class RankTracking:
+    def __init__(self, config: FalconConfig | None = None) -> None:
+        self.config = config or FalconConfig()
+        self.tracker = IterationTracker(self.config)
+        self.detector = VerifiedBOCD(self.config)
+        self.series = 0  # iteration times fed to the current detector
+        self.restarts = 0
+        self._period: int | None = None
+
+    def feed(self, record: CallRecord) -> TrackingUpdate:
+        its = self.tracker.feed(record)
+        out_its: list[tuple[int, IterationTime]] = []
+        events: list[FailSlowEvent] = []
+        restarted = False
+        for it in its:
+            if self._period is not None and it.period != self._period and it.period % self._period == 0:
+                self.detector = VerifiedBOCD(self.config)  # earlier spans were sub-iteration
+                self.series = 0
+                self.restarts += 1
+                restarted = True
+            self._period = it.period
+            if it.duration <= 0:
+                continue
+            out_its.append((self.series, it))
+            events.extend(self.detector.feed(it.duration))
+            self.series += 1
+        return TrackingUpdate(out_its, events, restarted)
+
+    @property
+    def period(self) -> int | None:
+        return self.tracker.period

@@ -1,0 +1,69 @@
+"""``falconext train``: start the test-bed job under torchrun on this machine.
+
+Checks the layout and the fault file before any process starts (a typo should not cost
+a torchrun start-up), picks a free loopback port, runs ``-m falconext.train`` on every
+rank, and returns its exit status. What the ranks write lands in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+from falconext.inputs import InputError
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(args: argparse.Namespace, argv_tail: list[str], port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", str(args.nproc),
+        "--master_addr", "127.0.0.1",
+        "--master_port", str(port),
+        "-m", "falconext.train", *argv_tail,
+    ]
+
+
+def rank_argv(args: argparse.Namespace) -> list[str]:
+    """The per-rank command line: every option but the launcher's own."""
+    out: list[str] = []
+    for key, value in vars(args).items():
+        if key in ("command", "nproc") or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key == "falcon":
+            out.append("--falcon" if value else "--no-falcon")
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def launch_training(args: argparse.Namespace) -> int:
+    from falconext.megatron.faults import read_faults
+    from falconext.megatron.options import check_train_arguments
+
+    if args.nproc < 1:
+        raise InputError("--nproc must be >= 1")
+    try:
+        check_train_arguments(args, args.nproc)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if args.inject:
+        read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    cmd = torchrun_command(args, rank_argv(args), free_port())
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        raise InputError(f"training failed (torchrun exit status {proc.returncode}); see the messages above")
+    return 0

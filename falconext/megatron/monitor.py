@@ -1,0 +1,150 @@
+"""Per-rank tracking inside a training process, off the training thread.
+
+A background thread drains the call tracer's ring buffer, writes the call log, feeds
+:class:`falconext.detect.tracking.RankTracking`, and reports estimated iteration times and
+verified fail-slows. The detector sees nothing but the calls; this module only
+translates its indices into the training loop's iteration numbers for reporting, using
+the times at which the loop started each iteration (an estimated iteration is the span
+between two anchor calls, and belongs to the loop iteration its first anchor fell in).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from falconext.config import FalconConfig
+from falconext.detect.events import FailSlowEvent
+from falconext.detect.tracking import RankTracking
+
+
+class EventLog:
+    """events.jsonl: one JSON object per line, appended atomically by any rank or thread."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+        record = {"time": round(time.time(), 6), "type": type_, **fields}
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            os.write(self._fd, line)
+        return record
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class RankMonitor:
+    def __init__(
+        self,
+        drain: Callable[[], list],
+        config: FalconConfig,
+        rank: int,
+        loop_starts: list[float],
+        events: EventLog,
+        call_log_path: str | None,
+        interval_s: float = 0.05,
+    ) -> None:
+        self.drain = drain
+        self.tracking = RankTracking(config)
+        self.rank = rank
+        self.loop_starts = loop_starts  # appended by the training thread
+        self.events = events
+        self.interval = interval_s
+        self.estimates: dict[int, float] = {}  # loop iteration -> estimated seconds
+        self._series_to_loop: dict[int, int] = {}
+        self._keep = 8192
+        self._calls = open(call_log_path, "w") if call_log_path else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"falcon-monitor-{rank}", daemon=True)
+        self.records = 0
+        self.errors = 0
+        self._period: int | None = None
+        self._reported: set[int] = set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread after a final drain (called once training has ended)."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._process()
+        if self._calls:
+            self._calls.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._process()
+
+    def _loop_iteration(self, t: float) -> int | None:
+        i = bisect.bisect_right(self.loop_starts, t) - 1
+        return i if i >= 0 else None
+
+    def _process(self) -> None:
+        try:
+            records = self.drain()
+        except Exception as exc:  # the tracer must never take training down
+            self.errors += 1
+            self.events.emit("monitor_error", rank=self.rank, error=repr(exc))
+            return
+        for rec in records:
+            self.records += 1
+            if self._calls:
+                self._calls.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
+            try:
+                update = self.tracking.feed(rec)
+            except ValueError as exc:
+                self.errors += 1
+                self.events.emit("monitor_error", rank=self.rank, error=str(exc))
+                continue
+            if update.restarted:
+                self._series_to_loop.clear()
+            for k, it in update.iterations:
+                n = self._loop_iteration(it.t_begin)
+                if n is None:
+                    continue
+                self._series_to_loop[k] = n
+                self.estimates[n] = it.duration
+                if len(self._series_to_loop) > 2 * self._keep:
+                    for old in sorted(self._series_to_loop)[: self._keep]:
+                        del self._series_to_loop[old]
+            if self.tracking.period != self._period and self.tracking.period is not None:
+                self._period = self.tracking.period
+                self.events.emit("period", rank=self.rank, period=self._period)
+            for ev in update.events:
+                self._report(ev)
+
+    def _map(self, k: int | None) -> int | None:
+        if k is None:
+            return None
+        if k in self._series_to_loop:
+            return self._series_to_loop[k]
+        if k - 1 in self._series_to_loop:  # an end one past the last mapped iteration
+            return self._series_to_loop[k - 1] + 1
+        return None
+
+    def _report(self, ev: FailSlowEvent) -> None:
+        fields = {
+            "rank": self.rank,
+            "event_id": ev.id,
+            "onset": self._map(ev.onset),
+            "detected_at": self._map(ev.detected_at),
+            "end": self._map(ev.end),
+            "slowdown": round(ev.slowdown, 4),
+            "baseline_s": round(ev.baseline, 6),
+        }
+        if ev.end is not None:
+            self.events.emit("fail_slow_end", **fields, ended_at=self._map(ev.ended_at))
+        elif ev.id in self._reported:  # a ladder: the same event got slower
+            self.events.emit("fail_slow_update", **fields)
+        else:
+            self._reported.add(ev.id)
+            self.events.emit("fail_slow", **fields)

@@ -1,0 +1,52 @@
+"""Command-line options of the training test bed, shared by ``falconext train`` (which
+starts torchrun) and ``python -m falconext.train`` (what each torchrun process runs)."""
+
+from __future__ import annotations
+
+import argparse
+
+from falconext.config import add_config_arguments
+
+
+def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
+    if launcher:
+        p.add_argument("--nproc", type=int, default=4, help="processes (ranks) on this machine")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (DP = ranks / (TP x PP))")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default="runs/latest", help="output directory")
+    p.add_argument("--seed", type=int, default=1234)
+    falcon = p.add_mutually_exclusive_group()
+    falcon.add_argument("--falcon", dest="falcon", action="store_true", default=True, help="detection on (default)")
+    falcon.add_argument("--no-falcon", dest="falcon", action="store_false", help="train without falconext")
+    p.add_argument("--inject", default=None, help="JSON list of faults (experiment tool)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per virtual node (link faults)")
+    p.add_argument("--link-bandwidth", type=float, default=None, help="nominal virtual-link bytes/s (link faults)")
+    add_config_arguments(p)
+
+
+def check_train_arguments(args: argparse.Namespace, world: int) -> None:
+    """Reject impossible layouts up front, before any process starts."""
+    for name in ("tp", "pp", "micro_batch_size", "global_batch_size", "iters", "hidden", "layers", "heads", "seq_len", "vocab", "ranks_per_node"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if world % (args.tp * args.pp):
+        raise ValueError(f"{world} ranks are not divisible by TP {args.tp} x PP {args.pp}")
+    dp = world // (args.tp * args.pp)
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size} x DP {dp}"
+        )
+    if args.layers % args.pp:
+        raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
+    if args.hidden % args.heads or args.heads % args.tp:
+        raise ValueError("--hidden must be divisible by --heads, and --heads by --tp")

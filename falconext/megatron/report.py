@@ -1,0 +1,156 @@
+"""The files a training run leaves behind, and its summary.
+
+Each rank writes its own measured and estimated iteration times; rank 0 merges them into
+``iterations.csv`` / ``estimates.csv`` (columns ``rank,iteration,iter_time_s,loss``) and
+computes ``summary.json``. The summary scores detection against the injected faults of
+``run.json``; that is evaluation after the fact, the detector never saw them.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+from statistics import median
+from typing import Any
+
+HEADER = ["rank", "iteration", "iter_time_s", "loss"]
+
+
+def write_rank_files(out: str, rank: int, measured: list[tuple[int, float, float | None]], estimates: dict[int, float]) -> None:
+    with open(os.path.join(out, "ranks", f"iterations-{rank}.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        for it, secs, loss in measured:
+            w.writerow([rank, it, f"{secs:.6f}", "" if loss is None else f"{loss:.6f}"])
+    with open(os.path.join(out, "ranks", f"estimates-{rank}.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        for it in sorted(estimates):
+            w.writerow([rank, it, f"{estimates[it]:.6f}", ""])
+
+
+def _merge(out: str, kind: str) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for path in glob.glob(os.path.join(out, "ranks", f"{kind}-*.csv")):
+        with open(path, newline="") as f:
+            rows.extend(csv.reader(f))
+    rows.sort(key=lambda r: (int(r[1]), int(r[0])))
+    with open(os.path.join(out, f"{kind}.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(HEADER)
+        w.writerows(rows)
+    return rows
+
+
+def read_events(out: str) -> list[dict[str, Any]]:
+    path = os.path.join(out, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def finalize(out: str) -> dict[str, Any]:
+    measured = _merge(out, "iterations")
+    estimated = _merge(out, "estimates")
+    with open(os.path.join(out, "run.json")) as f:
+        run = json.load(f)
+    summary = summarize(measured, estimated, read_events(out), run)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def summarize(measured: list[list[str]], estimated: list[list[str]], events: list[dict], run: dict) -> dict[str, Any]:
+    """The run's key figures from its rows, events and configuration."""
+    by_iter: dict[int, list[float]] = {}
+    meas: dict[tuple[int, int], float] = {}
+    for rank, it, secs, _loss in measured:
+        by_iter.setdefault(int(it), []).append(float(secs))
+        meas[(int(rank), int(it))] = float(secs)
+    steady = {it: median(v) for it, v in by_iter.items() if it > 0}  # iteration 0 is warm-up
+    faults = run.get("faults", [])
+
+    def in_fault(it: int) -> bool:
+        return any(f["start"] <= it and (f["end"] is None or it < f["end"]) for f in faults)
+
+    healthy = [v for it, v in steady.items() if not in_fault(it)]
+    slow = [v for it, v in steady.items() if in_fault(it)]
+    errors = []
+    for rank, it, secs, _ in estimated:
+        key = (int(rank), int(it))
+        if key in meas and int(it) > 0:
+            errors.append(abs(float(secs) - meas[key]) / meas[key])
+    losses = [float(r[3]) for r in measured if r[3]]
+    fail_slows = [e for e in events if e.get("type") == "fail_slow"]
+    summary: dict[str, Any] = {
+        "iterations": len(by_iter),
+        "median_iter_s": round(median(steady.values()), 6) if steady else None,
+        "healthy_iter_s": round(median(healthy), 6) if healthy else None,
+        "slow_iter_s": round(median(slow), 6) if slow else None,
+        "final_loss": round(losses[-1], 6) if losses else None,
+        "falcon": run.get("falcon_config") is not None,
+        "estimates": {
+            "count": len(estimated),
+            "coverage": round(len(estimated) / len(measured), 4) if measured else 0.0,
+            "median_rel_error": round(median(errors), 6) if errors else None,
+            "p90_rel_error": round(sorted(errors)[int(0.9 * (len(errors) - 1))], 6) if errors else None,
+        },
+        "detection": detection_figures(fail_slows, faults),
+    }
+    return summary
+
+
+def detection_figures(fail_slows: list[dict], faults: list[dict]) -> dict[str, Any]:
+    """Events per fault (detected, delay from the fault's start) and events outside faults."""
+    per_fault = []
+    matched: set[int] = set()
+    for f in faults:
+        start, end = f["start"], f["end"]
+        hits = [
+            (k, e)
+            for k, e in enumerate(fail_slows)
+            if e.get("onset") is not None and start - 5 <= e["onset"] and (end is None or e["onset"] < end)
+        ]
+        matched.update(k for k, _ in hits)
+        delays = [e["detected_at"] - start for _, e in hits if e.get("detected_at") is not None]
+        per_fault.append(
+            {
+                "fault": f,
+                "detected": bool(hits),
+                "ranks": sorted({e["rank"] for _, e in hits}),
+                "first_detection_delay": min(delays) if delays else None,
+                "median_onset_error": median(abs(e["onset"] - start) for _, e in hits) if hits else None,
+            }
+        )
+    return {
+        "events": len(fail_slows),
+        "ranks_detecting": sorted({e["rank"] for e in fail_slows}),
+        "faults": per_fault,
+        "events_outside_faults": len(fail_slows) - len(matched),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    est = s["estimates"]
+    lines = [
+        f"iterations {s['iterations']}, median {s['median_iter_s']} s/iter"
+        + (f" (healthy {s['healthy_iter_s']}, slow {s['slow_iter_s']})" if s.get("slow_iter_s") else "")
+        + f", final loss {s['final_loss']}",
+    ]
+    if s["falcon"]:
+        err = est["median_rel_error"]
+        lines.append(
+            f"estimated iteration times: {est['count']} ({100 * est['coverage']:.0f}% of rank-iterations), "
+            f"median error {'n/a' if err is None else f'{100 * err:.2f}%'}"
+        )
+        d = s["detection"]
+        lines.append(f"fail-slow events: {d['events']} on ranks {d['ranks_detecting']}, outside faults: {d['events_outside_faults']}")
+        for pf in d["faults"]:
+            f = pf["fault"]
+            what = f"rank {f['rank']}" if f["kind"] == "compute" else f"link {f['nodes']}"
+            lines.append(
+                f"  {f['kind']} fault x{f['factor']} on {what} from iteration {f['start']}: "
+                + (f"detected after {pf['first_detection_delay']} iterations on ranks {pf['ranks']}" if pf["detected"] else "NOT detected")
+            )
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""One rank of the test-bed training job: ``torchrun --nproc_per_node N -m falconext.train ...``.
+
+``falconext train`` starts this through torchrun; it can also be started by hand. Each
+rank trains, measures its loop's iteration times, and (with ``--falcon``) intercepts its
+collective calls and runs per-rank tracking in a background thread. At the end, rank 0
+merges the per-rank files and writes ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from falconext.config import config_from_args
+from falconext.megatron.options import add_train_arguments, check_train_arguments
+
+
+def _versions() -> dict[str, str]:
+    import falconext
+
+    try:
+        from importlib.metadata import version
+
+        mcore = version("megatron-core")
+    except Exception:  # pragma: no cover - reported, not required
+        mcore = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__, "megatron-core": mcore, "falconext": falconext.__version__}
+
+
+def _topology(world: int, tp: int, pp: int, ranks_per_node: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    mine = {
+        "rank": torch.distributed.get_rank(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "node": torch.distributed.get_rank() // ranks_per_node,
+    }
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    return {"world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp), "ranks_per_node": ranks_per_node, "ranks": gathered}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="falconext.train", description=__doc__.splitlines()[0])
+    add_train_arguments(parser, launcher=False)
+    args = parser.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_train_arguments(args, world)
+    cfg = config_from_args(args)
+
+    from falconext.megatron import faults as faults_mod
+    from falconext.megatron import report
+    from falconext.megatron.model import ModelShape
+    from falconext.megatron.monitor import EventLog, RankMonitor
+    from falconext.megatron.trainer import Trainer, TrainOptions, init_distributed
+
+    opts = TrainOptions(
+        tp=args.tp,
+        pp=args.pp,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        iters=args.iters,
+        shape=ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=args.seq_len),
+        device=args.device,
+        seed=args.seed,
+    )
+    init_distributed(opts)
+    rank = torch.distributed.get_rank()
+    out = args.out
+    os.makedirs(os.path.join(out, "ranks"), exist_ok=True)
+    os.makedirs(os.path.join(out, "calls"), exist_ok=True)
+    if rank == 0 and os.path.exists(os.path.join(out, "events.jsonl")):
+        os.remove(os.path.join(out, "events.jsonl"))
+    torch.distributed.barrier()
+    events = EventLog(os.path.join(out, "events.jsonl"))
+
+    faults = faults_mod.read_faults(args.inject, world, args.ranks_per_node) if args.inject else []
+    injector = None
+    if faults:
+        bw = args.link_bandwidth or faults_mod.DEFAULT_LINK_BANDWIDTH
+        injector = faults_mod.FaultInjector(faults, rank, args.ranks_per_node, bw)
+        injector.install()  # below the tracer: injected delays look like slow transfers
+
+    loop_starts: list[float] = []
+    trainer = Trainer(opts)
+    if injector is not None:
+        injector.attach_model(trainer.model.module)
+    topology = _topology(world, args.tp, args.pp, args.ranks_per_node)
+    if rank == 0:
+        run_info = {
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("falcon_")},
+            "falcon_config": cfg.to_dict() if args.falcon else None,
+            "faults": [f.to_dict() for f in faults],
+            "versions": _versions(),
+            "topology": topology,
+            "clock": {"perf_counter": time.perf_counter(), "time": time.time()},
+        }
+        with open(os.path.join(out, "run.json"), "w") as f:
+            json.dump(run_info, f, indent=2)
+
+    tracer = monitor = None
+    if args.falcon:
+        from falconext.trace.hooks import CallTracer, megatron_roles
+
+        tracer = CallTracer(rank, roles=megatron_roles(), cuda_events=args.device == "cuda")
+        tracer.install()
+        monitor = RankMonitor(
+            tracer.drain, cfg, rank, loop_starts, events, os.path.join(out, "calls", f"rank{rank}.jsonl")
+        )
+        monitor.start()
+        events.emit("tracking_started", rank=rank)
+
+    measured: list[tuple[int, float, float | None]] = []
+    t_prev = time.perf_counter()
+    try:
+        for it in range(args.iters):
+            loop_starts.append(t_prev)
+            if injector is not None:
+                injector.iteration = it
+            loss = trainer.step(it)
+            now = time.perf_counter()
+            measured.append((it, now - t_prev, loss))
+            t_prev = now
+    finally:
+        if tracer is not None:
+            tracer.uninstall()
+        if monitor is not None:
+            monitor.stop()
+        if injector is not None:
+            injector.uninstall()
+
+    report.write_rank_files(out, rank, measured, monitor.estimates if monitor else {})
+    torch.distributed.barrier()
+    if rank == 0:
+        summary = report.finalize(out)
+        print(report.format_summary(summary), flush=True)
+    events.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
