@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tracer = monitor = None
     if args.falcon:
-        from falconext.trace.hooks import CallTracer, megatron_roles
+        from falconext.trace.groups import megatron_roles
+        from falconext.trace.hooks import CallTracer
 
         tracer = CallTracer(rank, roles=megatron_roles(), cuda_events=args.device == "cuda")
         tracer.install()

@@ -34,7 +34,7 @@ from falconext.inputs import InputError, read_text
 
 #: nominal bandwidth of a virtual link, bytes/s; a link fault of factor f adds
 #: (f - 1) * bytes / this to each transfer over the link
-DEFAULT_LINK_BANDWIDTH = 100e6
+DEFAULT_LINK_BANDWIDTH = 20e6
 
 
 @dataclass(frozen=True)

@@ -84,9 +84,23 @@ class RankMonitor:
         while not self._stop.wait(self.interval):
             self._process()
 
-    def _loop_iteration(self, t: float) -> int | None:
-        i = bisect.bisect_right(self.loop_starts, t) - 1
-        return i if i >= 0 else None
+    def _loop_iteration(self, t_begin: float, t_end: float) -> int | None:
+        """The loop iteration an anchor-to-anchor span overlaps most.
+
+        Where the anchor sits in the iteration is the tracker's choice (the call after
+        the longest pause), so a span may run from late in one loop iteration to late in
+        the next; it then measures the second one, and overlap says so.
+        """
+        starts = self.loop_starts
+        i = bisect.bisect_right(starts, t_begin) - 1
+        if i < 0:
+            return None
+        if i + 1 < len(starts):
+            first = starts[i + 1] - t_begin
+            second = t_end - starts[i + 1]
+            if second > first:
+                return i + 1
+        return i
 
     def _process(self) -> None:
         try:
@@ -105,10 +119,12 @@ class RankMonitor:
                 self.errors += 1
                 self.events.emit("monitor_error", rank=self.rank, error=str(exc))
                 continue
-            if update.restarted:
+            if update.restarted:  # the spans so far were sub-iteration units: retract them
+                for n in self._series_to_loop.values():
+                    self.estimates.pop(n, None)
                 self._series_to_loop.clear()
             for k, it in update.iterations:
-                n = self._loop_iteration(it.t_begin)
+                n = self._loop_iteration(it.t_begin, it.t_end)
                 if n is None:
                     continue
                 self._series_to_loop[k] = n

@@ -14,7 +14,7 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (DP = ranks / (TP x PP))")
     p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)

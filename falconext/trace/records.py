@@ -26,9 +26,19 @@ class CallRecord:
     t_start: float | None = None
     t_end: float | None = None
     seq: int | None = None
+    #: global ranks of the group's members in group-rank order (index = group rank), so a
+    #: consumer can tell ring neighbours apart; ``group`` holds them sorted
+    group_ranks: tuple[int, ...] | None = None
+    #: parallelism role of the group ("dp", "tp", "pp", "world", ...) when known
+    role: str | None = None
+    #: global rank of the other side of a point-to-point call
+    peer: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.group_ranks is not None:
+            out["group_ranks"] = list(self.group_ranks)  # JSON has no tuples
+        return out
 
 
 _REQUIRED = ("rank", "op", "group", "bytes", "t_issue")
@@ -63,7 +73,40 @@ def parse_record(obj: Any, where: str = "record") -> CallRecord:
         times[key] = None if value is None else _time(value, key, where)
     seq = obj.get("seq")
     seq = None if seq is None else _int(seq, "seq", where)
-    return CallRecord(rank, op, group, nbytes, t_issue, times["t_start"], times["t_end"], seq)
+    return CallRecord(
+        rank, op, group, nbytes, t_issue, times["t_start"], times["t_end"], seq,
+        _group_ranks(obj.get("group_ranks"), where),
+        _role(obj.get("role"), where),
+        _peer(obj.get("peer"), where),
+    )
+
+
+def _group_ranks(value: Any, where: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise RecordError(f"{where}: group_ranks must be a list of ranks")
+    ranks = tuple(_int(r, "group_ranks", where) for r in value)
+    if any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+        raise RecordError(f"{where}: group_ranks must be distinct ranks >= 0")
+    return ranks
+
+
+def _role(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RecordError(f"{where}: role must be a non-empty string")
+    return value
+
+
+def _peer(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    peer = _int(value, "peer", where)
+    if peer < 0:
+        raise RecordError(f"{where}: peer must be >= 0, got {peer}")
+    return peer
 
 
 def _int(value: Any, name: str, where: str) -> int:
