@@ -30,6 +30,9 @@ class FalconConfig:
     max_period_calls: int = 8192
     #: calls the streaming tracker keeps while (re)finding the period
     tracker_buffer_calls: int = 32768
+    #: the call stream begins at an iteration boundary (tracer installed between
+    #: iterations), so its first call marks where iterations start
+    stream_starts_iteration: bool = True
     #: a period of identical symbols is refined by inter-call gaps when the gap profile
     #: explains at least this share of the gap variance
     gap_profile_r2: float = 0.8
@@ -126,7 +129,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             "--falcon-" + f.name.replace("_", "-"),
             dest="falcon_" + f.name,
-            type=kind,
+            type=_parse_bool if kind is bool else kind,
             default=None,
             metavar=kind.__name__.upper(),
             help=f"default {getattr(defaults, f.name)!r}",
@@ -141,3 +144,12 @@ def config_from_args(args: argparse.Namespace) -> FalconConfig:
         if getattr(args, "falcon_" + f.name, None) is not None
     }
     return FalconConfig(**changes)
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")

@@ -25,7 +25,12 @@ iterations, such a tracker emits sub-iteration times; ``IterationTime.period`` s
 which template produced each one, and a consumer should restart its series when it
 changes.
 
-The anchor is the call that follows the longest median gap within the period: usually
+When the stream is known to begin with an iteration (the tracer was installed between
+iterations, as ``falconext train`` and the launch flag do: config
+``stream_starts_iteration``), the anchor is the phase of the stream's first call, so
+spans line up with the loop's own iterations. Otherwise (attaching to a running job, or
+after the pattern changed) the anchor is the call that follows the longest median idle time within the period
+(its issue minus the previous call's completion, or issue where completion is unknown):
 the first call of an iteration, after the optimizer step and the first forward compute,
 so an iteration boundary never falls between two halves of one anchor-to-anchor span.
 
@@ -111,6 +116,8 @@ class IterationTracker:
         # is a window of it, so memory is fixed at `cap` calls
         self._codes = np.zeros(self._cap, dtype=np.int64)
         self._times = np.zeros(self._cap, dtype=np.float64)
+        # when the call let the host go (completion; issue time where unknown)
+        self._ready = np.zeros(self._cap, dtype=np.float64)
         self._fed = 0
         self._rank: int | None = None
         self._queue: deque[int] = deque()
@@ -118,6 +125,9 @@ class IterationTracker:
 
         self._state = TrackerState.SEARCHING
         self._window_from = 0  # first seq of the SEARCHING or LOST buffer
+        # seq of a call known to open an iteration: the first call of the stream, when
+        # the tracer was installed between iterations (config.stream_starts_iteration)
+        self._origin: int | None = 0 if self.config.stream_starts_iteration else None
         self._next_attempt = MIN_ATTEMPT_GROWTH
 
         self._template: list[int] = []
@@ -178,6 +188,8 @@ class IterationTracker:
         slot = seq % self._cap
         self._codes[slot] = self._symbols.code(record)
         self._times[slot] = record.t_issue
+        done = record.t_end if record.t_end is not None else record.t_issue
+        self._ready[slot] = max(done, record.t_issue)
         self._fed += 1
         self._queue.append(seq)
         while self._queue:
@@ -243,6 +255,7 @@ class IterationTracker:
     def _fall_back(self, window_from: int, seq: int) -> None:
         """The pattern changed for good: search again on the calls since ``window_from``."""
         self.fallbacks += 1
+        self._origin = None  # where the new pattern's iterations begin is not known
         self._state = TrackerState.SEARCHING
         self._template = []
         self._last_anchor = None
@@ -291,7 +304,7 @@ class IterationTracker:
             needed = max(needed, min(SINGLE_SYMBOL_LOCK_CALLS, self._cap))
         if codes.size < needed:
             return
-        start = self._adopt(codes, times, q)
+        start = self._adopt(codes, times, q, self._window_ready(self._window_from, seq + 1), self._window_from)
         if start is None:
             return
         # process the calls from the template's start again, now LOCKED, so the
@@ -317,7 +330,9 @@ class IterationTracker:
             max_period=cfg.max_period_calls,
         )
 
-    def _adopt(self, codes: np.ndarray, times: np.ndarray, q: int) -> int | None:
+    def _adopt(
+        self, codes: np.ndarray, times: np.ndarray, q: int, ready: np.ndarray, window_seq: int
+    ) -> int | None:
         """Take the template from the longest stretch that repeats exactly.
 
         The ACF tolerates a few mismatches, the template must not: a window holding a
@@ -328,11 +343,19 @@ class IterationTracker:
         if run < q:
             return None
         template = codes[start : start + q]
-        # gap before each call of `rows` whole periods after the first, by phase
+        # idle time before each call (issue minus the previous call's completion) over
+        # `rows` whole periods after the first, by phase: the longest stretch in which
+        # the host computes without communicating is where one iteration ends and the
+        # next begins (optimizer step, then the first forward)
         rows = run // q
         first = start + q
-        gaps = np.diff(times[first - 1 : first + rows * q]).reshape(rows, q)
-        anchor = int(np.argmax(np.median(gaps, axis=0)))
+        stop = first + rows * q
+        if self._origin is not None:
+            # the stream began with an iteration: anchor on the phase of its first call
+            anchor = (self._origin - (window_seq + start)) % q
+        else:
+            idle = (times[first:stop] - ready[first - 1 : stop - 1]).reshape(rows, q)
+            anchor = int(np.argmax(np.median(idle, axis=0)))
         self.locks += 1
         self._template = [int(c) for c in template]
         self._anchor = anchor
@@ -368,7 +391,7 @@ class IterationTracker:
             min_repeats=cfg.acf_min_repeats,
             max_period=cfg.max_period_calls,
         )
-        if self._adopt(codes, times, longer) is None:
+        if self._adopt(codes, times, longer, self._window_ready(seq + 1 - held, seq + 1), seq + 1 - held) is None:
             return False
         self.relocks += 1
         return True
@@ -393,6 +416,9 @@ class IterationTracker:
 
     def _window_codes(self, start: int, stop: int) -> np.ndarray:
         return self._codes[np.arange(start, stop) % self._cap]
+
+    def _window_ready(self, start: int, stop: int) -> np.ndarray:
+        return self._ready[np.arange(start, stop) % self._cap]
 
     def _window_times(self, start: int, stop: int) -> np.ndarray:
         return self._times[np.arange(start, stop) % self._cap]
