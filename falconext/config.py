@@ -37,6 +37,10 @@ class FalconConfig:
     #: explains at least this share of the gap variance
     gap_profile_r2: float = 0.8
 
+    #: live tracking leaves the job's first iterations (allocation, caching, warm-up)
+    #: out of the detector: they set no baseline
+    tracking_warmup: int = 20
+
     # --- BOCD (detect/bocd.py) ---------------------------------------------------------
     #: constant hazard: prior probability of a change point at each iteration
     bocd_hazard: float = 1.0 / 250.0
@@ -82,6 +86,7 @@ class FalconConfig:
             "tracker_buffer_calls is too small for acf_min_repeats",
         )
         _check(0.0 < self.gap_profile_r2 <= 1.0, "gap_profile_r2 must be in (0, 1]")
+        _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
         _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")

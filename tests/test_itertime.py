@@ -78,13 +78,13 @@ def test_locks_and_emits_anchor_to_anchor_times() -> None:
     tracker = IterationTracker()
     its = [it for r in records for it in tracker.feed(r)]
     assert tracker.period == 4 and tracker.state is TrackerState.LOCKED
-    assert tracker.anchor_phase == 0  # "A" follows the longest gap
-    anchors = [r.t_issue for r in records[::4]]
+    assert tracker.anchor_phase == 3  # "D" ends the iteration: the longest gap follows it
+    anchors = [r.t_issue for r in records[3::4]]
     assert [(it.t_begin, it.t_end) for it in its] == list(zip(anchors[:-1], anchors[1:]))
     assert [it.index for it in its] == list(range(19))
     for it in its:
         assert it.duration == pytest.approx(0.14)
-        assert records[it.seq_end].op == "A" and records[it.seq_end].t_issue == it.t_end
+        assert records[it.seq_end].op == "D" and records[it.seq_end].t_issue == it.t_end
         assert it.period == 4
 
 
@@ -97,7 +97,7 @@ def test_break_resyncs_without_emitting_the_span_that_held_it() -> None:
     its = [it for r in records + extra + later for it in tracker.feed(r)]
     assert tracker.breaks == 1 and tracker.resyncs == 1 and tracker.fallbacks == 0
     assert tracker.period == 4
-    anchors = [r.t_issue for r in records[::4]] + [r.t_issue for r in later[::4]]
+    anchors = [r.t_issue for r in records[3::4]] + [r.t_issue for r in later[3::4]]
     pairs = list(zip(anchors[:-1], anchors[1:]))
     del pairs[9]  # the span from the last anchor before the break to the first after
     assert [(it.t_begin, it.t_end) for it in its] == pairs

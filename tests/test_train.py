@@ -19,8 +19,8 @@ import pytest
 from falconext.detect.tracking import RankTracking
 from falconext.trace.logfile import read_call_log
 
-FAULT_START = 40
-ITERS = 75
+FAULT_START = 45
+ITERS = 80
 
 
 def train(out: Path, *args: str, faults: list | None = None, timeout: int = 400) -> Path:

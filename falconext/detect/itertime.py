@@ -25,14 +25,16 @@ iterations, such a tracker emits sub-iteration times; ``IterationTime.period`` s
 which template produced each one, and a consumer should restart its series when it
 changes.
 
+The anchor is the call that ends an iteration, and spans are measured between the
+completion times of consecutive anchors (the issue time where completion is unknown):
+the loop ends soon after its last collective returns, while the first call of an
+iteration can come after all of its compute (data parallelism without pipelining).
 When the stream is known to begin with an iteration (the tracer was installed between
 iterations, as ``falconext train`` and the launch flag do: config
-``stream_starts_iteration``), the anchor is the phase of the stream's first call, so
-spans line up with the loop's own iterations. Otherwise (attaching to a running job, or
-after the pattern changed) the anchor is the call that follows the longest median idle time within the period
-(its issue minus the previous call's completion, or issue where completion is unknown):
-the first call of an iteration, after the optimizer step and the first forward compute,
-so an iteration boundary never falls between two halves of one anchor-to-anchor span.
+``stream_starts_iteration``), the last call before the stream's first call's phase ends
+an iteration. Otherwise (attaching to a running job, or after the pattern changed) it is
+the call before the longest median idle time in the period (a call's issue minus the
+previous call's completion): the optimizer step and the next first forward.
 
 Clock steps: calls are taken in the order they are fed (the issue order). An anchor
 whose time is not after the previous anchor's gives no iteration (it is counted in
@@ -212,7 +214,7 @@ class IterationTracker:
             self._break(seq)
             return
         if self._phase == self._anchor:
-            t = float(self._times[slot])
+            t = float(self._ready[slot])
             if self._last_anchor is not None:
                 t_prev = self._last_anchor[0]
                 if t > t_prev:
@@ -276,7 +278,7 @@ class IterationTracker:
         if np.array_equal(self._window_codes(start, seq + 1), self._rotated):
             self.resyncs += 1
             self._state = TrackerState.LOCKED
-            self._last_anchor = (float(self._times[start % self._cap]), start)
+            self._last_anchor = (float(self._ready[start % self._cap]), start)
             self._phase = self._anchor
 
     def _step_searching(self, seq: int) -> None:
@@ -350,12 +352,15 @@ class IterationTracker:
         rows = run // q
         first = start + q
         stop = first + rows * q
+        # The anchor is the call that ends an iteration, timed by its completion: the
+        # host is released then, and what follows until the next iteration's first call
+        # is compute whose jitter would otherwise enter every span.
         if self._origin is not None:
-            # the stream began with an iteration: anchor on the phase of its first call
-            anchor = (self._origin - (window_seq + start)) % q
+            # the stream began with an iteration: the call before its first call ends one
+            anchor = (self._origin - 1 - (window_seq + start)) % q
         else:
             idle = (times[first:stop] - ready[first - 1 : stop - 1]).reshape(rows, q)
-            anchor = int(np.argmax(np.median(idle, axis=0)))
+            anchor = (int(np.argmax(np.median(idle, axis=0))) - 1) % q
         self.locks += 1
         self._template = [int(c) for c in template]
         self._anchor = anchor

@@ -27,11 +27,11 @@ from falconext.trace.records import CallRecord
 class TrackingUpdate:
     """What one call changed: iterations estimated, events confirmed/raised/ended.
 
-    ``series_index`` gives, for each event, the position in the detector's series of its
-    ``onset``, ``detected_at`` and ``end``; ``iterations`` carry their own series index.
+    Events index the detector's series; each iteration carries its position in that
+    series (None for warm-up iterations, which the detector does not see).
     """
 
-    iterations: list[tuple[int, IterationTime]]
+    iterations: list[tuple[int | None, IterationTime]]  # None: a warm-up iteration
     events: list[FailSlowEvent]
     restarted: bool = False
 
@@ -42,6 +42,7 @@ class RankTracking:
         self.tracker = IterationTracker(self.config)
         self.detector = VerifiedBOCD(self.config)
         self.series = 0  # iteration times fed to the current detector
+        self.seen = 0  # iteration times estimated (warm-up included)
         self.restarts = 0
         self._period: int | None = None
 
@@ -54,10 +55,15 @@ class RankTracking:
             if self._period is not None and it.period != self._period and it.period % self._period == 0:
                 self.detector = VerifiedBOCD(self.config)  # earlier spans were sub-iteration
                 self.series = 0
+                self.seen = 0
                 self.restarts += 1
                 restarted = True
             self._period = it.period
             if it.duration <= 0:
+                continue
+            self.seen += 1
+            if self.seen <= self.config.tracking_warmup:
+                out_its.append((None, it))
                 continue
             out_its.append((self.series, it))
             events.extend(self.detector.feed(it.duration))

@@ -120,15 +120,16 @@ class RankMonitor:
                 self.events.emit("monitor_error", rank=self.rank, error=str(exc))
                 continue
             if update.restarted:  # the spans so far were sub-iteration units: retract them
-                for n in self._series_to_loop.values():
-                    self.estimates.pop(n, None)
+                self.estimates.clear()
                 self._series_to_loop.clear()
             for k, it in update.iterations:
                 n = self._loop_iteration(it.t_begin, it.t_end)
                 if n is None:
                     continue
-                self._series_to_loop[k] = n
                 self.estimates[n] = it.duration
+                if k is None:  # warm-up: estimated, not watched
+                    continue
+                self._series_to_loop[k] = n
                 if len(self._series_to_loop) > 2 * self._keep:
                     for old in sorted(self._series_to_loop)[: self._keep]:
                         del self._series_to_loop[old]
