@@ -4,8 +4,8 @@ The paper injected fail-slows with GPU clock locking and side-channel traffic; h
 
 - ``{"kind": "compute", "rank": r, "factor": f, "start": i, "end": j}`` stretches rank r's
   compute by f during iterations [i, j): after each forward of a micro-batch the rank
-  sleeps (f - 1) times the forward's duration, and in the backward (f - 1) times twice
-  that (a backward costs about two forwards);
+  stays busy (f - 1) times the forward's duration, and in the backward (f - 1) times
+  twice that (a backward costs about two forwards);
 - ``{"kind": "link", "nodes": [a, b], "factor": f, ...}`` congests the link between
   virtual nodes a and b (ranks grouped by ``--ranks-per-node``): a point-to-point transfer
   over it, and a collective whose ring (members in rank order) crosses it, is delayed by
@@ -136,6 +136,15 @@ def link_bytes(op: str, nbytes: int, n: int) -> float:
 
 
 # -- the injector (I/O edge) ---------------------------------------------------------------
+def _busy(seconds: float) -> None:
+    """Stay busy for ``seconds``: a throttled device is occupied for the extra time, it
+    does not hand its share of the machine to the other ranks (a sleep would, and on
+    the oversubscribed test bed that would hide part of the fault)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, delay):  # type: ignore[override]
@@ -145,7 +154,7 @@ class _SlowBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         if ctx.delay > 0:
-            time.sleep(ctx.delay)
+            _busy(ctx.delay)
         return grad, None
 
 
@@ -203,7 +212,7 @@ class FaultInjector:
                 return output
             spent = time.perf_counter() - self._t0
             delay = (factor - 1.0) * spent
-            time.sleep(delay)
+            _busy(delay)
             self.injected_s += 3 * delay
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 return _SlowBackward.apply(output, 2.0 * delay)
