@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from statistics import median
 
 import pytest
 
