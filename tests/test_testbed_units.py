@@ -1,0 +1,100 @@
+"""Pure parts of the training test bed: data order, fault files, the link model, CLI checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from falconext.cli import main
+from falconext.inputs import InputError
+from falconext.megatron import data
+from falconext.megatron.faults import crossing_senders, link_bytes, parse_faults
+
+
+def test_samples_depend_only_on_seed_batch_and_index():
+    a = data.sample_tokens(1, 3, 5, 16, 97)
+    assert torch.equal(a, data.sample_tokens(1, 3, 5, 16, 97))
+    assert not torch.equal(a, data.sample_tokens(1, 3, 6, 16, 97))
+    assert not torch.equal(a, data.sample_tokens(1, 4, 5, 16, 97))
+    assert a.shape == (17,) and int(a.max()) < 97
+
+
+@pytest.mark.parametrize("plan", [[4, 4], [3, 5], [1, 7], [2, 2, 2, 2], [1, 3, 1, 3]])
+def test_any_plan_covers_the_global_batch_exactly_once(plan):
+    mbs = 2
+    seen = []
+    for replica in range(len(plan)):
+        for mb in data.microbatches(7, 11, plan, replica, mbs, 8, 50):
+            seen.extend(tuple(row.tolist()) for row in mb.tokens)
+    even = data.even_plan(sum(plan) * mbs, mbs, 2)
+    expected = [
+        tuple(row.tolist())
+        for replica in range(2)
+        for mb in data.microbatches(7, 11, even, replica, mbs, 8, 50)
+        for row in mb.tokens
+    ]
+    assert seen == expected  # same samples, same order, whoever computes them
+
+
+def test_even_plan_rejects_indivisible_batches():
+    assert data.even_plan(32, 2, 2) == [8, 8]
+    with pytest.raises(ValueError, match="not divisible"):
+        data.even_plan(30, 4, 2)
+
+
+def test_parse_faults_accepts_and_names_problems():
+    faults = parse_faults(
+        [{"kind": "compute", "rank": 1, "factor": 2.0, "start": 5, "end": 9},
+         {"kind": "link", "nodes": [0, 1], "factor": 4, "start": 0}],
+        world_size=4, ranks_per_node=2,
+    )
+    assert faults[0].active(5) and not faults[0].active(9) and faults[1].end is None
+    bad = [
+        ({"kind": "disk", "factor": 2}, "kind"),
+        ({"kind": "compute", "rank": 9, "factor": 2}, "rank"),
+        ({"kind": "compute", "rank": 0, "factor": 0.5}, "factor"),
+        ({"kind": "compute", "rank": 0, "factor": float("nan")}, "factor"),
+        ({"kind": "compute", "rank": 0, "factor": 2, "start": 5, "end": 5}, "end"),
+        ({"kind": "link", "nodes": [0, 0], "factor": 2}, "nodes"),
+        ({"kind": "link", "nodes": [0, 7], "factor": 2}, "nodes"),
+        ({"kind": "compute", "rank": 0, "factor": 2, "when": 3}, "unknown field"),
+    ]
+    for fault, word in bad:
+        with pytest.raises(InputError, match=word):
+            parse_faults([fault], world_size=4, ranks_per_node=2)
+    with pytest.raises(InputError, match="list"):
+        parse_faults({"kind": "compute"}, 4, 2)
+
+
+def test_link_model():
+    # ring 0-1-2-3-0 over nodes {0,1} {2,3}: the link 0-1 is crossed by 1->2 and 3->0
+    assert crossing_senders([0, 1, 2, 3], 2, (0, 1)) == [1, 3]
+    assert crossing_senders([0, 1], 2, (0, 1)) == []  # both in node 0
+    assert crossing_senders([0, 2], 2, (1, 0)) == [0, 2]
+    assert link_bytes("all_reduce", 100, 4) == pytest.approx(150.0)
+    assert link_bytes("all_gather", 100, 4) == pytest.approx(75.0)
+    assert link_bytes("broadcast", 100, 1) == 0.0
+
+
+def _fails(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(main(list(argv)))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_train_rejects_bad_layouts_and_fault_files_before_starting(tmp_path: Path, capsys):
+    out = str(tmp_path / "run")
+    assert "TP 3" in _fails(capsys, "train", "--nproc", "4", "--tp", "3", "--out", out)
+    assert "--global-batch-size" in _fails(capsys, "train", "--nproc", "4", "--global-batch-size", "30", "--out", out)
+    bad = tmp_path / "faults.json"
+    bad.write_text(json.dumps([{"kind": "compute", "rank": 8, "factor": 2}]))
+    assert "rank" in _fails(capsys, "train", "--nproc", "4", "--inject", str(bad), "--out", out)
+    bad.write_text("[{")
+    assert "malformed JSON" in _fails(capsys, "train", "--nproc", "4", "--inject", str(bad), "--out", out)
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing was started
