@@ -1,19 +1,16 @@
-"""The training loop of the test bed: one process per rank, started by torchrun.
+"""One training step of the test bed, per rank (the loop itself is in falconext/train.py).
 
-A plain Megatron loop: zero the DDP grad buffers, run megatron-core's
-forward-backward function over this replica's micro-batches (1F1B when PP > 1), step the
-optimizer. The loop measures its own wall-clock iteration time (start of one iteration
-to the start of the next: the ground truth falconext's estimates are compared with) and
-the global-batch loss on the last pipeline stage.
+A plain Megatron step: zero the DDP grad buffers, run megatron-core's forward-backward
+function over this replica's micro-batches (1F1B when PP > 1), step the optimizer, and
+on the last pipeline stage reduce the global-batch loss across data-parallel replicas.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -31,14 +28,6 @@ class TrainOptions:
     shape: ModelShape = field(default_factory=ModelShape)
     device: str = "cpu"
     seed: int = 1234
-
-
-@dataclass
-class IterationResult:
-    iteration: int
-    t_start: float
-    t_end: float
-    loss: float | None
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -63,7 +52,7 @@ def _forward_step(data_iterator: Iterator[data.MicroBatch] | None, model: torch.
 class Trainer:
     """Owns the model and optimizer of one rank; ``step(it)`` runs one iteration."""
 
-    def __init__(self, opts: TrainOptions, before_step: Callable[[int], None] | None = None) -> None:
+    def __init__(self, opts: TrainOptions) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import random as mrandom
@@ -80,7 +69,6 @@ class Trainer:
         self.replica = ps.get_data_parallel_rank()
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
-        self.before_step = before_step
 
     def step(self, it: int) -> float | None:
         opts = self.opts
@@ -129,19 +117,3 @@ def init_distributed(opts: TrainOptions) -> None:
         tensor_model_parallel_size=opts.tp,
         pipeline_model_parallel_size=opts.pp,
     )
-
-
-def run_loop(trainer: Trainer, iters: int, on_iteration: Callable[[IterationResult], Any] | None = None) -> list[IterationResult]:
-    results: list[IterationResult] = []
-    t_prev = time.perf_counter()
-    for it in range(iters):
-        t0 = time.perf_counter() if it == 0 else t_prev
-        if trainer.before_step is not None:
-            trainer.before_step(it)
-        loss = trainer.step(it)
-        t_prev = time.perf_counter()
-        res = IterationResult(it, t0, t_prev, loss)
-        results.append(res)
-        if on_iteration is not None:
-            on_iteration(res)
-    return results
