@@ -67,6 +67,11 @@ class FalconConfig:
     #: an open event ends when the level is back within this fraction of the baseline
     recovery_margin: float = 0.05
 
+    # --- profiling (profile/analysis.py) ---------------------------------------------------
+    #: a group is suspicious when its transfer time exceeds this x the median of
+    #: comparable groups (paper: 1.1)
+    suspicious_factor: float = 1.1
+
     # --- slide-window baseline (detect/baselines.py) -----------------------------------
     #: recent iterations averaged and compared with the reference median
     slide_window: int = 10
@@ -105,6 +110,7 @@ class FalconConfig:
             0.0 <= self.recovery_margin < self.min_slowdown,
             "recovery_margin must be in [0, min_slowdown)",
         )
+        _check(self.suspicious_factor > 1.0, "suspicious_factor must be > 1")
         _check(self.slide_window >= 1, "slide_window must be >= 1")
         _check(self.slide_reference >= 1, "slide_reference must be >= 1")
 

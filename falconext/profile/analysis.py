@@ -1,0 +1,106 @@
+"""Profiling analysis: which groups transfer too slowly, which ranks everyone waits for.
+
+A collective's time on a rank mixes two things: waiting for peers that arrive late,
+and the transfer itself, which starts only when the last member arrives. Separating
+them is what turns one slow iteration into suspects (Holmes' and FLARE's "last arriver"
+idea): the rank that arrives last again and again is the computation suspect, and a
+group whose transfer (not wait) is slow next to comparable groups is a communication
+suspect. Pure functions over plain timings; the profiler that collects them is I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Split:
+    wait_s: float  # issue -> last member's issue: waiting for late peers
+    transfer_s: float  # last member's issue -> completion: the transfer itself
+
+
+def split_wait_transfer(instance: Mapping[int, tuple[float, float]]) -> dict[int, Split]:
+    """Per rank, waiting vs transfer for one collective: {rank: (t_issue, t_end)}.
+
+    Clocks must be comparable across ranks (one host, or synchronised hosts).
+    """
+    if not instance:
+        return {}
+    for rank, (t_issue, t_end) in instance.items():
+        if not t_end >= t_issue:
+            raise ValueError(f"rank {rank}: t_end {t_end} precedes t_issue {t_issue}")
+    last = max(t for t, _ in instance.values())
+    return {r: Split(last - t_issue, max(0.0, t_end - last)) for r, (t_issue, t_end) in instance.items()}
+
+
+@dataclass(frozen=True)
+class ArrivalStats:
+    instances: int  # collectives this rank took part in
+    last: int  # how often it arrived last
+    lateness_s: float  # median gap to the second-last arrival, when it was last
+
+    @property
+    def last_share(self) -> float:
+        return self.last / self.instances if self.instances else 0.0
+
+
+def last_arrivers(instances: Sequence[Mapping[int, float]]) -> dict[int, ArrivalStats]:
+    """Who arrives last, over many collectives, each {rank: t_issue} of its members."""
+    counts: dict[int, int] = {}
+    lasts: dict[int, list[float]] = {}
+    for inst in instances:
+        if len(inst) < 2:
+            continue
+        ordered = sorted(inst.items(), key=lambda kv: kv[1])
+        (rank, t_last), t_second = ordered[-1], ordered[-2][1]
+        for r in inst:
+            counts[r] = counts.get(r, 0) + 1
+        lasts.setdefault(rank, []).append(t_last - t_second)
+    return {
+        r: ArrivalStats(n, len(lasts.get(r, [])), median(lasts[r]) if r in lasts else 0.0)
+        for r, n in counts.items()
+    }
+
+
+def compute_suspects(stats: Mapping[int, ArrivalStats], min_share: float = 0.5, min_lateness_s: float = 0.0) -> list[int]:
+    """Ranks that arrive last in at least ``min_share`` of their collectives.
+
+    With one straggler in a group the others are last only by chance (share ~1/size);
+    the straggler is last almost always, by about its extra compute time.
+    """
+    return sorted(
+        r for r, s in stats.items() if s.instances and s.last_share >= min_share and s.lateness_s > min_lateness_s
+    )
+
+
+@dataclass(frozen=True)
+class GroupTiming:
+    group: str
+    role: str | None
+    size: int  # members
+    bytes: int  # typical message size
+    transfer_s: float  # median transfer time (waiting excluded) over the profiling window
+
+
+def suspicious_groups(timings: Sequence[GroupTiming], factor: float = 1.1) -> list[str]:
+    """Groups whose transfer time exceeds ``factor`` x the median of comparable groups.
+
+    Comparable = same role, same number of members, same message size: only such groups
+    should take the same time, so only they can show that one of them is slow.
+    """
+    if factor <= 1.0:
+        raise ValueError(f"factor must be > 1, got {factor}")
+    by_kind: dict[tuple, list[GroupTiming]] = {}
+    for t in timings:
+        if not t.transfer_s >= 0:
+            raise ValueError(f"group {t.group}: transfer time must be >= 0, got {t.transfer_s}")
+        by_kind.setdefault((t.role, t.size, t.bytes), []).append(t)
+    out = []
+    for peers in by_kind.values():
+        if len(peers) < 2:
+            continue
+        ref = median(p.transfer_s for p in peers)
+        out.extend(p.group for p in peers if p.transfer_s > factor * ref)
+    return sorted(out)
