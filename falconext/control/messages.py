@@ -1,0 +1,177 @@
+"""Control-plane messages: JSON of the project's dataclasses, with a schema version.
+
+Everything on the bus comes from the network, so decoding is strict and never
+evaluates anything: a size limit, one JSON object ``{"v": version, "type": name,
+"body": {...}}``, a known type, exactly the dataclass's fields, and every field of the
+declared type (finite numbers, no bool passing for int). A message that fails any of
+this raises :class:`MessageError` naming the problem; the agent logs and drops it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Union
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+
+
+class MessageError(ValueError):
+    """A message that is malformed, of an unknown type or version, or too large."""
+
+
+@dataclass(frozen=True)
+class FailSlowReport:
+    """A rank's verified fail-slow, in training-loop iteration numbers."""
+
+    rank: int
+    onset: int
+    detected_at: int
+    slowdown: float
+    baseline_s: float
+    time: float
+
+
+@dataclass(frozen=True)
+class Localized:
+    """What validation found: slow GPUs (ranks) and slow links (virtual node pairs)."""
+
+    gpus: list[int]
+    links: list[list[int]]
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Command:
+    """Controller -> ranks: suspend, resume, run a validation pass, ..."""
+
+    kind: str
+    deadline_s: float
+    iteration: int | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (FailSlowReport, Localized, Command)}
+
+
+def encode(msg: Any) -> str:
+    name = type(msg).__name__
+    if MESSAGE_TYPES.get(name) is not type(msg):
+        raise MessageError(f"not a message type: {name}")
+    return json.dumps({"v": SCHEMA_VERSION, "type": name, "body": asdict(msg)}, separators=(",", ":"), allow_nan=False)
+
+
+def decode(data: str | bytes, accept: set[str] | None = None) -> Any:
+    """Parse one message; ``accept`` limits the types this receiver handles."""
+    if isinstance(data, bytes):
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MessageError("message is not UTF-8") from None
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} characters exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = json.loads(data, parse_constant=_no_constant)
+    except (json.JSONDecodeError, MessageError) as exc:
+        raise MessageError(f"malformed JSON: {exc}") from None
+    if not isinstance(obj, dict) or set(obj) != {"v", "type", "body"}:
+        raise MessageError("expected an object with exactly v, type and body")
+    if obj["v"] != SCHEMA_VERSION or isinstance(obj["v"], bool):
+        raise MessageError(f"unsupported schema version {obj['v']!r} (this side speaks {SCHEMA_VERSION})")
+    name = obj["type"]
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {name!r}")
+    if accept is not None and name not in accept:
+        raise MessageError(f"message type {name} is not accepted here")
+    body = obj["body"]
+    if not isinstance(body, dict):
+        raise MessageError(f"{name}: body must be an object")
+    declared = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(body) - set(declared))
+    if unknown:
+        raise MessageError(f"{name}: unknown field(s) {', '.join(unknown)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for fname, f in declared.items():
+        if fname not in body:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue  # optional: the dataclass default applies
+            raise MessageError(f"{name}: missing field {fname}")
+        values[fname] = _check(body[fname], hints[fname], f"{name}.{fname}")
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise MessageError(f"{name}: {exc}") from None
+
+
+def _no_constant(name: str) -> float:
+    raise MessageError(f"{name} is not allowed")
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _check(value, opt, where)
+            except MessageError:
+                continue
+        raise MessageError(f"{where}: {value!r} is not a {hint}")
+    if hint is Any:
+        return _check_json_value(value, where)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise MessageError(f"{where}: expected true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise MessageError(f"{where}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise MessageError(f"{where}: expected a finite number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise MessageError(f"{where}: expected a string")
+    if origin is list:
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list")
+        (item,) = typing.get_args(hint)
+        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected an object")
+        _, item = typing.get_args(hint)
+        return {k: _check(v, item, f"{where}.{k}") for k, v in value.items()}
+    raise MessageError(f"{where}: unsupported field type {hint}")  # pragma: no cover
+
+
+def _check_json_value(value: Any, where: str, depth: int = 0) -> Any:
+    """Plain JSON data (evidence, command args), bounded in depth; numbers finite."""
+    if depth > 8:
+        raise MessageError(f"{where}: nested too deeply")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise MessageError(f"{where}: numbers must be finite")
+        return value
+    if isinstance(value, list):
+        return [_check_json_value(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {str(k): _check_json_value(v, f"{where}.{k}", depth + 1) for k, v in value.items()}
+    raise MessageError(f"{where}: not JSON data")  # pragma: no cover
