@@ -7,7 +7,9 @@ plans) comes from another tool or a person, so a problem is reported as an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 
 class InputError(ValueError):
@@ -29,3 +31,16 @@ def read_text(path: str | Path) -> str:
     if not text.strip():
         raise InputError(f"{p}: file is empty")
     return text
+
+
+def loads_strict(text: str, where: str) -> Any:
+    """JSON from a file or line: NaN and Infinity literals (which Python's json accepts)
+    are rejected, and every problem names ``where``."""
+
+    def no_constant(name: str) -> float:
+        raise InputError(f"{where}: {name} is not valid JSON (numbers must be finite)")
+
+    try:
+        return json.loads(text, parse_constant=no_constant)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where}: malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None

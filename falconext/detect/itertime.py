@@ -453,6 +453,12 @@ def iteration_times(
     sub-iteration units (a layer, a micro-batch), not iterations, and are left out.
     Records of several ranks are an error (ValueError): use :func:`iteration_times_by_rank`.
     """
+    return _track(records, config)[1]
+
+
+def _track(
+    records: Iterable[CallRecord], config: FalconConfig | None
+) -> tuple[IterationTracker, list[IterationTime]]:
     tracker = IterationTracker(config)
     kept: list[IterationTime] = []
     current: list[IterationTime] = []  # emitted under the template now in force
@@ -467,7 +473,7 @@ def iteration_times(
                 kept.extend(current)
                 current = []
             current.append(it)
-    return kept + current
+    return tracker, kept + current
 
 
 def iteration_times_by_rank(
@@ -488,13 +494,6 @@ def iteration_times_by_rank(
         calls = by_rank[rank]
         if all(r.seq is not None for r in calls):
             calls.sort(key=lambda r: r.seq)  # type: ignore[arg-type, return-value]
-        its = iteration_times(calls, config)
-        result[rank] = (its[-1].period if its else _final_period(calls, config), its)
+        tracker, its = _track(calls, config)
+        result[rank] = (its[-1].period if its else tracker.period, its)
     return result
-
-
-def _final_period(calls: list[CallRecord], config: FalconConfig | None) -> int | None:
-    tracker = IterationTracker(config)
-    for record in calls:
-        tracker.feed(record)
-    return tracker.period

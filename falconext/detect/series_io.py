@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from falconext.detect.events import InvalidSample, check_sample
-from falconext.inputs import InputError, read_text
+from falconext.inputs import InputError, loads_strict, read_text
 
 
 @dataclass(frozen=True)
@@ -73,21 +72,8 @@ def _times(values: Any, where: str, name: str = "iter_times") -> list[float]:
     return out
 
 
-def _reject_constant(name: str) -> float:
-    raise InputError(f"{name} is not valid JSON (iteration times must be finite numbers)")
-
-
-def _loads(text: str, where: str) -> Any:
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except InputError as exc:
-        raise InputError(f"{where}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-
-
 def _read_json_list(path: str, text: str) -> list[float]:
-    data = _loads(text, path)
+    data = loads_strict(text, path)
     if not isinstance(data, list):
         raise InputError(f"{path}: expected a JSON list of iteration times, got {type(data).__name__}")
     return _times(data, path, "the list of iteration times")
@@ -99,7 +85,7 @@ def _read_jsonl(path: str, text: str) -> list[Series]:
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        obj = _loads(line, where)
+        obj = loads_strict(line, where)
         if not isinstance(obj, dict):
             raise InputError(f"{where}: expected a JSON object with 'id' and 'iter_times'")
         if "iter_times" not in obj:

@@ -22,7 +22,6 @@ transfers, exactly as it would see a congested link.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from falconext.inputs import InputError, read_text
+from falconext.inputs import InputError, loads_strict, read_text
 
 #: nominal bandwidth of a virtual link, bytes/s; a link fault of factor f adds
 #: (f - 1) * bytes / this to each transfer over the link
@@ -103,12 +102,7 @@ def parse_faults(obj: Any, world_size: int, ranks_per_node: int, where: str = "i
 
 
 def read_faults(path: str, world_size: int, ranks_per_node: int) -> list[Fault]:
-    text = read_text(path)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
-    return parse_faults(obj, world_size, ranks_per_node, path)
+    return parse_faults(loads_strict(read_text(path), path), world_size, ranks_per_node, path)
 
 
 # -- the link model (pure) ----------------------------------------------------------------

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import IO, Iterable
 
-from falconext.inputs import read_text
+from falconext.inputs import InputError, loads_strict, read_text
 from falconext.trace.records import CallRecord, RecordError, parse_record
 
 
@@ -30,10 +30,9 @@ def parse_call_log(text: str, source: str = "log") -> list[CallRecord]:
             continue
         where = f"{source}:{lineno}"
         try:
-            obj = json.loads(line, parse_constant=_no_constants)
-        except (json.JSONDecodeError, ValueError) as exc:
-            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-            raise RecordError(f"{where}: malformed JSON ({msg})") from None
+            obj = loads_strict(line, where)
+        except InputError as exc:
+            raise RecordError(str(exc)) from None
         records.append(parse_record(obj, where))
     if not records:
         raise RecordError(f"{source}: no call records")
@@ -42,7 +41,3 @@ def parse_call_log(text: str, source: str = "log") -> list[CallRecord]:
 
 def read_call_log(path: str | Path) -> list[CallRecord]:
     return parse_call_log(read_text(path), str(path))
-
-
-def _no_constants(name: str) -> float:
-    raise ValueError(f"{name} is not a valid value")
