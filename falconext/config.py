@@ -71,6 +71,32 @@ class FalconConfig:
     #: a group is suspicious when its transfer time exceeds this x the median of
     #: comparable groups (paper: 1.1)
     suspicious_factor: float = 1.1
+    #: seconds of recent collective calls each rank sends when profiling starts
+    profile_window_s: float = 3.0
+    #: the controller waits this long for every rank's profile before going on
+    profile_timeout_s: float = 3.0
+
+    # --- control plane (control/) ----------------------------------------------------------
+    #: run the control plane (Redis bus, agents, controller) when tracking is on
+    control_plane: bool = True
+    #: a rank tells the controller its loop iteration this often
+    heartbeat_s: float = 0.5
+    #: the controller counts as gone when its liveness key is this old
+    controller_timeout_s: float = 3.0
+
+    # --- suspension and validation (validate/) --------------------------------------------
+    #: ranks suspend this many iterations after the controller's latest view of them
+    suspend_margin_iterations: int = 3
+    #: longest a rank stays suspended, whatever happens to the controller
+    suspend_deadline_s: float = 4.0
+    #: a GPU (link) is slow when its GEMM (transfer) takes this x the median
+    validation_slow_factor: float = 1.3
+    #: GEMM benchmark: n x n x n, repeats (after warm-up)
+    gemm_size: int = 256
+    gemm_repeats: int = 20
+    #: P2P benchmark: message bytes and messages per pair
+    p2p_bytes: int = 262144
+    p2p_repeats: int = 5
 
     # --- slide-window baseline (detect/baselines.py) -----------------------------------
     #: recent iterations averaged and compared with the reference median
@@ -111,6 +137,15 @@ class FalconConfig:
             "recovery_margin must be in [0, min_slowdown)",
         )
         _check(self.suspicious_factor > 1.0, "suspicious_factor must be > 1")
+        _check(self.profile_window_s > 0, "profile_window_s must be > 0")
+        _check(self.profile_timeout_s > 0, "profile_timeout_s must be > 0")
+        _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
+        _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
+        _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
+        _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
+        _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
+        _check(self.gemm_size >= 16 and self.gemm_repeats >= 1, "gemm_size must be >= 16 and gemm_repeats >= 1")
+        _check(self.p2p_bytes >= 1 and self.p2p_repeats >= 1, "p2p_bytes and p2p_repeats must be >= 1")
         _check(self.slide_window >= 1, "slide_window must be >= 1")
         _check(self.slide_reference >= 1, "slide_reference must be >= 1")
 

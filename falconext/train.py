@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     os.makedirs(os.path.join(out, "ranks"), exist_ok=True)
     os.makedirs(os.path.join(out, "calls"), exist_ok=True)
-    if rank == 0 and os.path.exists(os.path.join(out, "events.jsonl")):
+    # under the launcher, the controller may have written events already: keep them
+    if rank == 0 and "FALCON_JOB" not in os.environ and os.path.exists(os.path.join(out, "events.jsonl")):
         os.remove(os.path.join(out, "events.jsonl"))
     torch.distributed.barrier()
     events = EventLog(os.path.join(out, "events.jsonl"))
@@ -106,18 +107,16 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(out, "run.json"), "w") as f:
             json.dump(run_info, f, indent=2)
 
-    tracer = monitor = None
+    runtime = None
     if args.falcon:
-        from falconext.trace.groups import megatron_roles
-        from falconext.trace.hooks import CallTracer
+        from falconext.megatron.runtime import FalconRuntime
 
-        tracer = CallTracer(rank, roles=megatron_roles(), cuda_events=args.device == "cuda")
-        tracer.install()
-        monitor = RankMonitor(
-            tracer.drain, cfg, rank, loop_starts, events, os.path.join(out, "calls", f"rank{rank}.jsonl")
+        runtime = FalconRuntime(
+            cfg, rank, rank // args.ranks_per_node, out, events, loop_starts,
+            redis_url=args.falcon_redis_url,
+            matmul=injector.stretch_compute(torch.matmul) if injector is not None else torch.matmul,
+            device=args.device,
         )
-        monitor.start()
-        events.emit("tracking_started", rank=rank)
 
     measured: list[tuple[int, float, float | None]] = []
     t_prev = time.perf_counter()
@@ -126,19 +125,19 @@ def main(argv: list[str] | None = None) -> int:
             loop_starts.append(t_prev)
             if injector is not None:
                 injector.iteration = it
+            if runtime is not None:
+                runtime.before_iteration(it)
             loss = trainer.step(it)
             now = time.perf_counter()
             measured.append((it, now - t_prev, loss))
             t_prev = now
     finally:
-        if tracer is not None:
-            tracer.uninstall()
-        if monitor is not None:
-            monitor.stop()
+        if runtime is not None:
+            runtime.close()
         if injector is not None:
             injector.uninstall()
 
-    report.write_rank_files(out, rank, measured, monitor.estimates if monitor else {})
+    report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {})
     torch.distributed.barrier()
     if rank == 0:
         summary = report.finalize(out)

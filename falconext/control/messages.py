@@ -26,7 +26,11 @@ class MessageError(ValueError):
 
 @dataclass(frozen=True)
 class FailSlowReport:
-    """A rank's verified fail-slow, in training-loop iteration numbers."""
+    """A rank's verified fail-slow, in training-loop iteration numbers.
+
+    ``end`` is set on the report that says the fail-slow is over; ``event_id`` lets the
+    controller pair the two.
+    """
 
     rank: int
     onset: int
@@ -34,6 +38,79 @@ class FailSlowReport:
     slowdown: float
     baseline_s: float
     time: float
+    event_id: int = 0
+    end: int | None = None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Rank -> controller: alive, where its loop is, and how fast it goes.
+
+    The controller picks the iteration at which every rank suspends from these, so
+    they carry the loop iteration and the recent iteration time.
+    """
+
+    rank: int
+    node: int
+    iteration: int
+    iter_s: float
+    time: float
+
+
+@dataclass(frozen=True)
+class ProfileData:
+    """Rank -> controller: its recent collective calls, for the wait/transfer split.
+
+    ``calls[group]`` holds ``[k, t_issue, t_end, bytes]`` rows, k being the call's index
+    among this rank's calls on that group (the same collective has the same k on every
+    member). ``members[group]`` lists the group's global ranks in group order.
+    """
+
+    rank: int
+    session: int
+    roles: dict[str, str]
+    members: dict[str, list[int]]
+    calls: dict[str, list[list[float]]]
+
+
+@dataclass(frozen=True)
+class SessionAck:
+    """Rank -> controller: where this rank is in a suspension.
+
+    status: ``held`` (trapped at the agreed iteration), ``missed`` (was already past
+    it), ``resumed`` (training goes on; ``pause_s`` is how long it was held).
+    """
+
+    rank: int
+    session: int
+    status: str
+    iteration: int
+    time: float
+    pause_s: float = 0.0
+    expired: bool = False
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """Rank -> controller: its GEMM FLOP/s (if it ran one) and the links it received on.
+
+    ``links`` rows are ``[src, dst, seconds]`` per message, median of repeats.
+    """
+
+    rank: int
+    session: int
+    gemm_flops: float | None
+    links: list[list[float]]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """Agent -> controller: the node's GPU health readings (pynvml), empty on CPU."""
+
+    node: int
+    session: int
+    gpus: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -47,7 +124,12 @@ class Localized:
 
 @dataclass(frozen=True)
 class Command:
-    """Controller -> ranks: suspend, resume, run a validation pass, ..."""
+    """Controller -> ranks (and operator -> controller).
+
+    kinds: ``profile`` (send ProfileData; args: session, window_s), ``suspend`` (trap
+    at loop iteration ``iteration``, at most ``deadline_s``; args: session, plan),
+    ``go`` and ``release`` (args: session), and from an operator ``validate``.
+    """
 
     kind: str
     deadline_s: float
@@ -55,7 +137,10 @@ class Command:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (FailSlowReport, Localized, Command)}
+MESSAGE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult, NodeHealth, Localized, Command)
+}
 
 
 def encode(msg: Any) -> str:

@@ -215,6 +215,25 @@ class FaultInjector:
         self._handles.append(module.register_forward_pre_hook(pre))
         self._handles.append(module.register_forward_hook(post))
 
+    def stretch_compute(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as this rank's emulated device runs it: (f - 1) x longer under a fault.
+
+        The harness hands the stretched matmul to the validation GEMM, so a "slow GPU"
+        is slow for every kernel, not only for the model it was attached to.
+        """
+        if not any(f.kind == "compute" and f.rank == self.rank for f in self.faults):
+            return fn
+
+        def stretched(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            factor = self._compute_factor()
+            if factor > 1.0:
+                _busy((factor - 1.0) * (time.perf_counter() - t0))
+            return out
+
+        return stretched
+
     # links ---------------------------------------------------------------------------
     def _links(self) -> list[Fault]:
         return [f for f in self.faults if f.kind == "link" and f.active(self.iteration)]

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+from falconext.config import config_from_args
 from falconext.inputs import InputError
 
 
@@ -36,13 +37,22 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
     """The per-rank command line: every option but the launcher's own."""
     out: list[str] = []
     for key, value in vars(args).items():
-        if key in ("command", "nproc") or value is None:
+        if key in ("command", "nproc", "falcon_redis_url") or value is None:
             continue
         flag = "--" + key.replace("_", "-")
         if key == "falcon":
             out.append("--falcon" if value else "--no-falcon")
         else:
             out += [flag, str(value)]
+    return out
+
+
+def falcon_argv(args: argparse.Namespace) -> list[str]:
+    """The ``--falcon-*`` threshold options, for the controller's command line."""
+    out: list[str] = []
+    for key, value in vars(args).items():
+        if key.startswith("falcon_") and key != "falcon_redis_url" and value is not None:
+            out += ["--" + key.replace("_", "-"), str(value)]
     return out
 
 
@@ -63,7 +73,26 @@ def launch_training(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
     cmd = torchrun_command(args, rank_argv(args), free_port())
-    proc = subprocess.run(cmd, env=env)
+    plane = None
+    if args.falcon and config_from_args(args).control_plane:
+        from falconext.control.plane import ControlPlane
+        from falconext.control.redis_server import RedisUnavailable
+
+        events = os.path.join(args.out, "events.jsonl")
+        if os.path.exists(events):  # the controller appends from the start
+            os.remove(events)
+        nodes = -(-args.nproc // args.ranks_per_node)
+        plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args), redis_url=args.falcon_redis_url or env.get("FALCON_REDIS_URL"))
+        try:
+            plane.start()
+        except RedisUnavailable as exc:
+            raise InputError(str(exc)) from None
+        env.update(plane.env())
+    try:
+        proc = subprocess.run(cmd, env=env)
+    finally:
+        if plane is not None:
+            plane.stop()
     if proc.returncode != 0:
         raise InputError(f"training failed (torchrun exit status {proc.returncode}); see the messages above")
     return 0

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from falconext.config import FalconConfig
 from falconext.detect.events import FailSlowEvent
 from falconext.detect.tracking import RankTracking
+from falconext.profile.window import RecentCollectives
 
 
 class EventLog:
@@ -51,6 +52,7 @@ class RankMonitor:
         events: EventLog,
         call_log_path: str | None,
         interval_s: float = 0.05,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
         self.drain = drain
         self.tracking = RankTracking(config)
@@ -68,6 +70,9 @@ class RankMonitor:
         self.errors = 0
         self._period: int | None = None
         self._reported: set[int] = set()
+        self.on_event = on_event
+        self._recent = RecentCollectives()
+        self._recent_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
@@ -109,6 +114,9 @@ class RankMonitor:
             self.errors += 1
             self.events.emit("monitor_error", rank=self.rank, error=repr(exc))
             return
+        with self._recent_lock:
+            for rec in records:
+                self._recent.feed(rec)
         for rec in records:
             self.records += 1
             if self._calls:
@@ -139,6 +147,11 @@ class RankMonitor:
             for ev in update.events:
                 self._report(ev)
 
+    def profile_snapshot(self, window_s: float) -> dict[str, Any]:
+        """This rank's collective calls of the last ``window_s`` seconds (any thread)."""
+        with self._recent_lock:
+            return self._recent.snapshot(window_s)
+
     def _map(self, k: int | None) -> int | None:
         if k is None:
             return None
@@ -159,9 +172,16 @@ class RankMonitor:
             "baseline_s": round(ev.baseline, 6),
         }
         if ev.end is not None:
-            self.events.emit("fail_slow_end", **fields, ended_at=self._map(ev.ended_at))
+            kind, fields["ended_at"] = "fail_slow_end", self._map(ev.ended_at)
         elif ev.id in self._reported:  # a ladder: the same event got slower
-            self.events.emit("fail_slow_update", **fields)
+            kind = "fail_slow_update"
         else:
             self._reported.add(ev.id)
-            self.events.emit("fail_slow", **fields)
+            kind = "fail_slow"
+        self.events.emit(kind, **fields)
+        if self.on_event is not None and kind != "fail_slow_update":
+            try:
+                self.on_event(kind, fields)
+            except Exception as exc:  # reporting must not stop tracking
+                self.errors += 1
+                self.events.emit("monitor_error", rank=self.rank, error=repr(exc))

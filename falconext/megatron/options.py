@@ -30,6 +30,11 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--inject", default=None, help="JSON list of faults (experiment tool)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per virtual node (link faults)")
     p.add_argument("--link-bandwidth", type=float, default=None, help="nominal virtual-link bytes/s (link faults)")
+    p.add_argument(
+        "--falcon-redis-url", default=None,
+        help="control-plane Redis (redis://:PASSWORD@HOST:PORT/0); default: $FALCON_REDIS_URL, "
+        "else the launcher starts a private one on loopback",
+    )
     add_config_arguments(p)
 
 

@@ -97,8 +97,27 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
             "p90_rel_error": round(sorted(errors)[int(0.9 * (len(errors) - 1))], 6) if errors else None,
         },
         "detection": detection_figures(fail_slows, faults),
+        "localization": localization_figures(events),
     }
     return summary
+
+
+def localization_figures(events: list[dict]) -> dict[str, Any]:
+    """What the control plane named, how long after the event, and how long ranks paused."""
+    found = [e for e in events if e.get("type") == "localized"]
+    pauses = [e["pause_s"] for e in events if e.get("type") == "resumed" and e.get("pause_s") is not None]
+    first = found[0] if found else None
+    return {
+        "localized": [
+            {"gpus": e["gpus"], "links": e["links"], "after_event_s": e.get("after_event_s"),
+             "trigger": e.get("evidence", {}).get("trigger")}
+            for e in found
+        ],
+        "time_to_localization_s": first.get("after_event_s") if first else None,
+        "pause_s": max(pauses) if pauses else None,
+        "failed": [e.get("reason") for e in events if e.get("type") == "localization_failed"],
+        "control_lost": sorted({(e.get("what"), e.get("rank")) for e in events if e.get("type") == "control_lost"}),
+    }
 
 
 def detection_figures(fail_slows: list[dict], faults: list[dict]) -> dict[str, Any]:
@@ -153,4 +172,14 @@ def format_summary(s: dict[str, Any]) -> str:
                 f"  {f['kind']} fault x{f['factor']} on {what} from iteration {f['start']}: "
                 + (f"detected after {pf['first_detection_delay']} iterations on ranks {pf['ranks']}" if pf["detected"] else "NOT detected")
             )
+        loc = s.get("localization") or {}
+        for e in loc.get("localized", []):
+            lines.append(
+                f"localized ({e['trigger']}): GPUs {e['gpus']}, links {e['links']}, "
+                f"{e['after_event_s']} s after the event (target < 10 s)"
+            )
+        if loc.get("pause_s") is not None:
+            lines.append(f"training paused for validation: {loc['pause_s']} s at most (target < 5 s)")
+        for reason in loc.get("failed", []):
+            lines.append(f"localization failed: {reason}")
     return "\n".join(lines)

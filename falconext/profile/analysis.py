@@ -40,6 +40,7 @@ class ArrivalStats:
     instances: int  # collectives this rank took part in
     last: int  # how often it arrived last
     lateness_s: float  # median gap to the second-last arrival, when it was last
+    caused_s: float = 0.0  # total of those gaps: the waiting this rank imposed on the others
 
     @property
     def last_share(self) -> float:
@@ -59,9 +60,29 @@ def last_arrivers(instances: Sequence[Mapping[int, float]]) -> dict[int, Arrival
             counts[r] = counts.get(r, 0) + 1
         lasts.setdefault(rank, []).append(t_last - t_second)
     return {
-        r: ArrivalStats(n, len(lasts.get(r, [])), median(lasts[r]) if r in lasts else 0.0)
+        r: ArrivalStats(n, len(lasts.get(r, [])), median(lasts[r]) if r in lasts else 0.0, sum(lasts.get(r, [])))
         for r, n in counts.items()
     }
+
+
+def wait_causers(stats: Mapping[int, ArrivalStats], min_share: float = 0.5, dominance: float = 3.0) -> list[int]:
+    """Ranks that impose most of the waiting: at least ``min_share`` of all imposed wait,
+    and ``dominance`` x as much as any other rank.
+
+    Counting how often a rank is last undercounts a straggler: only the first collective
+    after its slow compute waits for it, and the collectives right after start together
+    in random order. The wait it imposes there is large, so weighing by the wait finds
+    it where the share of last arrivals cannot.
+    """
+    total = sum(s.caused_s for s in stats.values())
+    if total <= 0:
+        return []
+    ranked = sorted(stats.items(), key=lambda kv: kv[1].caused_s, reverse=True)
+    (top, s0), rest = ranked[0], ranked[1:]
+    second = rest[0][1].caused_s if rest else 0.0
+    if s0.caused_s >= min_share * total and s0.caused_s >= dominance * second:
+        return [top]
+    return []
 
 
 def compute_suspects(stats: Mapping[int, ArrivalStats], min_share: float = 0.5, min_lateness_s: float = 0.0) -> list[int]:

@@ -131,11 +131,20 @@ class Trap:
         #: holds that ended by the deadline rather than by release()
         self.expired = 0
         self._deadline_s = 0.0
+        self._on_hold: Callable[[float], None] | None = None
+        #: exceptions raised by an on_hold callback (swallowed)
+        self.errors = 0
         self._released = threading.Event()
         self._claim = threading.Lock()
 
-    def arm(self, deadline_s: float) -> None:
-        """Catch the next intercepted call; hold it at most ``deadline_s`` seconds."""
+    def arm(self, deadline_s: float, on_hold: Callable[[float], None] | None = None) -> None:
+        """Catch the next intercepted call; hold it at most ``deadline_s`` seconds.
+
+        ``on_hold(end)`` runs on the held thread, given the deadline as a
+        ``time.monotonic()`` value; the call goes on as soon as it returns (a suspension
+        does its work there, on the thread that owns the training's process groups).
+        Whatever it raises is counted in ``errors``, never passed to training.
+        """
         if deadline_s is None:
             raise ValueError("a trap needs a deadline: a lost release must not hang training")
         deadline_s = float(deadline_s)
@@ -144,6 +153,7 @@ class Trap:
         if self.held:
             raise RuntimeError("the trap is holding a call; release it before arming again")
         self._deadline_s = deadline_s
+        self._on_hold = on_hold
         self._released.clear()
         self.armed = True
 
@@ -164,6 +174,12 @@ class Trap:
             end = start + self._deadline_s
             self.held = True
             try:
+                if self._on_hold is not None:
+                    try:
+                        self._on_hold(end)
+                    except Exception:
+                        self.errors += 1
+                    return
                 while not self._released.is_set():
                     left = end - time.monotonic()
                     if left <= 0:
@@ -302,6 +318,18 @@ class CallTracer:
     @property
     def installed(self) -> bool:
         return _active is self
+
+    def original(self, name: str) -> Callable[..., Any]:
+        """The torch.distributed function found at install (below the tracer).
+
+        Validation traffic goes through these: it must not enter the training's call
+        log, but must still pass through anything installed below (a fault injector).
+        """
+        import torch.distributed as dist
+
+        if name in self._patched:
+            return self._patched[name][0]
+        return getattr(dist, name)
 
     # --- consumer side (analysis thread) ----------------------------------------------
 

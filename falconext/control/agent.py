@@ -1,0 +1,39 @@
+"""The per-node agent: one per node, between the node's ranks and the controller.
+
+It forwards what the node's ranks post (already decoded strictly by the bus, so
+nothing malformed travels further) to the controller's stream, so the controller reads
+one stream whatever the job's size, and it adds what only the node can see: the
+health of its GPUs (pynvml clocks, throttle reasons, temperature, power) when a
+suspension starts, as evidence for the verdict. It holds no state worth losing: the
+launcher restarts it if it dies, and ranks keep training meanwhile.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from falconext.control.bus import Bus
+from falconext.control.client import CMD_STREAM, CTL_STREAM, node_stream
+from falconext.control.messages import Command, NodeHealth
+
+#: what a rank may post to its node stream
+RANK_MESSAGES = {"Heartbeat", "FailSlowReport", "ProfileData", "SessionAck", "ValidationResult"}
+
+
+class NodeAgent:
+    def __init__(self, bus: Bus, node: int, health: Callable[[], list[dict[str, Any]]]) -> None:
+        self.bus = bus
+        self.node = node
+        self.health = health
+        self.forwarded = 0
+
+    def step(self, block_ms: int = 200) -> None:
+        for stream, msg in self.bus.read([node_stream(self.node), CMD_STREAM], block_ms=block_ms):
+            if stream == CMD_STREAM:
+                if isinstance(msg, Command) and msg.kind == "suspend":
+                    session = msg.args.get("session")
+                    if isinstance(session, int) and not isinstance(session, bool):
+                        self.bus.post(CTL_STREAM, NodeHealth(self.node, session, self.health()))
+                continue
+            if type(msg).__name__ in RANK_MESSAGES and self.bus.post(CTL_STREAM, msg):
+                self.forwarded += 1

@@ -1,0 +1,386 @@
+"""The control plane's I/O: messages on Redis streams, fail-open.
+
+Ranks, per-node agents and the controller all talk through this one thin layer. A
+training step must never stall or crash because the control plane is sick, so no
+call here raises for anything Redis or the network does: :meth:`Bus.post` answers
+False, :meth:`Bus.read` answers ``[]``, :meth:`Bus.alive` answers None. A dead server
+costs at most one socket timeout per call (redis-py's own retries are switched off),
+and once a call has failed the Bus stops trying for a backoff interval (0.2 s doubling
+to 2 s) and answers at once, so a rank polling every iteration does not pay a timeout
+every iteration. What does raise is a programming error on this side: posting
+something that is not a message (:class:`MessageError`), a bad name, a bad ``seek``.
+
+Everything read is untrusted: an entry that is not exactly one field ``m`` holding a
+valid message (see :mod:`falconext.control.messages`) is dropped, counted in
+``dropped`` and described in ``errors``; the entries around it still arrive.
+
+Where a reader starts. XREAD's ``$`` means "after whatever is last when this call
+runs", so a reader that posts a command and then reads the replies would lose any
+reply that landed before its first read. Instead each Bus asks the server's clock at
+first contact and, for every stream it has not been told otherwise about (:meth:`seek`),
+delivers exactly the entries posted from that moment on; Redis stream ids are
+server-clock milliseconds, so this needs no per-stream round trip. After each read the
+Bus remembers the last id it saw per stream.
+
+Surviving a restart. The job's Redis keeps nothing on disk, so a restarted server has
+empty streams, and if its clock stood behind the ids this Bus has seen, new entries
+would get smaller ids and a reader would skip them for good. The Bus notices every new
+connection, compares the server's ``run_id``, and on a new server moves back to ``0-0``
+every position that lies beyond what that server's stream holds (and the start point,
+if it lies beyond the server's clock). On a server restored from disk those positions
+are still valid and are kept.
+
+One Bus per thread: a Bus keeps positions and connection state without locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from falconext.control import messages
+
+log = logging.getLogger(__name__)
+
+FIELD = "m"
+BACKOFF_START_S = 0.2
+BACKOFF_MAX_S = 2.0
+ERRORS_KEPT = 100
+MAX_SEQ = 2**64 - 1
+
+_ID = re.compile(r"^(\d+)-(\d+)$")
+# Connection-level trouble: server gone, unreachable, too slow, not (yet) accepting us.
+_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+StreamId = tuple[int, int]
+
+
+class Bus:
+    """Post and read control-plane messages on the Redis streams of one job."""
+
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        *,
+        socket_timeout_s: float = 0.5,
+        on_state: Callable[[bool, str], None] | None = None,
+        maxlen: int = 10000,
+    ) -> None:
+        if not job or ":" in job or any(ch.isspace() for ch in job):
+            raise ValueError(f"job name {job!r} must be non-empty, without ':' or whitespace (it namespaces the keys)")
+        if socket_timeout_s <= 0:
+            raise ValueError(f"socket_timeout_s must be positive, got {socket_timeout_s}")
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be at least 1, got {maxlen}")
+        self.url = url
+        self.job = job
+        self.prefix = f"falcon:{job}:"
+        self.socket_timeout_s = socket_timeout_s
+        self.maxlen = maxlen
+        self.on_state = on_state
+        self.connected = True
+        self.dropped = 0
+        self.errors: deque[str] = deque(maxlen=ERRORS_KEPT)
+        self._positions: dict[str, StreamId] = {}  # per stream name: the last id delivered
+        self._start: StreamId | None = None  # for streams without a position; from the server clock
+        self._run_id: str | None = None
+        self._new_connection = True  # set by every (re)connect; the server may have changed
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._client = self._make_client(socket_timeout_s)
+        self._blocking: tuple[int, redis.Redis] | None = None  # (block_ms, client) for XREAD BLOCK
+        self.ping()  # fix the start point now, not at the first read
+
+    # --- public API ---------------------------------------------------------------------
+
+    def key(self, name: str) -> str:
+        """The Redis key of a stream or liveness name in this job's namespace."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"stream/key name must be a non-empty string, got {name!r}")
+        return self.prefix + name
+
+    def post(self, stream: str, msg: Any) -> bool:
+        """Append one message; False when Redis is unreachable or refuses it."""
+        data = messages.encode(msg)
+        size = len(data.encode("utf-8"))
+        if size > messages.MAX_MESSAGE_BYTES:
+            # Every reader would drop it; better the sender learns here.
+            raise messages.MessageError(f"{type(msg).__name__} of {size} bytes exceeds {messages.MAX_MESSAGE_BYTES}")
+        return self.post_raw(stream, {FIELD: data}) is not None
+
+    def post_raw(self, stream: str, fields: dict[str, str | bytes]) -> str | None:
+        """Append an entry of arbitrary fields, unchecked (tests inject corrupted entries
+        with this); returns its id, or None when Redis is unreachable or refuses."""
+        key = self.key(stream)
+        entry_id = self._call(
+            f"post to {stream}",
+            lambda: self._client.xadd(key, fields, maxlen=self.maxlen, approximate=True),  # type: ignore[arg-type]
+            None,
+        )
+        return _text(entry_id) if entry_id is not None else None
+
+    def read(
+        self, streams: list[str], block_ms: int = 0, accept: set[str] | None = None
+    ) -> list[tuple[str, Any]]:
+        """New messages on ``streams`` as ``(stream, message)`` in stream order.
+
+        ``block_ms > 0`` waits up to that long for the first message (0 does not wait;
+        it never means "forever" as in XREAD). While Redis is unreachable this returns
+        ``[]``, after at most ``block_ms`` plus one socket timeout; in backoff it waits
+        out ``block_ms`` anyway, so a consumer's poll loop does not spin.
+        """
+        if block_ms < 0:
+            raise ValueError(f"block_ms must be >= 0, got {block_ms}")
+        keys = {self.key(s): s for s in streams}
+        if not keys:
+            return []
+        deadline = time.monotonic() + block_ms / 1000
+        if not self._ready():
+            time.sleep(max(0.0, min(deadline, self._retry_at) - time.monotonic()))
+            if not self._ready():
+                return []
+        left_ms = min(block_ms, int((deadline - time.monotonic()) * 1000))  # less only after a backoff wait
+        out: list[tuple[str, Any]] = []
+        reply = self._call(f"read {','.join(streams)}", lambda: self._xread(keys, max(1, left_ms), block_ms), None)
+        if reply is None:
+            return out
+        self._deliver(reply, keys, accept, out)
+        if self._new_connection:
+            # The read itself reconnected, maybe to a restarted server whose ids lie
+            # behind our positions: check now, and read again if positions moved back.
+            before = (dict(self._positions), self._start)
+            moved = self._call("check server", self._check_server, False, check=False)
+            if moved and (dict(self._positions), self._start) != before:
+                reply = self._call(f"read {','.join(streams)}", lambda: self._xread(keys, 0, 0), None)
+                if reply is not None:
+                    self._deliver(reply, keys, accept, out)
+        return out
+
+    def seek(self, stream: str, last_id: str) -> None:
+        """Make the next read of ``stream`` deliver the entries after ``last_id``
+        (``"0-0"``: everything the stream still holds)."""
+        self.key(stream)
+        self._positions[stream] = _parse_id(last_id)
+
+    def position(self, stream: str) -> str | None:
+        """The id after which the next read of ``stream`` starts; None before first contact."""
+        pos = self._positions.get(stream, self._start)
+        return None if pos is None else _format_id(pos)
+
+    def ping(self) -> bool:
+        return bool(self._call("ping", self._client.ping, False))
+
+    def beat(self, name: str, ttl_s: float) -> bool:
+        """Say "I am alive" for ``ttl_s`` seconds (the value is the sender's wall clock)."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        key = self.key(name)
+        px = max(1, round(ttl_s * 1000))
+        return bool(self._call(f"beat {name}", lambda: self._client.set(key, f"{time.time():.3f}", px=px), False))
+
+    def alive(self, name: str) -> bool | None:
+        """Whether ``name``'s last beat is still within its TTL; None when Redis cannot say."""
+        key = self.key(name)
+        found = self._call(f"alive {name}", lambda: self._client.exists(key), None)
+        return None if found is None else bool(found)
+
+    def close(self) -> None:
+        for client in (self._client, self._blocking[1] if self._blocking else None):
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001 - closing a dead connection must not raise
+                    pass
+        self._blocking = None
+
+    def __enter__(self) -> Bus:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- connection state ---------------------------------------------------------------
+
+    def _make_client(self, socket_timeout_s: float) -> redis.Redis:
+        ref = weakref.ref(self)
+
+        def on_connect(conn: Any) -> None:
+            conn.on_connect()  # the handshake (AUTH, SELECT) redis-py would have done
+            bus = ref()
+            if bus is not None:
+                bus._new_connection = True
+
+        return redis.Redis.from_url(
+            self.url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=self.socket_timeout_s,
+            health_check_interval=0,
+            # No retries: a dead server costs one timeout per call, and the Bus's own
+            # backoff decides when to try again. (retry_on_timeout is deprecated since
+            # redis-py 6; an explicit zero-retry policy says it for every error.)
+            retry=Retry(NoBackoff(), 0),
+            redis_connect_func=on_connect,
+        )
+
+    def _ready(self) -> bool:
+        return self.connected or time.monotonic() >= self._retry_at
+
+    def _call(self, what: str, fn: Callable[[], Any], failed: Any, *, check: bool = True) -> Any:
+        """Run one Redis operation fail-open and keep the connection state."""
+        if not self._ready():
+            return failed
+        try:
+            if check and self._new_connection:
+                self._check_server()
+            result = fn()
+        except _DOWN as exc:
+            self._down(f"{what}: {type(exc).__name__}: {exc}")
+            return failed
+        except redis.RedisError as exc:
+            # The server answered but refused (OOM, WRONGTYPE, ...): it is up, so no
+            # backoff, but the caller gets the failure value and the reason is kept.
+            self.errors.append(f"{what}: refused: {type(exc).__name__}: {exc}")
+            self._up()
+            return failed
+        self._up()
+        return result
+
+    def _down(self, reason: str) -> None:
+        self._backoff_s = BACKOFF_START_S if self.connected else min(2 * self._backoff_s, BACKOFF_MAX_S)
+        self._retry_at = time.monotonic() + self._backoff_s
+        if self.connected:
+            self.connected = False
+            log.warning("control bus for job %s lost Redis: %s", self.job, reason)
+            self._notify(False, reason)
+
+    def _up(self) -> None:
+        if not self.connected:
+            self.connected = True
+            self._backoff_s = 0.0
+            log.info("control bus for job %s reconnected to Redis", self.job)
+            self._notify(True, "reconnected")
+
+    def _notify(self, up: bool, reason: str) -> None:
+        if self.on_state is None:
+            return
+        try:
+            self.on_state(up, reason)
+        except Exception as exc:  # noqa: BLE001 - a broken callback must not break the Bus
+            self.errors.append(f"on_state({up}, ...) raised {type(exc).__name__}: {exc}")
+
+    def _check_server(self) -> bool:
+        """After a (re)connect: fix the start point, and rewind positions on a new server."""
+        try:
+            info = self._client.info("server")
+            run_id: str | None = str(info["run_id"])
+            now_ms = int(info["server_time_usec"]) // 1000
+        except (redis.ResponseError, KeyError, ValueError):
+            # A Redis that hides INFO (or predates server_time_usec): fall back to the
+            # server's TIME and give up on restart detection rather than on the Bus.
+            seconds, micros = self._client.time()
+            run_id, now_ms = None, int(seconds) * 1000 + int(micros) // 1000
+        if self._start is None:
+            # Entries from this millisecond on; one from just before may slip in, which
+            # is the safe side of the race.
+            self._start = (now_ms - 1, MAX_SEQ) if now_ms > 0 else (0, 0)
+        elif self._run_id is not None and run_id is not None and run_id != self._run_id:
+            if self._start > (now_ms, 0):
+                self._start = (0, 0)
+            for stream, pos in list(self._positions.items()):
+                if self._last_id(self.key(stream)) < pos:
+                    self._positions[stream] = (0, 0)
+            log.info("control bus for job %s: Redis restarted (run_id %s), positions checked", self.job, run_id)
+        self._run_id = run_id
+        self._new_connection = False
+        return True
+
+    def _last_id(self, key: str) -> StreamId:
+        try:
+            info = self._client.xinfo_stream(key)
+        except redis.ResponseError:
+            return (0, 0)  # no such stream (yet)
+        return _parse_id(_text(info["last-generated-id"]))
+
+    # --- reading ------------------------------------------------------------------------
+
+    def _xread(self, keys: dict[str, str], block_ms: int, requested_ms: int) -> Any:
+        start = self._start if self._start is not None else (0, 0)
+        ids = {key: _format_id(self._positions.get(name, start)) for key, name in keys.items()}
+        if requested_ms <= 0:
+            return self._client.xread(ids)
+        return self._blocking_client(requested_ms).xread(ids, block=block_ms)
+
+    def _blocking_client(self, block_ms: int) -> redis.Redis:
+        """A client whose socket timeout covers the block: redis-py does not stretch
+        the timeout for XREAD BLOCK, so a shared one would time out every long wait.
+        Kept per requested ``block_ms`` (a consumer polls with one value) so that its
+        connection is reused, not rebuilt every read."""
+        if self._blocking is None or self._blocking[0] != block_ms:
+            if self._blocking is not None:
+                self._blocking[1].close()
+            self._blocking = (block_ms, self._make_client(self.socket_timeout_s + block_ms / 1000))
+        return self._blocking[1]
+
+    def _deliver(self, reply: Any, keys: dict[str, str], accept: set[str] | None, out: list[tuple[str, Any]]) -> None:
+        if isinstance(reply, dict):  # RESP3: {key: [entries]}
+            items: Iterable[Any] = ((key, value[0] if value else []) for key, value in reply.items())
+        else:  # RESP2: [[key, entries], ...]
+            items = reply or []
+        for key, entries in items:
+            stream = keys.get(_text(key))
+            if stream is None:
+                continue
+            for entry_id, fields in entries:
+                eid = _text(entry_id)
+                self._positions[stream] = _parse_id(eid)
+                msg = self._decode(stream, eid, fields, accept)
+                if msg is not None:
+                    out.append((stream, msg))
+
+    def _decode(self, stream: str, entry_id: str, fields: Any, accept: set[str] | None) -> Any:
+        names = {_text(k) for k in (fields or {})}
+        problem = None
+        if names != {FIELD}:
+            problem = f"expected exactly field {FIELD!r}, got {sorted(names)}"
+        else:
+            raw = next(iter(fields.values()))
+            try:
+                return messages.decode(raw, accept)
+            except messages.MessageError as exc:
+                problem = str(exc)
+        self.dropped += 1
+        self.errors.append(f"dropped {stream} entry {entry_id}: {problem}")
+        return None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _parse_id(entry_id: str) -> StreamId:
+    if entry_id == "0":
+        return (0, 0)
+    m = _ID.match(entry_id)
+    if m is None:
+        raise ValueError(f"not a stream id: {entry_id!r} (expected MS-SEQ, e.g. '0-0')")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _format_id(entry_id: StreamId) -> str:
+    return f"{entry_id[0]}-{entry_id[1]}"
+
+
+__all__ = ["Bus"]

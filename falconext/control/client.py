@@ -1,0 +1,134 @@
+"""A rank's link to the control plane: one background thread, never the training thread.
+
+It posts what the rank has to say (heartbeats, fail-slow reports, profiles, suspension
+acks, validation results) to its node's stream, where the node agent picks them up, and
+reads the controller's commands. Everything on the network side is fail-open: when
+Redis or the controller is gone the rank logs ``control_lost`` once, keeps training at
+full speed, and logs ``control_restored`` when they are back. Commands are decoded
+strictly by the bus; a command that makes no sense here is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from falconext.config import FalconConfig
+from falconext.control.bus import Bus
+from falconext.control.messages import Command, Heartbeat, ProfileData, SessionAck
+
+CMD_STREAM = "cmd"
+CTL_STREAM = "ctl"
+LOCALIZED_STREAM = "localized"
+CONTROLLER_KEY = "controller"
+
+
+def node_stream(node: int) -> str:
+    return f"node:{node}"
+
+
+class RankClient:
+    """``runtime`` supplies: ``iteration()``, ``iter_s()``, ``profile(window_s)`` (the
+    fields of ProfileData) and ``schedule(cmd) -> str | None`` / ``signal(kind, session)``
+    for suspensions; ``emit(type, **fields)`` writes events.jsonl."""
+
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        rank: int,
+        node: int,
+        config: FalconConfig,
+        runtime: Any,
+        emit: Callable[..., Any],
+    ) -> None:
+        self.rank = rank
+        self.node = node
+        self.cfg = config
+        self.runtime = runtime
+        self.emit = emit
+        self._url, self._job = url, job
+        self._out: queue.Queue = queue.Queue(maxsize=10000)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"falcon-control-{rank}", daemon=True)
+        self._lost: set[str] = set()
+        self.commands = 0
+        self.dropped_out = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def post(self, msg: Any) -> None:
+        """Queue a message for the controller; never blocks the caller."""
+        try:
+            self._out.put_nowait(msg)
+        except queue.Full:
+            self.dropped_out += 1
+
+    # --- the thread ---------------------------------------------------------------------
+
+    def _state(self, what: str, ok: bool, reason: str) -> None:
+        if ok and what in self._lost:
+            self._lost.discard(what)
+            self.emit("control_restored", rank=self.rank, what=what)
+        elif not ok and what not in self._lost:
+            self._lost.add(what)
+            self.emit("control_lost", rank=self.rank, what=what, reason=reason)
+
+    def _run(self) -> None:
+        bus = Bus(self._url, self._job, on_state=lambda ok, why: self._state("redis", ok, why))
+        stream = node_stream(self.node)
+        next_beat = next_check = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.cfg.heartbeat_s
+                    it, iter_s = self.runtime.iteration(), self.runtime.iter_s()
+                    if it >= 0 and iter_s > 0:
+                        self.post(Heartbeat(self.rank, self.node, it, iter_s, time.time()))
+                if now >= next_check:
+                    next_check = now + self.cfg.heartbeat_s
+                    alive = bus.alive(CONTROLLER_KEY)
+                    if alive is not None:  # None: Redis itself is down, logged as such
+                        self._state("controller", alive, "no controller heartbeat")
+                while True:
+                    try:
+                        msg = self._out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not bus.post(stream, msg):
+                        break  # Redis is down: this message is lost, like the rest will be
+                for _, cmd in bus.read([CMD_STREAM], block_ms=100, accept={"Command"}):
+                    self._command(cmd)
+                if not bus.connected:
+                    self._stop.wait(0.1)
+        finally:
+            bus.close()
+
+    def _command(self, cmd: Command) -> None:
+        self.commands += 1
+        session = cmd.args.get("session")
+        if not isinstance(session, int) or isinstance(session, bool):
+            self.emit("control_error", rank=self.rank, error=f"command {cmd.kind} without an integer session")
+            return
+        if cmd.kind == "profile":
+            window = cmd.args.get("window_s")
+            if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 < window <= 600:
+                self.emit("control_error", rank=self.rank, error=f"profile window {window!r} out of range")
+                return
+            snap = self.runtime.profile(float(window))
+            self.post(ProfileData(self.rank, session, snap["roles"], snap["members"], snap["calls"]))
+        elif cmd.kind == "suspend":
+            missed = self.runtime.schedule(cmd)
+            if missed is not None:
+                self.post(SessionAck(self.rank, session, "missed", missed, time.time()))
+        elif cmd.kind in ("go", "release"):
+            self.runtime.signal(cmd.kind, session)
+        # other kinds are for other listeners (agents, operators)

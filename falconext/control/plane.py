@@ -1,0 +1,125 @@
+"""Start and supervise a job's control plane: Redis, the controller, one agent per node.
+
+Used by the launcher (``falconext train``). Redis is private to the job unless a URL is
+given: loopback only, a fresh password, nothing persisted. The controller and agents
+are child processes that get the URL through the environment; a supervisor thread
+restarts whichever dies (the ranks log the loss and keep training meanwhile), so a
+crash costs seconds of control, never the job. ``control.json`` in the run directory
+lists the processes (not the password) for operators and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from falconext.control.redis_server import RedisServer, start_redis
+from falconext.control.service import REDIS_URL_ENV
+
+#: restarts per process before the supervisor gives up on it
+MAX_RESTARTS = 5
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        out: str,
+        world: int,
+        nodes: int,
+        falcon_argv: list[str],
+        redis_url: str | None = None,
+        job: str | None = None,
+    ) -> None:
+        self.out = out
+        self.world = world
+        self.nodes = nodes
+        self.falcon_argv = falcon_argv
+        self.job = job or secrets.token_hex(4)
+        self.redis: RedisServer | None = None
+        self.url = redis_url
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name="falcon-supervisor", daemon=True)
+        self._lock = threading.Lock()
+
+    def env(self) -> dict[str, str]:
+        """What the ranks need to join (the URL stays out of their command lines)."""
+        return {REDIS_URL_ENV: self.url or "", "FALCON_JOB": self.job}
+
+    def start(self) -> "ControlPlane":
+        if self.url is None:
+            self.redis = start_redis()
+            self.url = self.redis.url
+        self._spawn("controller")
+        for n in range(self.nodes):
+            self._spawn(f"agent{n}")
+        self._write()
+        self._thread.start()
+        return self
+
+    def _argv(self, name: str) -> list[str]:
+        base = [sys.executable, "-m", "falconext.control.service"]
+        if name == "controller":
+            return base + ["controller", "--job", self.job, "--world", str(self.world),
+                           "--events", os.path.join(self.out, "events.jsonl"), *self.falcon_argv]
+        return base + ["agent", "--job", self.job, "--node", name[len("agent"):]]
+
+    def _spawn(self, name: str) -> None:
+        env = dict(os.environ, **self.env())
+        log = open(os.path.join(self.out, f"{name}.log"), "ab")
+        self.procs[name] = subprocess.Popen(self._argv(name), env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def _write(self) -> None:
+        info: dict[str, Any] = {
+            "job": self.job,
+            "redis_pid": self.redis.pid if self.redis else None,
+            "redis_port": self.redis.port if self.redis else None,
+            "pids": {n: p.pid for n, p in self.procs.items()},
+            "restarts": dict(self.restarts),
+        }
+        tmp = os.path.join(self.out, "control.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(info, f, indent=2)
+        os.replace(tmp, os.path.join(self.out, "control.json"))
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.5):
+            with self._lock:
+                for name, proc in list(self.procs.items()):
+                    if proc.poll() is None or self._stop.is_set():
+                        continue
+                    if self.restarts.get(name, 0) >= MAX_RESTARTS:
+                        continue
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    self._spawn(name)
+                    self._write()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + 5
+            for proc in self.procs.values():
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def __enter__(self) -> "ControlPlane":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

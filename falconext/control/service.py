@@ -1,0 +1,103 @@
+"""The control plane's processes: ``python -m falconext.control.service controller|agent``.
+
+The launcher starts one controller per job and one agent per node. The Redis URL (it
+holds the password) comes from ``$FALCON_REDIS_URL``, never from the command line,
+where any user of the machine could read it. Both loops are thin: the logic is in
+:mod:`falconext.control.controller` and :mod:`falconext.control.agent`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from falconext.config import add_config_arguments, config_from_args
+from falconext.control.bus import Bus
+from falconext.control.client import CMD_STREAM, CONTROLLER_KEY, CTL_STREAM, LOCALIZED_STREAM
+from falconext.control.controller import Controller
+from falconext.megatron.monitor import EventLog
+
+REDIS_URL_ENV = "FALCON_REDIS_URL"
+
+
+def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool]) -> None:
+    events = EventLog(events_path)
+    lost = False
+
+    def on_state(ok: bool, why: str) -> None:
+        nonlocal lost
+        if ok == lost:
+            lost = not ok
+            events.emit("controller_redis", connected=ok, reason=why)
+
+    bus = Bus(url, job, on_state=on_state)
+    ctl = Controller(cfg, world)
+    events.emit("controller_started", pid=os.getpid(), world=world)
+    next_beat = 0.0
+    try:
+        while not stop[0]:
+            if time.monotonic() >= next_beat:
+                bus.beat(CONTROLLER_KEY, cfg.controller_timeout_s)
+                next_beat = time.monotonic() + cfg.heartbeat_s
+            outputs = []
+            for _, msg in bus.read([CTL_STREAM], block_ms=100):
+                outputs += ctl.handle(msg, time.time())
+            outputs += ctl.tick(time.time())
+            for out in outputs:
+                if out.kind == "command":
+                    bus.post(CMD_STREAM, out.message)
+                elif out.kind == "localized":
+                    bus.post(LOCALIZED_STREAM, out.message)
+                else:
+                    ev = dict(out.event)
+                    events.emit(ev.pop("type"), **ev)
+    finally:
+        bus.close()
+        events.close()
+
+
+def run_agent(url: str, job: str, node: int, stop: list[bool]) -> None:
+    from falconext.control.agent import NodeAgent
+    from falconext.validate.health import gpu_health
+
+    agent = NodeAgent(Bus(url, job), node, gpu_health)
+    while not stop[0]:
+        agent.step()
+    agent.bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="falconext.control.service", description=__doc__.splitlines()[0])
+    p.add_argument("role", choices=["controller", "agent"])
+    p.add_argument("--job", required=True)
+    p.add_argument("--world", type=int, default=None, help="ranks in the job (controller)")
+    p.add_argument("--events", default=None, help="events.jsonl to append to (controller)")
+    p.add_argument("--node", type=int, default=0, help="this agent's node")
+    add_config_arguments(p)
+    args = p.parse_args(argv)
+    url = os.environ.get(REDIS_URL_ENV)
+    if not url:
+        print(f"falconext.control.service: error: ${REDIS_URL_ENV} is not set", file=sys.stderr)
+        return 2
+    stop = [False]
+
+    def _stop(*_):
+        stop[0] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    if args.role == "controller":
+        if not args.events:
+            print("falconext.control.service: error: the controller needs --events", file=sys.stderr)
+            return 2
+        run_controller(url, args.job, args.world, args.events, config_from_args(args), stop)
+    else:
+        run_agent(url, args.job, args.node, stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

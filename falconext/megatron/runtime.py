@@ -1,0 +1,186 @@
+"""falconext inside one training process: tracer, monitor, control client, suspensions.
+
+The training loop makes two calls: :meth:`FalconRuntime.before_iteration` at the top of
+each iteration (the only place a suspension can be scheduled from: the loop iteration
+is the boundary every rank agrees on) and :meth:`FalconRuntime.close` at the end. With
+Megatron-LM the same two calls go in ``train()`` (patches/).
+
+Everything else runs off the training thread. A suspension traps the first collective
+of the agreed iteration; validation traffic uses a dedicated gloo group created at
+start-up (before the tracer, on every rank, so creating it cannot deadlock later) and
+the torch.distributed functions found below the tracer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from falconext.config import FalconConfig
+from falconext.control.messages import Command, FailSlowReport, SessionAck
+from falconext.megatron.monitor import EventLog, RankMonitor
+from falconext.validate.gemm import gemm_benchmark
+from falconext.validate.p2p import run_passes
+from falconext.validate.suspension import Bench, Suspension
+
+REDIS_URL_ENV = "FALCON_REDIS_URL"
+JOB_ENV = "FALCON_JOB"
+
+
+class FalconRuntime:
+    def __init__(
+        self,
+        config: FalconConfig,
+        rank: int,
+        node: int,
+        out: str,
+        events: EventLog,
+        loop_starts: list[float],
+        *,
+        redis_url: str | None = None,
+        job: str | None = None,
+        matmul: Callable[..., Any] = torch.matmul,
+        device: str = "cpu",
+    ) -> None:
+        from falconext.trace.groups import megatron_roles
+        from falconext.trace.hooks import CallTracer
+
+        self.cfg = config
+        self.rank = rank
+        self.node = node
+        self.events = events
+        self.loop_starts = loop_starts
+        self._iteration = -1
+        self._lock = threading.Lock()
+        self._pending: Suspension | None = None
+        self._active: Suspension | None = None
+        self._matmul = matmul
+        self._device = device
+        self.suspensions: list[Suspension] = []
+
+        url = redis_url or os.environ.get(REDIS_URL_ENV) or None
+        self.control = bool(config.control_plane and url)
+        self._vgroup = None
+        if self.control:
+            # every rank creates it, even one whose Redis is unreachable: new_group is collective
+            timeout = datetime.timedelta(seconds=max(10.0, 2 * config.suspend_deadline_s))
+            self._vgroup = torch.distributed.new_group(backend="gloo", timeout=timeout)
+
+        self.tracer = CallTracer(rank, roles=megatron_roles(), cuda_events=device == "cuda")
+        self.tracer.install()
+        self.monitor = RankMonitor(
+            self.tracer.drain, config, rank, loop_starts, events,
+            os.path.join(out, "calls", f"rank{rank}.jsonl"), on_event=self._on_event,
+        )
+        self.client = None
+        if self.control:
+            from falconext.control.client import RankClient
+
+            self.client = RankClient(url, job or os.environ.get(JOB_ENV, "falcon"), rank, node, config, self, events.emit)
+        self.monitor.start()
+        if self.client is not None:
+            self.client.start()
+        events.emit("tracking_started", rank=rank, control=self.control)
+
+    # --- called by the training loop --------------------------------------------------------
+
+    def before_iteration(self, it: int) -> None:
+        self._iteration = it
+        pend = self._pending
+        if pend is None:
+            return
+        with self._lock:
+            pend, self._pending = self._pending, None
+        if pend is None:
+            return
+        if it == pend.iteration:
+            self._active = pend
+            self.suspensions.append(pend)
+            self.tracer.trap.arm(self.cfg.suspend_deadline_s, on_hold=pend.run)
+        elif it > pend.iteration and self.client is not None:  # the command came too late
+            self.client.post(SessionAck(self.rank, pend.session, "missed", it, time.time()))
+        else:
+            self._pending = pend  # not yet
+
+    def close(self) -> None:
+        self.tracer.trap.release()
+        self.tracer.uninstall()
+        self.monitor.stop()
+        if self.client is not None:
+            self.client.stop()
+
+    # --- called by the control client (its thread) ------------------------------------------
+
+    def iteration(self) -> int:
+        return self._iteration
+
+    def iter_s(self) -> float:
+        starts = self.loop_starts[-12:]
+        if len(starts) < 3:
+            return 0.0
+        return statistics.median(b - a for a, b in zip(starts, starts[1:]))
+
+    def profile(self, window_s: float) -> dict[str, Any]:
+        return self.monitor.profile_snapshot(window_s)
+
+    def schedule(self, cmd: Command) -> int | None:
+        """Arm a suspension for ``cmd.iteration``; the current iteration if already past it."""
+        session = cmd.args["session"]
+        plan = cmd.args.get("plan")
+        if cmd.iteration is None or not isinstance(plan, dict):
+            self.events.emit("control_error", rank=self.rank, error="suspend without iteration or plan")
+            return None
+        if self._iteration >= cmd.iteration:
+            return self._iteration
+        sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit)
+        with self._lock:
+            self._pending = sus
+        return None
+
+    def signal(self, kind: str, session: int) -> None:
+        for sus in (self._active, self._pending):
+            if sus is not None and sus.session == session:
+                sus.signal(kind)
+        if kind == "release":
+            with self._lock:
+                if self._pending is not None and self._pending.session == session:
+                    self._pending = None
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _on_event(self, kind: str, fields: dict[str, Any]) -> None:
+        if self.client is None or fields.get("onset") is None:
+            return
+        end = None
+        if kind == "fail_slow_end":
+            end = fields.get("end") or fields.get("ended_at") or fields["onset"]
+        self.client.post(
+            FailSlowReport(
+                self.rank, int(fields["onset"]), int(fields.get("detected_at") or fields["onset"]),
+                float(fields["slowdown"]), float(fields["baseline_s"]), time.time(),
+                int(fields["event_id"]), None if end is None else int(end),
+            )
+        )
+
+    def _bench(self) -> Bench:
+        tr = self.tracer
+        send, recv, barrier = tr.original("send"), tr.original("recv"), tr.original("barrier")
+        group = self._vgroup
+        sync = torch.cuda.synchronize if self._device == "cuda" else None
+
+        def gemm(n: int, repeats: int) -> float:
+            # the best repeat, not the median: on a shared host, time-slicing only ever
+            # adds time, and a slow device is slow in every repeat
+            result = gemm_benchmark(n, repeats, matmul=self._matmul, device=self._device, sync=sync)
+            return 2.0 * n**3 / min(result.samples)
+
+        def passes(schedule: list, nbytes: int, repeats: int) -> list:
+            return run_passes(schedule, self.rank, nbytes, repeats, group=group, send=send, recv=recv, barrier=barrier)
+
+        return Bench(gemm, passes)

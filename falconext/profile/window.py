@@ -1,0 +1,151 @@
+"""The profiling window: recent collective calls on a rank, and what they say together.
+
+Each rank keeps its last few thousand collective calls (:class:`RecentCollectives`, fed by
+the monitor thread from the records it already drains, so profiling adds nothing to the
+training thread). When the controller asks, every rank sends the calls of the last few
+seconds; :func:`analyze_window` matches the same collective across its members (the k-th
+call on a group is the same collective on every member, because members issue a group's
+collectives in the same order) and turns them into the inputs of
+:mod:`falconext.profile.analysis`: per-collective arrival times and per-group transfer
+times. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Iterable, Mapping, Sequence
+
+from falconext.profile.analysis import (
+    ArrivalStats,
+    GroupTiming,
+    last_arrivers,
+    split_wait_transfer,
+    suspicious_groups,
+    wait_causers,
+)
+from falconext.trace.records import CallRecord
+
+#: ops whose members all take part in every call (P2P is matched pairwise, not here)
+COLLECTIVE_OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier"})
+
+
+class RecentCollectives:
+    """A bounded memory of one rank's latest collective calls, indexed per group."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._rows: deque[tuple[str, int, float, float, int]] = deque(maxlen=capacity)
+        self._count: dict[str, int] = {}
+        self.roles: dict[str, str] = {}
+        self.members: dict[str, list[int]] = {}
+
+    def feed(self, rec: CallRecord) -> None:
+        """Records must come in ``seq`` order (as the tracer's drain returns them)."""
+        if rec.group not in self.members:  # P2P groups too: validation tests their links
+            self.members[rec.group] = list(rec.group_ranks) if rec.group_ranks else []
+            self.roles[rec.group] = rec.role or ""
+        if rec.op not in COLLECTIVE_OPS:
+            return
+        k = self._count.get(rec.group, 0)
+        self._count[rec.group] = k + 1
+        if rec.t_end is not None:  # completion unknown: useless for the split
+            self._rows.append((rec.group, k, rec.t_issue, rec.t_end, rec.bytes))
+
+    def snapshot(self, window_s: float, limit: int = 1500) -> dict[str, Any]:
+        """The calls issued in the last ``window_s`` seconds before the newest one.
+
+        ``limit`` keeps the message under the bus's size limit on ranks with many calls
+        (the newest are kept). Returns the fields of a ProfileData message.
+        """
+        rows = list(self._rows)
+        calls: dict[str, list[list[float]]] = {}
+        if rows:
+            newest = max(r[2] for r in rows)
+            for gid, k, t0, t1, nbytes in [r for r in rows if r[2] >= newest - window_s][-limit:]:
+                calls.setdefault(gid, []).append([k, round(t0, 6), round(t1, 6), nbytes])
+        return {"roles": dict(self.roles), "members": {g: list(m) for g, m in self.members.items()}, "calls": calls}
+
+
+@dataclass(frozen=True)
+class RankWindow:
+    """One rank's profile, as received (the fields of ProfileData)."""
+
+    rank: int
+    roles: Mapping[str, str]
+    members: Mapping[str, Sequence[int]]
+    calls: Mapping[str, Sequence[Sequence[float]]]
+
+
+@dataclass(frozen=True)
+class Findings:
+    compute_suspects: list[int]
+    suspicious_groups: list[str]
+    timings: list[GroupTiming]
+    arrivals: dict[int, ArrivalStats]
+    #: group -> (role, members in group order) for every group seen
+    groups: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    instances: int = 0
+
+    def evidence(self) -> dict[str, Any]:
+        return {
+            "compute_suspects": self.compute_suspects,
+            "suspicious_groups": self.suspicious_groups,
+            "instances": self.instances,
+            "last_share": {str(r): round(s.last_share, 3) for r, s in sorted(self.arrivals.items())},
+            "caused_wait_s": {str(r): round(s.caused_s, 4) for r, s in sorted(self.arrivals.items())},
+            "transfer_ms": {
+                f"{t.group}@{t.bytes}": round(t.transfer_s * 1e3, 3) for t in sorted(self.timings, key=lambda t: t.group)
+            },
+        }
+
+
+def match_instances(windows: Iterable[RankWindow]) -> dict[tuple[str, int], dict[int, tuple[float, float, int]]]:
+    """(group, k) -> {rank: (t_issue, t_end, bytes)}, only where every member reported it."""
+    seen: dict[tuple[str, int], dict[int, tuple[float, float, int]]] = {}
+    members: dict[str, set[int]] = {}
+    for w in windows:
+        for gid, rows in w.calls.items():
+            members.setdefault(gid, set(w.members.get(gid, ())))
+            for row in rows:
+                if len(row) != 4:
+                    raise ValueError(f"rank {w.rank}, group {gid}: a call row needs [k, t_issue, t_end, bytes]")
+                k, t0, t1, nbytes = row
+                seen.setdefault((gid, int(k)), {})[w.rank] = (float(t0), float(t1), int(nbytes))
+    return {key: inst for key, inst in seen.items() if members.get(key[0]) and set(inst) >= members[key[0]]}
+
+
+def analyze_window(
+    windows: Sequence[RankWindow],
+    suspicious_factor: float = 1.1,
+) -> Findings:
+    """Compute suspects (ranks the others wait for) and suspicious groups (slow transfers)."""
+    groups: dict[str, tuple[str, list[int]]] = {}
+    for w in windows:
+        for gid, ranks in w.members.items():
+            groups.setdefault(gid, (w.roles.get(gid, ""), list(ranks)))
+    instances = match_instances(windows)
+    arrivals_in: list[dict[int, float]] = []
+    transfers: dict[tuple[str, int], list[float]] = {}
+    for (gid, _k), inst in instances.items():
+        if len(inst) < 2:
+            continue
+        arrivals_in.append({r: v[0] for r, v in inst.items()})
+        split = split_wait_transfer({r: (v[0], v[1]) for r, v in inst.items()})
+        nbytes = max(v[2] for v in inst.values())
+        transfers.setdefault((gid, nbytes), []).append(median(s.transfer_s for s in split.values()))
+    timings = [
+        GroupTiming(gid, groups[gid][0] or None, len(groups[gid][1]), nbytes, median(ts))
+        for (gid, nbytes), ts in sorted(transfers.items())
+    ]
+    arrivals = last_arrivers(arrivals_in)
+    return Findings(
+        compute_suspects=wait_causers(arrivals),
+        suspicious_groups=sorted(set(suspicious_groups(timings, suspicious_factor))),
+        timings=timings,
+        arrivals=arrivals,
+        groups=groups,
+        instances=len(instances),
+    )

@@ -1,0 +1,98 @@
+"""One rank's side of a suspension: hold at the agreed iteration, validate, resume.
+
+The controller picks a loop iteration every rank has yet to start. At its first
+collective call the rank's training thread is trapped (``CallTracer.trap``), so no rank
+is inside a collective that waits for a trapped peer. The trapped thread says "held",
+waits for the controller's "go" (sent once every rank is held), runs its share of the
+validation plan (a GEMM if it is a suspect's group member, its send or receive in
+each P2P pass), reports, and lets the trapped call go on.
+
+Deadlines: the wait for "go" ends at the trap's deadline whatever happens to the
+controller or Redis; a "release" ends it at once. The validation traffic runs on a
+dedicated process group whose timeout bounds a pass that loses its peer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from falconext.control.messages import SessionAck, ValidationResult
+
+
+@dataclass
+class Bench:
+    """How this rank runs the benchmarks (functions from below the tracer)."""
+
+    gemm: Callable[[int, int], float]  # (n, repeats) -> FLOP/s
+    passes: Callable[[list, int, int], list]  # (passes, nbytes, repeats) -> [(src, dst, s)]
+
+
+class Suspension:
+    def __init__(
+        self,
+        rank: int,
+        session: int,
+        iteration: int,
+        plan: dict[str, Any],
+        bench: Bench,
+        post: Callable[[Any], None],
+        emit: Callable[..., Any],
+    ) -> None:
+        self.rank = rank
+        self.session = session
+        self.iteration = iteration
+        self.plan = plan
+        self.bench = bench
+        self.post = post
+        self.emit = emit
+        self._go = threading.Event()
+        self._release = threading.Event()
+        self._wake = threading.Event()
+        self.pause_s: float | None = None
+        self.expired = False
+
+    def signal(self, kind: str) -> None:
+        """``go`` or ``release`` from the controller (any thread)."""
+        (self._go if kind == "go" else self._release).set()
+        self._wake.set()
+
+    def run(self, end: float) -> None:
+        """Runs on the trapped training thread; ``end`` is the deadline (monotonic)."""
+        t0 = time.monotonic()
+        self.post(SessionAck(self.rank, self.session, "held", self.iteration, time.time()))
+        while not (self._go.is_set() or self._release.is_set()):
+            left = end - time.monotonic()
+            if left <= 0:
+                self.expired = True
+                break
+            self._wake.wait(min(left, 0.05))
+        outcome = "released" if self._release.is_set() else "expired" if self.expired else "validated"
+        if self._go.is_set() and not self._release.is_set():
+            self.post(self._validate())
+        self.pause_s = time.monotonic() - t0
+        self.post(
+            SessionAck(self.rank, self.session, "resumed", self.iteration, time.time(), self.pause_s, self.expired)
+        )
+        self.emit(
+            "suspension", rank=self.rank, session=self.session, iteration=self.iteration,
+            outcome=outcome, pause_s=round(self.pause_s, 4),
+        )
+
+    def _validate(self) -> ValidationResult:
+        plan = self.plan
+        flops: float | None = None
+        links: list[list[float]] = []
+        error = ""
+        try:
+            if self.rank in plan.get("gemm", []):
+                flops = float(self.bench.gemm(int(plan["gemm_n"]), int(plan["gemm_repeats"])))
+            passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
+            if passes:
+                for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"])):
+                    links.append([src, dst, float(sec)])
+        except Exception as exc:  # a broken benchmark must not take training down
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        return ValidationResult(self.rank, self.session, flops, links, error)

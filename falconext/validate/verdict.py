@@ -1,0 +1,108 @@
+"""Verdicts from validation benchmarks: which ranks compute slowly, which links are slow.
+
+Both compare each measurement with a median of its peers rather than with a nominal
+speed: the job's own hardware, dtype and message size set the baseline, and a median is
+not dragged by the very outlier it has to expose (a mean would be, with few ranks).
+A measurement is slow when it takes more than ``factor`` times the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import statistics
+from typing import Mapping, Sequence
+
+
+def _check_factor(factor: float, who: str) -> None:
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 1:
+        raise ValueError(f"{who}: factor must be a finite number >= 1, got {factor!r}")
+
+
+def _positive(value: object) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def slow_ranks(flops: Mapping[int, float], factor: float = 1.3) -> list[int]:
+    """Ranks whose FLOP/s is below median / factor, sorted.
+
+    Fewer than two ranks give no verdict: a lone rank has nothing to be compared with,
+    and there is no nominal speed to fall back on. With exactly two the median is their
+    mean, so a rank is flagged only when it is below 1 / (2 factor - 1) of the other
+    (0.625 for factor 1.3): two ranks cannot say which one is off by a little.
+    """
+    _check_factor(factor, "slow_ranks")
+    for rank, value in flops.items():
+        if not _positive(value):
+            raise ValueError(f"slow_ranks: FLOP/s of rank {rank} is {value!r}; expected a finite positive number")
+    if len(flops) < 2:
+        return []
+    reference = statistics.median(flops.values())
+    return sorted(rank for rank, value in flops.items() if value * factor < reference)
+
+
+def _key(a: int, b: int) -> str:
+    return f"{a}-{b}"
+
+
+def slow_links(
+    pairs: Sequence[tuple[int, int, float]],
+    node_of: Mapping[int, int],
+    factor: float = 1.3,
+) -> tuple[list[tuple[int, int]], dict]:
+    """Slow inter-node links as sorted node pairs (a, b), a < b, plus the evidence.
+
+    Each measured (src, dst, seconds) maps to the unordered node pair of its ranks; a
+    link's value is the median of its measurements (both directions, several rank pairs),
+    robust to one noisy sample. Pairs within one node are intra-node measurements: they
+    are never judged (mitigation acts on node links) but may serve as reference.
+
+    Reference: the median over inter-node link values when there are at least three
+    distinct inter-node links; on a real cluster intra-node NVLink is far faster, and
+    comparing like with like keeps every inter-node link from looking slow. With fewer,
+    there is nothing else to compare with, so the median over all links, intra-node ones
+    included (one value per node), is used. Links, not raw measurements, are the unit of
+    the median, so a link measured more often does not weigh more.
+
+    Evidence (JSON-friendly): {"links": {"a-b": s}, "intra": {"a-a": s}, "reference": s or
+    None, "reference_from": "inter-node links" | "all links", "factor": f, "slow": ["a-b"]}.
+    """
+    _check_factor(factor, "slow_links")
+    samples: dict[tuple[int, int], list[float]] = {}
+    for item in pairs:
+        if len(item) != 3:
+            raise ValueError(f"slow_links: {item!r} is not a (src, dst, seconds) measurement")
+        src, dst, seconds = item
+        for r in (src, dst):
+            if r not in node_of:
+                raise ValueError(f"slow_links: rank {r} (in pair {src}->{dst}) has no node in node_of")
+        if not _positive(seconds):
+            raise ValueError(f"slow_links: time of pair {src}->{dst} is {seconds!r}; expected a finite positive number")
+        a, b = sorted((node_of[src], node_of[dst]))
+        samples.setdefault((a, b), []).append(float(seconds))
+
+    value = {link: float(statistics.median(s)) for link, s in sorted(samples.items())}
+    inter = {link: v for link, v in value.items() if link[0] != link[1]}
+    intra = {link: v for link, v in value.items() if link[0] == link[1]}
+    if len(inter) >= 3:
+        basis, reference = "inter-node links", float(statistics.median(inter.values()))
+    elif value:
+        basis, reference = "all links", float(statistics.median(value.values()))
+    else:
+        basis, reference = "all links", None
+
+    slow = [] if reference is None else [link for link, v in inter.items() if v > factor * reference]
+    evidence = {
+        "links": {_key(*link): v for link, v in inter.items()},
+        "intra": {_key(*link): v for link, v in intra.items()},
+        "reference": reference,
+        "reference_from": basis,
+        "factor": float(factor),
+        "slow": [_key(*link) for link in slow],
+    }
+    return slow, evidence

@@ -1,0 +1,203 @@
+"""The controller's state machine, driven by scripted messages (no Redis, no clock)."""
+
+from __future__ import annotations
+
+from falconext.config import FalconConfig
+from falconext.control.controller import MAX_SUSPEND_TRIES, Controller, State
+from falconext.control.messages import (
+    Command,
+    FailSlowReport,
+    Heartbeat,
+    NodeHealth,
+    ProfileData,
+    SessionAck,
+    ValidationResult,
+)
+
+CFG = FalconConfig()
+NODES = {0: 0, 1: 0, 2: 1, 3: 1}
+DP = "dp:0,1,2,3"
+
+
+def commands(outs, kind=None):
+    return [o.message for o in outs if o.kind == "command" and (kind is None or o.message.kind == kind)]
+
+
+def events(outs, type_=None):
+    return [o.event for o in outs if o.kind == "event" and (type_ is None or o.event["type"] == type_)]
+
+
+def beats(ctl, t=100.0, it=50):
+    for r, n in NODES.items():
+        ctl.handle(Heartbeat(r, n, it, 0.3, t), t)
+
+
+def profile(rank, session, late_rank=None, n=20):
+    rows = []
+    for k in range(n):
+        t0 = 10.0 + k * 0.3 + (0.03 if rank == late_rank else 0.001 * ((rank + k) % 4))
+        t_last = 10.0 + k * 0.3 + (0.03 if late_rank is not None else 0.003)
+        rows.append([k, t0, t_last + 0.002, 4096])
+    return ProfileData(rank, session, {DP: "dp", "pp:0": "pp"}, {DP: [0, 1, 2, 3]}, {DP: rows})
+
+
+def report(rank=1, t=101.0, end=None):
+    return FailSlowReport(rank, 40, 54, 2.0, 0.3, t, event_id=0, end=end)
+
+
+def to_profiling(ctl, late_rank=1):
+    beats(ctl)
+    out = ctl.handle(report(), 101.0)
+    assert ctl.state is State.PROFILING
+    (cmd,) = commands(out, "profile")
+    assert cmd.args["session"] == ctl.session and cmd.args["window_s"] == CFG.profile_window_s
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(profile(r, ctl.session, late_rank), 101.2)
+    return outs
+
+
+def test_compute_fault_walks_the_states_and_names_the_gpu():
+    ctl = Controller(CFG, world=4)
+    outs = to_profiling(ctl)
+    (prof,) = events(outs, "profiled")
+    assert prof["compute_suspects"] == [1]
+    (sus,) = commands(outs, "suspend")
+    assert ctl.state is State.VALIDATING
+    assert sus.iteration >= 50 + CFG.suspend_margin_iterations
+    assert sus.deadline_s == CFG.suspend_deadline_s
+    plan = sus.args["plan"]
+    assert plan["gemm"] == [0, 1, 2, 3] and plan["scope"] == "suspects"
+    session = sus.args["session"]
+    outs = []
+    for r in NODES:
+        assert not commands(outs, "go")  # not before everyone is held
+        outs += ctl.handle(SessionAck(r, session, "held", sus.iteration, 102.0), 102.0)
+    assert len(commands(outs, "go")) == 1 and events(outs, "suspended")
+    ctl.handle(NodeHealth(0, session, [{"index": 0, "sm_clock_mhz": 1980}]), 102.1)
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(ValidationResult(r, session, 5e9 if r == 1 else 1e10, []), 102.5)
+    (loc,) = events(outs, "localized")
+    assert loc["gpus"] == [1] and loc["links"] == []
+    assert loc["after_event_s"] == 1.5
+    assert loc["evidence"]["health"]["0"][0]["sm_clock_mhz"] == 1980
+    assert ctl.state is State.TRACKING
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(SessionAck(r, session, "resumed", sus.iteration, 103.0, pause_s=0.4 + r / 10), 103.0)
+    (res,) = events(outs, "resumed")
+    assert res["pause_s"] == 0.7
+
+
+def test_one_episode_per_fail_slow_and_it_ends_with_every_reporter():
+    ctl = Controller(CFG, world=4)
+    to_profiling(ctl)
+    session = ctl.session
+    assert not commands(ctl.handle(report(rank=3), 101.3))  # joins the episode
+    s = ctl.session
+    iteration = ctl._iteration
+    for r in NODES:
+        ctl.handle(SessionAck(r, s, "held", iteration, 102.0), 102.0)
+    for r in NODES:
+        ctl.handle(ValidationResult(r, s, 1e10, []), 102.5)
+    assert ctl.state is State.TRACKING and ctl.session == session
+    assert not commands(ctl.handle(report(rank=1, t=110.0), 110.0))  # still the same fail-slow
+    assert not events(ctl.handle(report(rank=1, t=120.0, end=90), 120.0), "episode_end")
+    assert events(ctl.handle(report(rank=3, t=120.5, end=90), 120.5), "episode_end")
+    out = ctl.handle(report(rank=2, t=130.0), 130.0)  # a new fail-slow: a new episode
+    assert commands(out, "profile") and ctl.session == session + 1
+
+
+def test_a_rank_that_missed_the_iteration_gets_a_later_retry_then_an_abort():
+    ctl = Controller(CFG, world=4)
+    to_profiling(ctl)
+    for attempt in range(1, MAX_SUSPEND_TRIES + 1):
+        s, it = ctl.session, ctl._iteration
+        ctl.handle(SessionAck(0, s, "held", it, 102.0), 102.0)
+        out = ctl.handle(SessionAck(2, s, "missed", it + 1, 102.0), 102.0)
+        (rel,) = commands(out, "release")
+        assert rel.args["session"] == s
+        if attempt < MAX_SUSPEND_TRIES:
+            (again,) = commands(out, "suspend")
+            assert again.args["session"] == s + 1 and again.iteration > it
+            assert not commands(ctl.handle(SessionAck(1, s, "held", it, 102.0), 102.0))  # stale session
+        else:
+            assert events(out, "localization_failed") and ctl.state is State.TRACKING
+
+
+def test_deadlines_release_everyone_and_give_up():
+    ctl = Controller(CFG, world=4)
+    to_profiling(ctl)
+    s = ctl.session
+    ctl.handle(SessionAck(0, s, "held", ctl._iteration, 102.0), 102.0)
+    assert ctl.tick(102.5) == []
+    out = ctl.tick(1e6)
+    assert commands(out, "release")[0].args["session"] == s
+    assert events(out, "localization_failed") and ctl.state is State.TRACKING
+
+    ctl = Controller(CFG, world=4)
+    beats(ctl)
+    ctl.handle(report(), 101.0)
+    assert ctl.tick(101.0 + CFG.profile_timeout_s / 2) == []
+    out = ctl.tick(101.0 + CFG.profile_timeout_s)
+    assert "no rank sent its profile" in events(out, "localization_failed")[0]["reason"]
+
+
+def test_operator_validation_of_a_healthy_job_localizes_nothing_and_tests_every_link():
+    ctl = Controller(CFG, world=4)
+    beats(ctl)
+    out = ctl.handle(Command("validate", 0.0), 101.0)
+    assert commands(out, "profile")
+    outs = []
+    for r in NODES:
+        p = profile(r, ctl.session, None)
+        p = ProfileData(r, p.session, {DP: "dp", "pp:0,2": "pp", "pp:1,3": "pp"},
+                        {DP: [0, 1, 2, 3], "pp:0,2": [0, 2], "pp:1,3": [1, 3]}, p.calls)
+        outs += ctl.handle(p, 101.2)
+    (sus,) = commands(outs, "suspend")
+    plan = sus.args["plan"]
+    assert plan["scope"] == "all" and plan["gemm"] == [0, 1, 2, 3]
+    assert plan["roles"] == ["dp", "pp"]
+    links = {tuple(p) for ps in plan["passes"] for p in ps}
+    assert {(0, 1), (1, 2), (2, 3), (3, 0), (0, 2), (2, 0), (1, 3), (3, 1)} == links
+    for ps in plan["passes"]:
+        ranks = [r for p in ps for r in p]
+        assert len(ranks) == len(set(ranks))
+    s = sus.args["session"]
+    for r in NODES:
+        ctl.handle(SessionAck(r, s, "held", sus.iteration, 102.0), 102.0)
+    outs = []
+    for r in NODES:
+        received = [[src, dst, 0.010 + 0.001 * r] for ps in plan["passes"] for src, dst in ps if dst == r]
+        outs += ctl.handle(ValidationResult(r, s, 1e10 * (1 + 0.05 * r), received), 102.5)
+    (loc,) = events(outs, "localized")
+    assert loc["gpus"] == [] and loc["links"] == []
+    assert ctl.episode is None  # an operator episode ends with its verdict
+
+
+def test_a_slow_link_is_named_by_its_nodes():
+    ctl = Controller(CFG, world=4)
+    beats(ctl)
+    ctl.handle(Command("validate", 0.0), 101.0)
+    for r in NODES:
+        ctl.handle(profile(r, ctl.session, None), 101.2)
+    s, it = ctl.session, ctl._iteration
+    for r in NODES:
+        ctl.handle(SessionAck(r, s, "held", it, 102.0), 102.0)
+    slow = {(1, 2), (3, 0)}  # the ring links that cross nodes 0-1
+    outs = []
+    for r in NODES:
+        links = [[(r - 1) % 4, r, 0.05 if ((r - 1) % 4, r) in slow else 0.01]]  # the DP ring
+        outs += ctl.handle(ValidationResult(r, s, 1e10, links), 102.5)
+    (loc,) = events(outs, "localized")
+    assert loc["links"] == [[0, 1]] and loc["gpus"] == []
+
+
+def test_messages_of_other_sessions_and_states_are_ignored():
+    ctl = Controller(CFG, world=4)
+    beats(ctl)
+    assert ctl.handle(ProfileData(0, 7, {}, {}, {}), 101.0) == []
+    assert ctl.handle(ValidationResult(0, 0, 1e9, []), 101.0) == []
+    assert ctl.handle(SessionAck(0, 3, "held", 1, 101.0), 101.0) == []
+    assert ctl.state is State.TRACKING

@@ -1,0 +1,136 @@
+"""Slow-rank and slow-link verdicts: median references, like-with-like links, bad input named."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from falconext.validate.verdict import slow_links, slow_ranks
+
+# ------------------------------------------------------------------------------ slow_ranks
+
+
+def test_one_slow_rank_among_four():
+    assert slow_ranks({0: 100.0, 1: 98.0, 2: 50.0, 3: 103.0}) == [2]
+
+
+def test_one_slow_rank_among_two():
+    assert slow_ranks({4: 100.0, 9: 50.0}) == [9]
+
+
+def test_two_ranks_cannot_see_a_small_gap():
+    # the median of two is their mean: 0.7 of the other is not below mean / 1.3
+    assert slow_ranks({0: 100.0, 1: 70.0}) == []
+    assert slow_ranks({0: 100.0, 1: 70.0, 2: 100.0}) == [1]
+
+
+def test_threshold_is_median_over_factor():
+    base = {0: 100.0, 1: 100.0, 2: 100.0}
+    assert slow_ranks({**base, 3: 100.0 / 1.3 + 1e-6}) == []  # the median stays 100
+    assert slow_ranks({**base, 3: 100.0 / 1.3 - 1e-3}) == [3]
+    assert slow_ranks({**base, 3: 70.0}, factor=1.5) == []
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_healthy_ranks_with_ten_percent_noise(seed):
+    rng = random.Random(seed)
+    assert slow_ranks({r: 100.0 * rng.uniform(0.9, 1.1) for r in range(16)}) == []
+
+
+def test_fewer_than_two_ranks_give_no_verdict():
+    assert slow_ranks({}) == [] and slow_ranks({3: 1.0}) == []
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 0.0, -5.0, True, "fast"])
+def test_bad_flops_name_the_rank(bad):
+    with pytest.raises(ValueError, match="rank 7"):
+        slow_ranks({0: 100.0, 7: bad, 2: 100.0})
+    with pytest.raises(ValueError, match="rank 7"):
+        slow_ranks({7: bad})  # checked even when there is nothing to compare
+
+
+@pytest.mark.parametrize("factor", [0.9, math.nan, -1.0])
+def test_bad_factor(factor):
+    with pytest.raises(ValueError, match="factor"):
+        slow_ranks({0: 1.0, 1: 1.0}, factor=factor)
+
+
+# ------------------------------------------------------------------------------ slow_links
+
+
+def test_slow_link_among_node_ring():
+    node_of = {r: r for r in range(4)}  # one rank per node
+    pairs = [(0, 1, 1.0e-3), (1, 2, 1.1e-3), (2, 3, 3.0e-3), (3, 0, 0.95e-3)]
+    slow, ev = slow_links(pairs, node_of)
+    assert slow == [(2, 3)]
+    assert ev["reference_from"] == "inter-node links"
+    assert ev["reference"] == pytest.approx((1.0e-3 + 1.1e-3) / 2)
+    assert ev["links"] == {"0-1": 1.0e-3, "1-2": 1.1e-3, "2-3": 3.0e-3, "0-3": 0.95e-3}
+    assert ev["slow"] == ["2-3"] and ev["factor"] == 1.3
+    json.dumps(ev)  # JSON-friendly
+
+
+def test_link_is_unordered_and_takes_the_median_of_its_measurements():
+    node_of = {0: 0, 1: 1, 2: 2, 3: 3}
+    pairs = [
+        (0, 1, 1.0e-3), (1, 0, 1.0e-3), (0, 1, 9.0e-3),  # one noisy sample of 0-1
+        (1, 2, 1.0e-3), (2, 3, 1.0e-3), (3, 2, 1.2e-3),
+    ]
+    slow, ev = slow_links(pairs, node_of)
+    assert slow == [] and ev["links"]["0-1"] == 1.0e-3 and ev["links"]["2-3"] == pytest.approx(1.1e-3)
+
+
+def test_fast_intra_node_links_do_not_condemn_inter_node_ones():
+    # 4 nodes x 2 ranks; intra-node (NVLink-like) transfers are 10x faster than the network
+    node_of = {r: r // 2 for r in range(8)}
+    ring = [(r, (r + 1) % 8) for r in range(8)]
+    pairs = [(s, d, 0.1e-3 if node_of[s] == node_of[d] else 1.0e-3) for s, d in ring]
+    slow, ev = slow_links(pairs, node_of)
+    assert slow == [], ev
+    assert ev["reference_from"] == "inter-node links" and ev["reference"] == 1.0e-3
+    assert ev["intra"] == {f"{n}-{n}": 0.1e-3 for n in range(4)}
+    # now one network link really is slow
+    pairs = [(s, d, 5.0e-3 if (s, d) == (3, 4) else t) for s, d, t in pairs]
+    assert slow_links(pairs, node_of)[0] == [(1, 2)]
+
+
+def test_too_few_inter_node_links_fall_back_to_all_links():
+    # 2 nodes x 2 ranks: one inter-node link (both directions), compared with intra ones
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    pairs = [(0, 1, 1.0e-3), (1, 2, 4.0e-3), (2, 3, 1.0e-3), (3, 0, 4.0e-3)]
+    slow, ev = slow_links(pairs, node_of)
+    assert slow == [(0, 1)]
+    assert ev["reference_from"] == "all links" and ev["reference"] == 1.0e-3
+    healthy = [(s, d, 1.1e-3 if node_of[s] != node_of[d] else t) for s, d, t in pairs]
+    assert slow_links(healthy, node_of)[0] == []
+
+
+def test_a_single_link_has_nothing_to_be_compared_with():
+    slow, ev = slow_links([(0, 1, 5.0), (1, 0, 5.0)], {0: 0, 1: 1})
+    assert slow == [] and ev["reference"] == 5.0
+
+
+def test_intra_node_links_are_never_flagged():
+    node_of = {0: 0, 1: 0, 2: 0}
+    slow, ev = slow_links([(0, 1, 1.0), (1, 2, 50.0), (2, 0, 1.0)], node_of)
+    assert slow == [] and ev["links"] == {}
+
+
+def test_no_measurements():
+    slow, ev = slow_links([], {})
+    assert slow == [] and ev["reference"] is None
+    json.dumps(ev)
+
+
+@pytest.mark.parametrize("bad", [math.nan, 0.0, -1.0, math.inf])
+def test_bad_link_time_names_the_pair(bad):
+    with pytest.raises(ValueError, match="pair 2->3"):
+        slow_links([(0, 1, 1.0), (2, 3, bad)], {r: r for r in range(4)})
+
+
+def test_rank_without_node_is_named():
+    with pytest.raises(ValueError, match="rank 5"):
+        slow_links([(0, 5, 1.0)], {0: 0, 1: 1})
