@@ -75,6 +75,8 @@ class FalconConfig:
     profile_window_s: float = 3.0
     #: the controller waits this long for every rank's profile before going on
     profile_timeout_s: float = 3.0
+    #: collectives smaller than this are latency, not bandwidth: not used to judge groups
+    profile_min_bytes: int = 65536
 
     # --- control plane (control/) ----------------------------------------------------------
     #: run the control plane (Redis bus, agents, controller) when tracking is on
@@ -94,6 +96,9 @@ class FalconConfig:
     #: GEMM benchmark: n x n x n, repeats (after warm-up)
     gemm_size: int = 256
     gemm_repeats: int = 20
+    #: ranks that run their GEMM at the same time (0: all at once, right for GPUs; the
+    #: CPU test bed's launcher sets 1, because its "GPUs" share the host's cores)
+    gemm_concurrency: int = 0
     #: P2P benchmark: message bytes and messages per pair
     p2p_bytes: int = 262144
     p2p_repeats: int = 5
@@ -139,6 +144,8 @@ class FalconConfig:
         _check(self.suspicious_factor > 1.0, "suspicious_factor must be > 1")
         _check(self.profile_window_s > 0, "profile_window_s must be > 0")
         _check(self.profile_timeout_s > 0, "profile_timeout_s must be > 0")
+        _check(self.profile_min_bytes >= 0, "profile_min_bytes must be >= 0")
+        _check(self.gemm_concurrency >= 0, "gemm_concurrency must be >= 0")
         _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
         _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
         _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")

@@ -147,3 +147,27 @@ def test_tensor_parallel_trains(runs):
     assert len(measured) == 4 * 12 and losses
     assert losses[-1] < losses[0]
     assert (runs["tp2"] / "estimates.csv").read_text().strip() == "rank,iteration,iter_time_s,loss"
+
+
+@pytest.mark.parametrize("name, gpus, links", [("compute", [1], []), ("link", [], [[0, 1]])])
+def test_fault_is_localized_in_job(runs, name, gpus, links):
+    """Detected -> profiled -> every rank suspended -> validated -> the right component named."""
+    found = events(runs[name], "localized")
+    assert len(found) == 1, found
+    assert found[0]["gpus"] == gpus and found[0]["links"] == links, found[0]["evidence"]
+    assert found[0]["evidence"]["trigger"] == "fail_slow"
+    held = events(runs[name], "suspension")
+    assert sorted(e["rank"] for e in held) == [0, 1, 2, 3]
+    assert {e["outcome"] for e in held} == {"validated"}
+    assert len({e["iteration"] for e in held}) == 1  # one boundary for everyone
+    states = [e["new"] for e in events(runs[name], "controller_state")]
+    assert states[:3] == ["profiling", "validating", "tracking"]
+    loc = json.loads((runs[name] / "summary.json").read_text())["localization"]
+    assert loc["time_to_localization_s"] < 10, loc
+    assert loc["pause_s"] < 5, loc
+
+
+def test_no_fault_localizes_nothing(runs):
+    assert events(runs["pp2"], "localized") == []
+    assert events(runs["pp2"], "controller_started")  # the control plane was there
+    assert events(runs["pp2"], "control_lost") == []

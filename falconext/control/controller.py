@@ -176,7 +176,7 @@ class Controller:
     def _profiled(self, now: float) -> list[Output]:
         windows = [RankWindow(p.rank, p.roles, p.members, p.calls) for p in self._profiles.values()]
         try:
-            findings = analyze_window(windows, self.cfg.suspicious_factor)
+            findings = analyze_window(windows, self.cfg.suspicious_factor, self.cfg.profile_min_bytes)
         except ValueError as exc:
             return self._abort(now, f"bad profile data: {exc}")
         self._findings = findings
@@ -189,6 +189,7 @@ class Controller:
                 findings.suspicious_groups,
                 gemm_n=self.cfg.gemm_size,
                 gemm_repeats=self.cfg.gemm_repeats,
+                gemm_concurrency=self.cfg.gemm_concurrency,
                 p2p_bytes=self.cfg.p2p_bytes,
                 p2p_repeats=self.cfg.p2p_repeats,
             )

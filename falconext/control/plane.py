@@ -40,7 +40,7 @@ class ControlPlane:
         self.world = world
         self.nodes = nodes
         self.falcon_argv = falcon_argv
-        self.job = job or secrets.token_hex(4)
+        self.job = job or os.environ.get("FALCON_JOB") or secrets.token_hex(4)
         self.redis: RedisServer | None = None
         self.url = redis_url
         self.procs: dict[str, subprocess.Popen] = {}

@@ -68,6 +68,8 @@ def launch_training(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     if args.inject:
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
+    if args.device == "cpu" and getattr(args, "falcon_gemm_concurrency", None) is None:
+        args.falcon_gemm_concurrency = 1  # test-bed "GPUs" share the host's cores: one GEMM at a time
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

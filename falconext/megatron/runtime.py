@@ -183,4 +183,4 @@ class FalconRuntime:
         def passes(schedule: list, nbytes: int, repeats: int) -> list:
             return run_passes(schedule, self.rank, nbytes, repeats, group=group, send=send, recv=recv, barrier=barrier)
 
-        return Bench(gemm, passes)
+        return Bench(gemm, passes, lambda: barrier(group=group))

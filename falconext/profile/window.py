@@ -120,8 +120,13 @@ def match_instances(windows: Iterable[RankWindow]) -> dict[tuple[str, int], dict
 def analyze_window(
     windows: Sequence[RankWindow],
     suspicious_factor: float = 1.1,
+    min_bytes: int = 0,
 ) -> Findings:
-    """Compute suspects (ranks the others wait for) and suspicious groups (slow transfers)."""
+    """Compute suspects (ranks the others wait for) and suspicious groups (slow transfers).
+
+    Only collectives of at least ``min_bytes`` judge groups: a few-byte all-reduce takes
+    latency plus scheduling noise, which says nothing about a link's bandwidth.
+    """
     groups: dict[str, tuple[str, list[int]]] = {}
     for w in windows:
         for gid, ranks in w.members.items():
@@ -143,7 +148,7 @@ def analyze_window(
     arrivals = last_arrivers(arrivals_in)
     return Findings(
         compute_suspects=wait_causers(arrivals),
-        suspicious_groups=sorted(set(suspicious_groups(timings, suspicious_factor))),
+        suspicious_groups=sorted(set(suspicious_groups([t for t in timings if t.bytes >= min_bytes], suspicious_factor))),
         timings=timings,
         arrivals=arrivals,
         groups=groups,

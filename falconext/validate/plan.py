@@ -28,6 +28,7 @@ def validation_plan(
     *,
     gemm_n: int = 256,
     gemm_repeats: int = 10,
+    gemm_concurrency: int = 0,
     p2p_bytes: int = 262144,
     p2p_repeats: int = 5,
 ) -> dict[str, Any]:
@@ -62,6 +63,7 @@ def validation_plan(
         "gemm": sorted(gemm),
         "gemm_n": gemm_n,
         "gemm_repeats": gemm_repeats,
+        "gemm_concurrency": gemm_concurrency,
         "passes": passes,
         "roles": roles,
         "nbytes": p2p_bytes,

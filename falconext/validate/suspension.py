@@ -28,6 +28,7 @@ class Bench:
 
     gemm: Callable[[int, int], float]  # (n, repeats) -> FLOP/s
     passes: Callable[[list, int, int], list]  # (passes, nbytes, repeats) -> [(src, dst, s)]
+    barrier: Callable[[], None]  # over every rank, on the validation group
 
 
 class Suspension:
@@ -87,8 +88,13 @@ class Suspension:
         links: list[list[float]] = []
         error = ""
         try:
-            if self.rank in plan.get("gemm", []):
-                flops = float(self.bench.gemm(int(plan["gemm_n"]), int(plan["gemm_repeats"])))
+            gemm = sorted(int(r) for r in plan.get("gemm", []))
+            conc = int(plan.get("gemm_concurrency", 0)) or len(gemm) or 1
+            for start in range(0, len(gemm), conc):  # rounds: every rank takes part in each barrier
+                if conc < len(gemm):
+                    self.bench.barrier()
+                if self.rank in gemm[start : start + conc]:
+                    flops = float(self.bench.gemm(int(plan["gemm_n"]), int(plan["gemm_repeats"])))
             passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
             if passes:
                 for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"])):

@@ -1,0 +1,149 @@
+"""The control plane around a real training job: operator validation, a suspension whose
+controller never answers, a frozen then killed controller, and a Redis that dies and comes
+back. One 4-rank run (TP1 x DP2 x PP2) on a Redis the test owns; the test plays operator
+(and, once, a controller that sends "suspend" and dies) over the same bus."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import pytest
+
+from falconext.control.bus import Bus
+from falconext.control.client import CMD_STREAM, CTL_STREAM
+from falconext.control.messages import Command
+from falconext.control.redis_server import start_redis
+
+JOB = "e2e"
+DEADLINE_S = 3.0
+
+
+def read_events(out: Path) -> list[dict]:
+    path = out / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(out: Path, pred, what: str, timeout: float = 30.0, proc=None) -> list[dict]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        evs = [e for e in read_events(out) if pred(e)]
+        if evs:
+            return evs
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def current_iteration(bus: Bus, timeout: float = 30.0) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        beats = [m.iteration for _, m in bus.read([CTL_STREAM], block_ms=200, accept={"Heartbeat"})]
+        if beats:
+            return max(beats)
+    raise AssertionError("no heartbeat from the ranks")
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    out = tmp_path_factory.mktemp("control") / "run"
+    redis = start_redis()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FALCON_REDIS_URL=redis.url, FALCON_JOB=JOB)
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", "4", "--pp", "2", "--iters", "170",
+           "--out", str(out), "--falcon-suspend-deadline-s", str(DEADLINE_S)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marks: dict[str, float] = {}
+    bus = Bus(redis.url, JOB)
+    try:
+        bus.seek(CTL_STREAM, "0-0")
+        while current_iteration(bus) < 25:
+            pass
+        # 1. an operator asks for a validation of the healthy job
+        assert bus.post(CTL_STREAM, Command("validate", 0.0))
+        wait_for(out, lambda e: e["type"] in ("localized", "localization_failed"), "operator validation", proc=proc)
+        # 2. a controller that sends "suspend" and then dies: nobody ever says "go"
+        plan = {"scope": "all", "gemm": [], "gemm_n": 64, "gemm_repeats": 1, "passes": [], "roles": [],
+                "nbytes": 1, "repeats": 1}
+        it = current_iteration(bus) + 4
+        assert bus.post(CMD_STREAM, Command("suspend", DEADLINE_S, iteration=it, args={"session": 1000, "plan": plan}))
+        wait_for(out, lambda e: e["type"] == "suspension" and e["session"] == 1000 and e["rank"] == 3,
+                 "the orphaned suspension to expire", proc=proc)
+        # 3. the controller hangs (SIGSTOP), then dies: the launcher restarts it
+        pid = json.loads((out / "control.json").read_text())["pids"]["controller"]
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(out, lambda e: e["type"] == "control_lost" and e["what"] == "controller", "controller loss", proc=proc)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(out, lambda e: e["type"] == "control_restored" and e["what"] == "controller", "a new controller",
+                 proc=proc)
+        # 4. Redis dies and comes back
+        marks["redis_down"] = time.time()
+        redis.kill()
+        wait_for(out, lambda e: e["type"] == "control_lost" and e["what"] == "redis", "redis loss", proc=proc)
+        time.sleep(3.0)
+        redis.restart()
+        marks["redis_up"] = time.time()
+        wait_for(out, lambda e: e["type"] == "control_restored" and e["what"] == "redis", "redis back",
+                 timeout=20, proc=proc)
+        stdout, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        bus.close()
+        redis.stop()
+    assert proc.returncode == 0, stdout[-3000:]
+    return out, marks
+
+
+def test_operator_validation_of_a_healthy_job_names_nothing(scenario):
+    out, _ = scenario
+    (loc,) = [e for e in read_events(out) if e["type"] == "localized"]
+    assert loc["evidence"]["trigger"] == "operator"
+    assert loc["gpus"] == [] and loc["links"] == [], loc["evidence"]
+    # whatever profiling suspected, validation ran and cleared it
+    assert loc["evidence"]["gemm_gflops"] and not loc["evidence"]["missing"]
+
+
+def test_a_suspension_nobody_ends_is_released_by_its_deadline(scenario):
+    out, _ = scenario
+    held = [e for e in read_events(out) if e["type"] == "suspension" and e["session"] == 1000]
+    assert sorted(e["rank"] for e in held) == [0, 1, 2, 3]
+    assert {e["outcome"] for e in held} == {"expired"}
+    for e in held:
+        assert DEADLINE_S - 0.1 <= e["pause_s"] <= DEADLINE_S + 1.0, e
+
+
+def test_losing_the_controller_or_redis_is_logged_and_recovered(scenario):
+    out, _ = scenario
+    evs = read_events(out)
+    for what in ("controller", "redis"):
+        lost = {e["rank"] for e in evs if e["type"] == "control_lost" and e["what"] == what}
+        back = {e["rank"] for e in evs if e["type"] == "control_restored" and e["what"] == what}
+        assert lost == {0, 1, 2, 3} and back == {0, 1, 2, 3}, (what, lost, back)
+    control = json.loads((out / "control.json").read_text())
+    assert control["restarts"] == {"controller": 1}
+
+
+def test_training_keeps_its_speed_without_redis(scenario):
+    out, marks = scenario
+    run = json.loads((out / "run.json").read_text())
+    t0 = run["clock"]["time"]
+    rows = [line.split(",") for line in (out / "iterations.csv").read_text().splitlines()[1:]]
+    rank0 = sorted((int(r[1]), float(r[2])) for r in rows if r[0] == "0")
+    t, down, before = t0, [], []
+    for it, secs in rank0:
+        if marks["redis_down"] + 0.5 <= t and t + secs <= marks["redis_up"]:
+            down.append(secs)
+        elif 30 <= it and t + secs < marks["redis_down"] - 10:
+            before.append(secs)
+        t += secs
+    assert len(down) >= 5 and len(before) >= 5, (len(down), len(before))
+    assert median(down) < 1.5 * median(before), (median(down), median(before))

@@ -1,0 +1,98 @@
+"""A rank's suspension: held -> go/release/deadline -> validate -> resumed; and the trap
+that runs it on the held thread. The benchmarks are plain functions here; the real ones
+run in the end-to-end tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from falconext.control.messages import SessionAck, ValidationResult
+from falconext.trace.hooks import Trap
+from falconext.validate.suspension import Bench, Suspension
+
+PLAN = {"gemm": [0, 1, 2], "gemm_n": 64, "gemm_repeats": 2, "gemm_concurrency": 1,
+        "passes": [[[1, 0]], [[0, 1]]], "nbytes": 8, "repeats": 1}
+
+
+def make(rank=0, plan=PLAN, gemm=None, passes=None):
+    posted, events, calls = [], [], []
+
+    def g(n, reps):
+        calls.append(("gemm", n, reps))
+        return 1e9 if gemm is None else gemm()
+
+    def p(sched, nbytes, reps):
+        calls.append(("passes", len(sched)))
+        return [(s, d, 0.01) for ps in sched for s, d in ps if d == rank] if passes is None else passes()
+
+    bench = Bench(g, p, lambda: calls.append(("barrier",)))
+    sus = Suspension(rank, 5, 40, plan, bench, posted.append, lambda t, **f: events.append((t, f)))
+    return sus, posted, events, calls
+
+
+def test_without_go_the_deadline_resumes_training():
+    sus, posted, events, calls = make()
+    t0 = time.monotonic()
+    sus.run(t0 + 0.3)
+    assert 0.28 <= time.monotonic() - t0 < 1.0
+    assert [type(m) for m in posted] == [SessionAck, SessionAck]
+    assert [m.status for m in posted] == ["held", "resumed"] and posted[1].expired
+    assert calls == []  # nothing validated without the controller's go
+    assert events[0][1]["outcome"] == "expired"
+
+
+def test_release_ends_the_hold_at_once():
+    sus, posted, events, _ = make()
+    threading.Timer(0.05, sus.signal, args=("release",)).start()
+    t0 = time.monotonic()
+    sus.run(t0 + 5.0)
+    assert time.monotonic() - t0 < 1.0
+    assert events[0][1]["outcome"] == "released" and not posted[-1].expired
+
+
+def test_go_runs_the_gemm_rounds_and_passes_then_reports():
+    sus, posted, events, calls = make(rank=0)
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    # three GEMM rounds of one rank each, a barrier before each, then the passes
+    assert calls == [("barrier",), ("gemm", 64, 2), ("barrier",), ("barrier",), ("passes", 2)]
+    (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+    assert result.gemm_flops == 1e9 and result.links == [[1, 0, 0.01]] and result.error == ""
+    assert [m.status for m in posted if isinstance(m, SessionAck)] == ["held", "resumed"]
+    assert events[0][1]["outcome"] == "validated"
+
+
+def test_a_rank_outside_the_gemm_still_joins_every_round():
+    sus, _, _, calls = make(rank=3)
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    assert calls.count(("barrier",)) == 3 and not any(c[0] == "gemm" for c in calls)
+
+
+def test_a_failing_benchmark_is_reported_not_raised():
+    sus, posted, _, _ = make(gemm=lambda: 1 / 0)
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+    assert result.gemm_flops is None and "ZeroDivisionError" in result.error
+    assert posted[-1].status == "resumed"
+
+
+def test_trap_runs_on_hold_on_the_held_thread_with_its_deadline():
+    trap = Trap()
+    seen = {}
+
+    def on_hold(end):
+        seen["thread"] = threading.current_thread()
+        seen["left"] = end - time.monotonic()
+        seen["held"] = trap.held
+        raise RuntimeError("a broken validation must not reach training")
+
+    trap.arm(2.0, on_hold=on_hold)
+    trap._hold()  # what an intercepted call does when it sees `armed`
+    assert seen["thread"] is threading.current_thread() and seen["held"] is True
+    assert 1.5 < seen["left"] <= 2.0
+    assert trap.errors == 1 and trap.holds == 1 and not trap.armed and not trap.held
+    trap._hold()  # one call per arming
+    assert trap.holds == 1
