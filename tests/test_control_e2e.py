@@ -70,6 +70,11 @@ def scenario(tmp_path_factory):
         # 1. an operator asks for a validation of the healthy job
         assert bus.post(CTL_STREAM, Command("validate", 0.0))
         wait_for(out, lambda e: e["type"] in ("localized", "localization_failed"), "operator validation", proc=proc)
+        # 1b. garbage on both streams: dropped with a message, nothing else happens
+        assert bus.post_raw(CMD_STREAM, {"m": "{not json"})
+        assert bus.post_raw(CTL_STREAM, {"m": '{"v":1,"type":"Command","body":{"kind":"validate","deadline_s":NaN}}'})
+        wait_for(out, lambda e: e["type"] == "message_dropped" and e.get("where") == "controller", "controller drop",
+                 proc=proc)
         # 2. a controller that sends "suspend" and then dies: nobody ever says "go"
         plan = {"scope": "all", "gemm": [], "gemm_n": 64, "gemm_repeats": 1, "passes": [], "roles": [],
                 "nbytes": 1, "repeats": 1}
@@ -105,11 +110,22 @@ def scenario(tmp_path_factory):
 
 def test_operator_validation_of_a_healthy_job_names_nothing(scenario):
     out, _ = scenario
-    (loc,) = [e for e in read_events(out) if e["type"] == "localized"]
-    assert loc["evidence"]["trigger"] == "operator"
+    # (host noise on the shared 2-core machine can also cause a real, reported fail-slow)
+    (loc,) = [e for e in read_events(out) if e["type"] == "localized" and e["evidence"]["trigger"] == "operator"]
     assert loc["gpus"] == [] and loc["links"] == [], loc["evidence"]
     # whatever profiling suspected, validation ran and cleared it
     assert loc["evidence"]["gemm_gflops"] and not loc["evidence"]["missing"]
+
+
+def test_corrupted_messages_are_dropped_and_named(scenario):
+    out, _ = scenario
+    evs = read_events(out)
+    ranks = {e["rank"] for e in evs if e["type"] == "message_dropped" and "rank" in e}
+    assert ranks == {0, 1, 2, 3}
+    (ctl,) = [e for e in evs if e["type"] == "message_dropped" and e.get("where") == "controller"]
+    assert "NaN" in ctl["error"]
+    operator = [e for e in evs if e["type"] == "localized" and e["evidence"]["trigger"] == "operator"]
+    assert len(operator) == 1  # the garbage "validate" did nothing
 
 
 def test_a_suspension_nobody_ends_is_released_by_its_deadline(scenario):
@@ -142,7 +158,7 @@ def test_training_keeps_its_speed_without_redis(scenario):
     for it, secs in rank0:
         if marks["redis_down"] + 0.5 <= t and t + secs <= marks["redis_up"]:
             down.append(secs)
-        elif 30 <= it and t + secs < marks["redis_down"] - 10:
+        elif 20 <= it and t + secs < marks["redis_down"]:
             before.append(secs)
         t += secs
     assert len(down) >= 5 and len(before) >= 5, (len(down), len(before))

@@ -22,7 +22,7 @@ def make(rank=0, plan=PLAN, gemm=None, passes=None):
         calls.append(("gemm", n, reps))
         return 1e9 if gemm is None else gemm()
 
-    def p(sched, nbytes, reps):
+    def p(sched, nbytes, reps, conc):
         calls.append(("passes", len(sched)))
         return [(s, d, 0.01) for ps in sched for s, d in ps if d == rank] if passes is None else passes()
 

@@ -129,3 +129,16 @@ def test_bad_input_fails_before_any_collective(passes, kwargs, word):
     args = {"nbytes": 8, **kwargs}
     with pytest.raises(ValueError, match=word.replace("(", r"\(").replace(")", r"\)")):
         run_passes(passes, 0, **args)
+
+
+def test_split_rounds_keeps_every_pair_once_and_bounds_concurrency():
+    from falconext.validate.p2p import split_rounds
+    from falconext.validate.passes import ring_passes
+
+    passes = ring_passes(list(range(9)))
+    for conc in (0, 1, 2, 4):
+        rounds = split_rounds(passes, conc)
+        assert [p for r in rounds for p in r] == [p for ps in passes for p in ps]
+        assert all(len(r) <= (conc or 9) for r in rounds)
+    assert len(split_rounds(passes, 0)) == len(passes) == 3
+    assert split_rounds([[]], 2) == [[]]

@@ -55,6 +55,7 @@ class RankClient:
         self._thread = threading.Thread(target=self._run, name=f"falcon-control-{rank}", daemon=True)
         self._lost: set[str] = set()
         self.commands = 0
+        self._dropped_seen = 0
         self.dropped_out = 0
 
     def start(self) -> None:
@@ -107,10 +108,17 @@ class RankClient:
                         break  # Redis is down: this message is lost, like the rest will be
                 for _, cmd in bus.read([CMD_STREAM], block_ms=100, accept={"Command"}):
                     self._command(cmd)
+                self._report_drops(bus)
                 if not bus.connected:
                     self._stop.wait(0.1)
         finally:
             bus.close()
+
+    def _report_drops(self, bus: Bus) -> None:
+        """Malformed or unexpected messages were dropped by the bus: say so, once each."""
+        while bus.dropped > self._dropped_seen:
+            self._dropped_seen += 1
+            self.emit("message_dropped", rank=self.rank, error=bus.errors[-1] if bus.errors else "")
 
     def _command(self, cmd: Command) -> None:
         self.commands += 1

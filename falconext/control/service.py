@@ -37,6 +37,7 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
     ctl = Controller(cfg, world)
     events.emit("controller_started", pid=os.getpid(), world=world)
     next_beat = 0.0
+    dropped = 0
     try:
         while not stop[0]:
             if time.monotonic() >= next_beat:
@@ -46,6 +47,9 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             for _, msg in bus.read([CTL_STREAM], block_ms=100):
                 outputs += ctl.handle(msg, time.time())
             outputs += ctl.tick(time.time())
+            while bus.dropped > dropped:
+                dropped += 1
+                events.emit("message_dropped", where="controller", error=bus.errors[-1] if bus.errors else "")
             for out in outputs:
                 if out.kind == "command":
                     bus.post(CMD_STREAM, out.message)

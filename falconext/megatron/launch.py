@@ -68,8 +68,10 @@ def launch_training(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     if args.inject:
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
-    if args.device == "cpu" and getattr(args, "falcon_gemm_concurrency", None) is None:
-        args.falcon_gemm_concurrency = 1  # test-bed "GPUs" share the host's cores: one GEMM at a time
+    if args.device == "cpu":  # test-bed ranks share the host's cores: one benchmark at a time
+        for knob in ("falcon_gemm_concurrency", "falcon_p2p_concurrency"):
+            if getattr(args, knob, None) is None:
+                setattr(args, knob, 1)
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

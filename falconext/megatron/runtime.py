@@ -180,7 +180,8 @@ class FalconRuntime:
             result = gemm_benchmark(n, repeats, matmul=self._matmul, device=self._device, sync=sync)
             return 2.0 * n**3 / min(result.samples)
 
-        def passes(schedule: list, nbytes: int, repeats: int) -> list:
-            return run_passes(schedule, self.rank, nbytes, repeats, group=group, send=send, recv=recv, barrier=barrier)
+        def passes(schedule: list, nbytes: int, repeats: int, concurrency: int) -> list:
+            return run_passes(schedule, self.rank, nbytes, repeats, group=group, send=send, recv=recv,
+                              barrier=barrier, concurrency=concurrency)
 
         return Bench(gemm, passes, lambda: barrier(group=group))

@@ -57,6 +57,7 @@ def run_passes(
     clock: Callable[[], float] = time.perf_counter,
     device: str = "cpu",
     sync: Callable[[], None] | None = None,
+    concurrency: int = 0,
 ) -> list[tuple[int, int, float]]:
     """Run every pass; on a receiving rank return (src, dst, median seconds per message).
 
@@ -64,11 +65,17 @@ def run_passes(
     checked before the first barrier, so bad input fails on every rank alike instead of
     leaving some ranks waiting. ``device``/``sync`` are for NCCL, whose tensors live on the
     GPU and whose recv returns before the data has landed (pass torch.cuda.synchronize).
+
+    ``concurrency`` > 0 runs each pass in rounds of at most that many pairs (a barrier
+    before each): on a test bed whose ranks share a few cores, concurrent pairs compete
+    for the CPU and a healthy link looks slow. 0 runs every pair of a pass at once.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
         raise ValueError(f"run_passes: nbytes must be an integer >= 1, got {nbytes!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"run_passes: repeats must be an integer >= 1, got {repeats!r}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 0:
+        raise ValueError(f"run_passes: concurrency must be an integer >= 0, got {concurrency!r}")
     _check_passes(passes, "run_passes")
     send = dist.send if send is None else send
     recv = dist.recv if recv is None else recv
@@ -76,7 +83,7 @@ def run_passes(
 
     buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     out: list[tuple[int, int, float]] = []
-    for p in passes:
+    for p in split_rounds(passes, concurrency):
         barrier(group=group)
         for src, dst in p:
             if rank == src:
@@ -85,6 +92,19 @@ def run_passes(
             elif rank == dst:
                 out.append((src, dst, _receive(recv, buf, src, group, repeats, clock, sync)))
     barrier(group=group)
+    return out
+
+
+def split_rounds(passes: Sequence[Sequence[Pair]], concurrency: int) -> list[list[Pair]]:
+    """Each pass cut into rounds of at most ``concurrency`` pairs (0: one round per pass).
+
+    An empty pass stays one (empty) round, so every rank sees the same barriers.
+    """
+    out: list[list[Pair]] = []
+    for p in passes:
+        pairs = list(p)
+        step = concurrency or len(pairs) or 1
+        out.extend(pairs[i : i + step] for i in range(0, len(pairs) or 1, step))
     return out
 
 

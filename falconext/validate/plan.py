@@ -29,6 +29,7 @@ def validation_plan(
     gemm_n: int = 256,
     gemm_repeats: int = 10,
     gemm_concurrency: int = 0,
+    p2p_concurrency: int = 0,
     p2p_bytes: int = 262144,
     p2p_repeats: int = 5,
 ) -> dict[str, Any]:
@@ -68,4 +69,5 @@ def validation_plan(
         "roles": roles,
         "nbytes": p2p_bytes,
         "repeats": p2p_repeats,
+        "p2p_concurrency": p2p_concurrency,
     }

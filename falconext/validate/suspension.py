@@ -27,7 +27,7 @@ class Bench:
     """How this rank runs the benchmarks (functions from below the tracer)."""
 
     gemm: Callable[[int, int], float]  # (n, repeats) -> FLOP/s
-    passes: Callable[[list, int, int], list]  # (passes, nbytes, repeats) -> [(src, dst, s)]
+    passes: Callable[[list, int, int, int], list]  # (passes, nbytes, repeats, concurrency) -> [(src, dst, s)]
     barrier: Callable[[], None]  # over every rank, on the validation group
 
 
@@ -97,7 +97,8 @@ class Suspension:
                     flops = float(self.bench.gemm(int(plan["gemm_n"]), int(plan["gemm_repeats"])))
             passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
             if passes:
-                for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"])):
+                conc = int(plan.get("p2p_concurrency", 0))
+                for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"]), conc):
                     links.append([src, dst, float(sec)])
         except Exception as exc:  # a broken benchmark must not take training down
             error = f"{type(exc).__name__}: {exc}"[:500]
