@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from falconext.megatron import faults as faults_mod
     from falconext.megatron import report
     from falconext.megatron.model import ModelShape
-    from falconext.megatron.monitor import EventLog, RankMonitor
+    from falconext.megatron.monitor import EventLog
     from falconext.megatron.trainer import Trainer, TrainOptions, init_distributed
 
     opts = TrainOptions(

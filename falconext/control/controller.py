@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 from falconext.config import FalconConfig
 from falconext.control.messages import (
@@ -34,7 +34,7 @@ from falconext.control.messages import (
     SessionAck,
     ValidationResult,
 )
-from falconext.profile.window import Findings, RankWindow, analyze_window
+from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import validation_plan
 from falconext.validate.verdict import slow_links, slow_ranks
 
@@ -174,9 +174,8 @@ class Controller:
         return [self._set(State.PROFILING, t_event, trigger=trigger), Output("command", cmd)]
 
     def _profiled(self, now: float) -> list[Output]:
-        windows = [RankWindow(p.rank, p.roles, p.members, p.calls) for p in self._profiles.values()]
         try:
-            findings = analyze_window(windows, self.cfg.suspicious_factor, self.cfg.profile_min_bytes)
+            findings = analyze_window(list(self._profiles.values()), self.cfg.suspicious_factor, self.cfg.profile_min_bytes)
         except ValueError as exc:
             return self._abort(now, f"bad profile data: {exc}")
         self._findings = findings
@@ -307,6 +306,3 @@ class Controller:
 def _event(type_: str, **fields: Any) -> Output:
     return Output("event", event={"type": type_, **fields})
 
-
-def node_map(beats: Mapping[int, Heartbeat]) -> dict[int, int]:
-    return {r: b.node for r, b in beats.items()}

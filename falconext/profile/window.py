@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from falconext.profile.analysis import (
     ArrivalStats,
@@ -69,9 +69,8 @@ class RecentCollectives:
         return {"roles": dict(self.roles), "members": {g: list(m) for g, m in self.members.items()}, "calls": calls}
 
 
-@dataclass(frozen=True)
-class RankWindow:
-    """One rank's profile, as received (the fields of ProfileData)."""
+class RankWindow(Protocol):
+    """One rank's profile as received: a ProfileData message has exactly these fields."""
 
     rank: int
     roles: Mapping[str, str]
