@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     check_train_arguments(args, world)
     cfg = config_from_args(args)
 
+    from falconext.control.client import JOB_ENV
     from falconext.megatron import faults as faults_mod
     from falconext.megatron import report
     from falconext.megatron.model import ModelShape
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.join(out, "ranks"), exist_ok=True)
     os.makedirs(os.path.join(out, "calls"), exist_ok=True)
     # under the launcher, the controller may have written events already: keep them
-    if rank == 0 and "FALCON_JOB" not in os.environ and os.path.exists(os.path.join(out, "events.jsonl")):
+    if rank == 0 and JOB_ENV not in os.environ and os.path.exists(os.path.join(out, "events.jsonl")):
         os.remove(os.path.join(out, "events.jsonl"))
     torch.distributed.barrier()
     events = EventLog(os.path.join(out, "events.jsonl"))

@@ -19,6 +19,9 @@ from falconext.config import FalconConfig
 from falconext.control.bus import Bus
 from falconext.control.messages import Command, Heartbeat, ProfileData, SessionAck
 
+#: how a job's processes learn the bus: the URL (it holds the password) and the job id
+REDIS_URL_ENV = "FALCON_REDIS_URL"
+JOB_ENV = "FALCON_JOB"
 CMD_STREAM = "cmd"
 CTL_STREAM = "ctl"
 LOCALIZED_STREAM = "localized"

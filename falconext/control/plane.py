@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from falconext.control.redis_server import RedisServer, start_redis
-from falconext.control.service import REDIS_URL_ENV
+from falconext.control.client import JOB_ENV, REDIS_URL_ENV
 
 #: restarts per process before the supervisor gives up on it
 MAX_RESTARTS = 5
@@ -40,7 +40,7 @@ class ControlPlane:
         self.world = world
         self.nodes = nodes
         self.falcon_argv = falcon_argv
-        self.job = job or os.environ.get("FALCON_JOB") or secrets.token_hex(4)
+        self.job = job or os.environ.get(JOB_ENV) or secrets.token_hex(4)
         self.redis: RedisServer | None = None
         self.url = redis_url
         self.procs: dict[str, subprocess.Popen] = {}
@@ -51,7 +51,7 @@ class ControlPlane:
 
     def env(self) -> dict[str, str]:
         """What the ranks need to join (the URL stays out of their command lines)."""
-        return {REDIS_URL_ENV: self.url or "", "FALCON_JOB": self.job}
+        return {REDIS_URL_ENV: self.url or "", JOB_ENV: self.job}
 
     def start(self) -> "ControlPlane":
         if self.url is None:

@@ -16,11 +16,9 @@ import time
 
 from falconext.config import add_config_arguments, config_from_args
 from falconext.control.bus import Bus
-from falconext.control.client import CMD_STREAM, CONTROLLER_KEY, CTL_STREAM, LOCALIZED_STREAM
+from falconext.control.client import CMD_STREAM, CONTROLLER_KEY, CTL_STREAM, LOCALIZED_STREAM, REDIS_URL_ENV
 from falconext.control.controller import Controller
 from falconext.megatron.monitor import EventLog
-
-REDIS_URL_ENV = "FALCON_REDIS_URL"
 
 
 def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool]) -> None:

@@ -79,6 +79,7 @@ def launch_training(args: argparse.Namespace) -> int:
     cmd = torchrun_command(args, rank_argv(args), free_port())
     plane = None
     if args.falcon and config_from_args(args).control_plane:
+        from falconext.control.client import REDIS_URL_ENV
         from falconext.control.plane import ControlPlane
         from falconext.control.redis_server import RedisUnavailable
 
@@ -86,7 +87,7 @@ def launch_training(args: argparse.Namespace) -> int:
         if os.path.exists(events):  # the controller appends from the start
             os.remove(events)
         nodes = -(-args.nproc // args.ranks_per_node)
-        plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args), redis_url=args.falcon_redis_url or env.get("FALCON_REDIS_URL"))
+        plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args), redis_url=args.falcon_redis_url or env.get(REDIS_URL_ENV))
         try:
             plane.start()
         except RedisUnavailable as exc:
