@@ -33,10 +33,14 @@ def test_plain_gemm_has_positive_flops():
 
 
 def test_stretched_matmul_halves_flops():
-    plain = gemm_benchmark(n=192, repeats=15, warmup=2)
-    slow = gemm_benchmark(n=192, repeats=15, warmup=2, matmul=stretched)
-    assert slow.flops < 0.75 * plain.flops, (slow.flops, plain.flops)
-    assert slow.flops > 0.2 * plain.flops, "the stretch doubles the time, no more"
+    # Interleaved rounds, best repeat of each: a CI host busy in one stretch of time
+    # must not make the healthy benchmark look as slow as the stretched one.
+    plain_best, slow_best = 0.0, 0.0
+    for _ in range(4):
+        plain_best = max(plain_best, gemm_benchmark(n=256, repeats=10, warmup=1).best_flops)
+        slow_best = max(slow_best, gemm_benchmark(n=256, repeats=10, warmup=1, matmul=stretched).best_flops)
+    assert slow_best < 0.75 * plain_best, (slow_best, plain_best)
+    assert slow_best > 0.2 * plain_best, "the stretch doubles the time, no more"
 
 
 def test_timing_arithmetic_with_fake_clock_and_sync():

@@ -177,7 +177,7 @@ class FalconRuntime:
             # the best repeat, not the median: on a shared host, time-slicing only ever
             # adds time, and a slow device is slow in every repeat
             result = gemm_benchmark(n, repeats, matmul=self._matmul, device=self._device, sync=sync)
-            return 2.0 * n**3 / min(result.samples)
+            return result.best_flops
 
         def passes(schedule: list, nbytes: int, repeats: int, concurrency: int) -> list:
             return run_passes(schedule, self.rank, nbytes, repeats, group=group, send=send, recv=recv,

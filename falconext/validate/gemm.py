@@ -31,6 +31,7 @@ class GemmResult:
     flops: float  # FLOP/s of the median repeat
     median_s: float
     samples: list[float]  # seconds per repeat, in run order
+    best_flops: float  # FLOP/s of the fastest repeat
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -69,12 +70,16 @@ def gemm_benchmark(
     samples = _time_events(matmul, a, b, repeats) if use_events else _time_clock(matmul, a, b, repeats, sync, clock)
 
     median_s = statistics.median(samples)
-    if not median_s > 0:
+    if not min(samples) > 0:
         raise ValueError(
-            f"gemm_benchmark: median repeat time {median_s!r} s is not positive; "
+            f"gemm_benchmark: a repeat time of {min(samples)!r} s is not positive; "
             f"the clock is too coarse for n={n} (raise n)"
         )
-    return GemmResult(flops=2.0 * n**3 / median_s, median_s=median_s, samples=samples)
+    # best_flops is what validation compares: on a shared host noise only ever adds time,
+    # so the fastest repeat is the steadiest reading of what the device can do.
+    return GemmResult(
+        flops=2.0 * n**3 / median_s, median_s=median_s, samples=samples, best_flops=2.0 * n**3 / min(samples)
+    )
 
 
 def _time_clock(matmul, a, b, repeats: int, sync, clock) -> list[float]:
