@@ -105,6 +105,24 @@ class FalconConfig:
     p2p_bytes: int = 262144
     p2p_repeats: int = 5
 
+    # --- mitigation (mitigate/) -------------------------------------------------------------
+    #: mitigate automatically once a fail-slow is localized (the ski-rental planner)
+    mitigation: bool = True
+    #: a strategy is "enough" when iterations are back within this fraction of healthy
+    mitigation_enough_margin: float = 0.10
+    #: iterations after a strategy takes effect before it is judged, and judged over
+    mitigation_settle_iterations: int = 5
+    mitigation_judge_iterations: int = 5
+    #: strategies the planner may use, cheapest first by measured cost (S2 rebalance
+    #: micro-batches, S3 topology, S4 checkpoint-restart without the bad node); leave
+    #: S4 out where no spare node exists
+    mitigation_strategies: str = "S2,S3,S4"
+    #: most micro-batches one DP replica may run per global batch (memory); 0: no cap
+    max_microbatches_per_replica: int = 0
+    #: operator override: micro-batches per DP replica from the first iteration, e.g.
+    #: "3,5" (must sum to the job's micro-batches per global batch); empty: even
+    force_microbatches: str = ""
+
     # --- slide-window baseline (detect/baselines.py) -----------------------------------
     #: recent iterations averaged and compared with the reference median
     slide_window: int = 10
@@ -156,6 +174,18 @@ class FalconConfig:
         _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
         _check(self.gemm_size >= 16 and self.gemm_repeats >= 1, "gemm_size must be >= 16 and gemm_repeats >= 1")
         _check(self.p2p_bytes >= 1 and self.p2p_repeats >= 1, "p2p_bytes and p2p_repeats must be >= 1")
+        _check(0.0 < self.mitigation_enough_margin < 1.0, "mitigation_enough_margin must be in (0, 1)")
+        _check(
+            self.mitigation_settle_iterations >= 0 and self.mitigation_judge_iterations >= 1,
+            "mitigation_settle_iterations must be >= 0 and mitigation_judge_iterations >= 1",
+        )
+        _check(self.max_microbatches_per_replica >= 0, "max_microbatches_per_replica must be >= 0")
+        parse_microbatches(self.force_microbatches)
+        strategies = [x.strip() for x in self.mitigation_strategies.split(",") if x.strip()]
+        _check(
+            all(x in ("S2", "S3", "S4") for x in strategies),
+            f"mitigation_strategies must name S2, S3 or S4 separated by commas, got {self.mitigation_strategies!r}",
+        )
         _check(self.slide_window >= 1, "slide_window must be >= 1")
         _check(self.slide_reference >= 1, "slide_reference must be >= 1")
 
@@ -169,6 +199,21 @@ class FalconConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def parse_microbatches(text: str) -> list[int] | None:
+    """``"3,5"`` -> [3, 5]; empty -> None. Every count must be a positive integer."""
+    if not text.strip():
+        return None
+    counts = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ConfigError(
+                f"force_microbatches must be positive integers separated by commas (e.g. 3,5), got {text!r}"
+            )
+        counts.append(int(part))
+    return counts
 
 
 def _check(ok: bool, message: str) -> None:

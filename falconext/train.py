@@ -17,7 +17,12 @@ import time
 
 import torch
 
-from falconext.config import config_from_args
+from falconext.config import config_from_args, parse_microbatches
+from falconext.mitigate import restart
+
+#: the launcher's wall clock when it started torchrun (S4's start-up cost is measured from it)
+LAUNCH_TIME_ENV = "FALCON_LAUNCH_TIME"
+_STARTED = time.time()  # this process's start, near enough: the module runs as __main__
 from falconext.megatron.options import add_train_arguments, check_train_arguments
 
 
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         shape=ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=args.seq_len),
         device=args.device,
         seed=args.seed,
+        plan=parse_microbatches(cfg.force_microbatches),
     )
     init_distributed(opts)
     rank = torch.distributed.get_rank()
@@ -96,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     if injector is not None:
         injector.attach_model(trainer.model.module)
     topology = _topology(world, args.tp, args.pp, args.ranks_per_node)
+    layout = {"world": world, "tp": args.tp, "pp": args.pp}
+    first_it, restarted = 0, None
+    if args.resume:
+        t_load = time.perf_counter()
+        state = restart.load_shard(args.resume, rank, layout, trainer.model, trainer.optimizer)
+        first_it = state["iteration"]
+        restarted = {"load_s": time.perf_counter() - t_load, **state["extra"]}
+    suffix = f"-r{args.attempt}" if args.attempt else ""
     if rank == 0:
         run_info = {
             "args": {k: v for k, v in vars(args).items() if not k.startswith("falcon_")},
@@ -105,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             "topology": topology,
             "clock": {"perf_counter": time.perf_counter(), "time": time.time()},
         }
-        with open(os.path.join(out, "run.json"), "w") as f:
+        # a restarted attempt keeps the original run.json: the summary scores the job
+        with open(os.path.join(out, f"run{suffix}.json"), "w") as f:
             json.dump(run_info, f, indent=2)
 
     runtime = None
@@ -117,18 +132,33 @@ def main(argv: list[str] | None = None) -> int:
             redis_url=args.falcon_redis_url,
             matmul=injector.stretch_compute(torch.matmul) if injector is not None else torch.matmul,
             device=args.device,
+            replica=trainer.replica,
+            calls_suffix=suffix,
+            first_iteration=first_it,
         )
 
     measured: list[tuple[int, float, float | None]] = []
+    request = None
+    startup_s = time.time() - float(os.environ.get(LAUNCH_TIME_ENV, _STARTED))
     t_prev = time.perf_counter()
     try:
-        for it in range(args.iters):
+        for it in range(first_it, args.iters):
             loop_starts.append(t_prev)
             if injector is not None:
                 injector.iteration = it
-            if runtime is not None:
-                runtime.before_iteration(it)
+            if it == first_it and restarted is not None and rank == 0:
+                events.emit("restarted", iteration=it, attempt=args.attempt, load_s=round(restarted["load_s"], 4),
+                            downtime_s=round(time.time() - float(restarted.get("requested_at", time.time())), 3))
+            action = runtime.before_iteration(it) if runtime is not None else None
+            if action is not None:
+                request = _apply(action, it, trainer, events, rank, out, layout, args)
+                if request is not None:
+                    break
+            if runtime is not None and it == first_it + 2 and cfg.mitigation:
+                runtime.restart_s = startup_s + _probe_checkpoint_cost(trainer, out, rank, layout)
             loss = trainer.step(it)
+            if runtime is not None:
+                runtime.after_step(trainer.plan[trainer.replica], trainer.forward_time()[0])
             now = time.perf_counter()
             measured.append((it, now - t_prev, loss))
             t_prev = now
@@ -138,15 +168,58 @@ def main(argv: list[str] | None = None) -> int:
         if injector is not None:
             injector.uninstall()
 
-    report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {})
+    report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, suffix)
     torch.distributed.barrier()
-    if rank == 0:
+    if request is not None:
+        if rank == 0:
+            restart.write_request(out, request)
+            print(f"falconext: checkpoint saved at iteration {request.iteration}; restarting without nodes "
+                  f"{request.exclude_nodes}", flush=True)
+    elif rank == 0:
         summary = report.finalize(out)
         print(report.format_summary(summary), flush=True)
     events.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
+
+
+def _apply(action: dict, it: int, trainer, events, rank: int, out: str, layout: dict, args) -> "restart.RestartRequest | None":
+    """Apply a committed mitigation at this iteration boundary (every rank does, at the same one)."""
+    kind = action.get("kind")
+    if kind == "microbatches":
+        try:
+            trainer.set_plan(action["plan"])
+        except (KeyError, TypeError, ValueError) as exc:  # agreed but impossible: keep training as is
+            events.emit("control_error", rank=rank, error=f"plan not applied: {exc}")
+            return None
+        if rank == 0:
+            events.emit("plan_applied", iteration=it, plan=trainer.plan, strategy=action.get("strategy", "S2"))
+        return None
+    if kind == "restart":
+        directory = os.path.join(out, restart.CHECKPOINT_DIR)
+        save_s = restart.save_shard(directory, rank, layout, it, trainer.model, trainer.optimizer,
+                                    extra={"requested_at": time.time()})
+        return restart.RestartRequest(
+            iteration=it, exclude_nodes=[int(n) for n in action.get("exclude_nodes", [])], checkpoint=directory,
+            session=int(action.get("session", 0)), requested_at=time.time(), save_s=save_s,
+            attempt=args.attempt + 1, reason=str(action.get("reason", "")),
+        )
+    events.emit("control_error", rank=rank, error=f"unknown action {kind!r}")
+    return None
+
+
+def _probe_checkpoint_cost(trainer, out: str, rank: int, layout: dict) -> float:
+    """Seconds to save this rank's shard and read it back: with the start-up this
+    process went through (from the launcher's clock when it gave one), S4's measured
+    cost for this job."""
+    directory = os.path.join(out, "checkpoint-probe")
+    save_s = restart.save_shard(directory, rank, layout, 0, trainer.model, trainer.optimizer)
+    t0 = time.perf_counter()
+    torch.load(restart.shard_path(directory, rank), map_location="cpu", weights_only=True)
+    load_s = time.perf_counter() - t0
+    os.remove(restart.shard_path(directory, rank))
+    return save_s + load_s
 
 
 if __name__ == "__main__":

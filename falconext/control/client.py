@@ -33,7 +33,8 @@ def node_stream(node: int) -> str:
 
 
 class RankClient:
-    """``runtime`` supplies: ``iteration()``, ``iter_s()``, ``profile(window_s)`` (the
+    """``runtime`` supplies: ``iteration()``, ``iter_s()``, ``beat_fields()`` (the
+    heartbeat's optional fields), ``profile(window_s)`` (the
     fields of ProfileData) and ``schedule(cmd) -> str | None`` / ``signal(kind, session)``
     for suspensions; ``emit(type, **fields)`` writes events.jsonl."""
 
@@ -96,7 +97,7 @@ class RankClient:
                     next_beat = now + self.cfg.heartbeat_s
                     it, iter_s = self.runtime.iteration(), self.runtime.iter_s()
                     if it >= 0 and iter_s > 0:
-                        self.post(Heartbeat(self.rank, self.node, it, iter_s, time.time()))
+                        self.post(Heartbeat(self.rank, self.node, it, iter_s, time.time(), **self.runtime.beat_fields()))
                 if now >= next_check:
                     next_check = now + self.cfg.heartbeat_s
                     alive = bus.alive(CONTROLLER_KEY)

@@ -5,7 +5,15 @@ into named slow components. It asks every rank for its recent collective calls
 (PROFILING), analyses them into suspects, and has every rank suspend at one agreed loop
 iteration to validate the suspects (VALIDATING): GEMMs and P2P passes, run by the
 ranks while their training threads are trapped. The verdict is a ``Localized`` message
-and a ``localized`` event; planning (issue 5) will hang off that state.
+and a ``localized`` event.
+
+A localized fail-slow gets a ski-rental planner (mitigate/planner.py), fed from the
+heartbeats. When it decides, the controller applies the strategy the same way it
+validates: every rank suspends at one agreed iteration (MITIGATING), agrees on the
+action, and applies it from the next iteration; S2 sends a new micro-batch plan, S4 a
+restart without the bad node. Recovery under S2 is read from the replicas' compute time
+per micro-batch (the iteration time cannot show it: the plan hides the straggler), and
+reverts to the even plan once.
 
 :class:`Controller` is pure: it takes messages and the time, and returns what to post
 and what to log, so every path (a rank that misses the iteration, a profile that never
@@ -19,6 +27,7 @@ it has reported its end, and only then can a new one start.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -34,6 +43,15 @@ from falconext.control.messages import (
     SessionAck,
     ValidationResult,
 )
+from falconext.mitigate.mitigation import (
+    Mitigation,
+    exclude_nodes,
+    replica_view,
+    replicas_of,
+    straggler_recovered,
+)
+from falconext.mitigate.microbatch import plan_microbatches
+from falconext.mitigate.planner import Decision, Planner
 from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import validation_plan
 from falconext.validate.verdict import slow_links, slow_ranks
@@ -48,6 +66,7 @@ class State(str, Enum):
     TRACKING = "tracking"
     PROFILING = "profiling"
     VALIDATING = "validating"
+    MITIGATING = "mitigating"
 
 
 @dataclass
@@ -66,6 +85,9 @@ class _Episode:
     reporters: dict[int, int] = field(default_factory=dict)  # rank -> event id
     ended: set[int] = field(default_factory=set)
     localized: bool = False
+    onsets: list[int] = field(default_factory=list)
+    baselines: list[float] = field(default_factory=list)
+    mitigation: Mitigation | None = None
 
 
 class Controller:
@@ -86,6 +108,8 @@ class Controller:
         self._tries = 0
         self._iteration = 0
         self._go_sent = False
+        self._action: dict[str, Any] | None = None  # the action of the MITIGATING session
+        self._last_pause_s = 0.0
         self.localizations: list[Localized] = []
 
     # --- inputs -----------------------------------------------------------------------
@@ -98,13 +122,15 @@ class Controller:
     def handle(self, msg: Any, now: float) -> list[Output]:
         if isinstance(msg, Heartbeat):
             self.beats[msg.rank] = msg
-            return []
+            return self._observe(msg, now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
         if isinstance(msg, Command) and msg.kind == "validate":
             if self.state is not State.TRACKING:
                 return [_event("operator_ignored", reason=f"busy ({self.state.value})")]
             return self._start("operator", now)
+        if isinstance(msg, Command) and msg.kind == "mitigate":
+            return self._operator_mitigate(msg, now)
         if isinstance(msg, ProfileData) and self.state is State.PROFILING and msg.session == self.session:
             self._profiles[msg.rank] = msg
             if set(self._profiles) >= self.ranks():
@@ -134,6 +160,9 @@ class Controller:
                 out = [Output("command", Command("release", 0.0, args={"session": self.session}))]
                 return out + self._abort(now, "not every rank reached the suspension in time")
             return self._verdict(now)
+        if self.state is State.MITIGATING:
+            out = [] if self._go_sent else [Output("command", Command("release", 0.0, args={"session": self.session}))]
+            return out + self._mitigated(now, timed_out=True)
         return []
 
     # --- transitions ------------------------------------------------------------------
@@ -147,16 +176,20 @@ class Controller:
         if rep.end is not None:
             if ep is not None and ep.reporters.get(rep.rank) == rep.event_id:
                 ep.ended.add(rep.rank)
-                if ep.ended >= set(ep.reporters) and self.state is State.TRACKING:
-                    self.episode = None
-                    return [_event("episode_end", session=self.session, ranks=sorted(ep.ended))]
+                if self.state is State.TRACKING:
+                    return self._maybe_close()
             return []
         if ep is not None:
+            if rep.rank not in ep.reporters:
+                ep.onsets.append(rep.onset)
+                ep.baselines.append(rep.baseline_s)
             ep.reporters.setdefault(rep.rank, rep.event_id)
             return []
         out = self._start("fail_slow", rep.time)
         assert self.episode is not None
         self.episode.reporters[rep.rank] = rep.event_id
+        self.episode.onsets.append(rep.onset)
+        self.episode.baselines.append(rep.baseline_s)
         return out
 
     def _start(self, trigger: str, t_event: float) -> list[Output]:
@@ -198,7 +231,7 @@ class Controller:
         out = [_event("profiled", session=self.session, ranks=sorted(self._profiles), **findings.evidence())]
         return out + self._suspend(now)
 
-    def _suspend(self, now: float) -> list[Output]:
+    def _suspend(self, now: float, state: State = State.VALIDATING) -> list[Output]:
         """Pick an iteration every rank has yet to start, and tell everyone to stop there."""
         self._tries += 1
         latest, iter_s = 0.0, 0.0
@@ -211,36 +244,41 @@ class Controller:
         self._go_sent = False
         wait = (self._iteration - latest + 1) * max(iter_s, 0.05)
         self._deadline = now + wait + self.cfg.suspend_deadline_s + SLACK_S
+        plan = self._plan if state is State.VALIDATING else {"action": self._action}
         cmd = Command(
             "suspend",
             self.cfg.suspend_deadline_s,
             iteration=self._iteration,
-            args={"session": self.session, "plan": self._plan},
+            args={"session": self.session, "plan": plan},
         )
-        state = [] if self.state is State.VALIDATING else [self._set(State.VALIDATING, now, iteration=self._iteration)]
-        return state + [Output("command", cmd)]
+        change = [] if self.state is state else [self._set(state, now, iteration=self._iteration)]
+        return change + [Output("command", cmd)]
 
     def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:
-        if ack.status == "missed" and self.state is State.VALIDATING and not self._go_sent:
+        suspended = self.state in (State.VALIDATING, State.MITIGATING)
+        if ack.status == "missed" and suspended and not self._go_sent:
             out = [
                 Output("command", Command("release", 0.0, args={"session": self.session})),
                 _event("suspend_missed", session=self.session, rank=ack.rank, iteration=self._iteration, at=ack.iteration),
             ]
             if self._tries >= MAX_SUSPEND_TRIES:
+                if self.state is State.MITIGATING:
+                    return out + self._mitigated(now, timed_out=True)
                 return out + self._abort(now, f"rank {ack.rank} kept missing the suspension")
             self.session += 1  # a new session: stale acks of the old one are ignored
-            return out + self._suspend(now)
+            return out + self._suspend(now, self.state)
         if ack.status not in ("held", "resumed"):
             return []
         acks = self._acks.setdefault(ack.status, {})
         acks[ack.rank] = ack
         out: list[Output] = []
-        if ack.status == "held" and not self._go_sent and set(acks) >= self.ranks() and self.state is State.VALIDATING:
+        if ack.status == "held" and not self._go_sent and set(acks) >= self.ranks() and suspended:
             self._go_sent = True
             out.append(Output("command", Command("go", self.cfg.suspend_deadline_s, args={"session": self.session})))
             out.append(_event("suspended", session=self.session, iteration=self._iteration, ranks=len(acks)))
         if ack.status == "resumed" and set(acks) >= self.ranks():
             pauses = [a.pause_s for a in acks.values()]
+            self._last_pause_s = max(pauses)
             out.append(
                 _event(
                     "resumed",
@@ -250,6 +288,8 @@ class Controller:
                     expired=sorted(a.rank for a in acks.values() if a.expired),
                 )
             )
+            if self.state is State.MITIGATING:
+                out += self._mitigated(now)
         return out
 
     def _verdict(self, now: float) -> list[Output]:
@@ -259,7 +299,8 @@ class Controller:
         node_of = {r: b.node for r, b in self.beats.items()}
         errors = {str(r.rank): r.error for r in self._results.values() if r.error}
         try:
-            gpus = slow_ranks(flops, self.cfg.validation_slow_factor)
+            suspects = self._findings.compute_suspects if self._findings else []
+            gpus = slow_ranks(flops, self.cfg.validation_slow_factor, suspects)
             links, link_evidence = slow_links(
                 [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, self.cfg.validation_slow_factor
             )
@@ -288,7 +329,208 @@ class Controller:
             self._set(State.TRACKING, now, localized=True),
         ]
         self._deadline = math.inf
+        if ep is not None and ep.trigger == "fail_slow" and (gpus or links) and self.cfg.mitigation:
+            out += self._plan_mitigation(ep, loc, now)
         return out + self._maybe_close()
+
+    # --- mitigation -------------------------------------------------------------------
+
+    def _plan_mitigation(self, ep: _Episode, loc: Localized, now: float) -> list[Output]:
+        root = "computation" if loc.gpus else "communication"
+        healthy = sorted(ep.baselines)[len(ep.baselines) // 2] if ep.baselines else 0.0
+        if not healthy > 0 or not ep.onsets:
+            return [_event("mitigation_skipped", session=self.session, reason="no healthy baseline in the reports")]
+        overheads = self._overheads(root)
+        planner = Planner(
+            root, healthy, overheads, min(ep.onsets),
+            enough_margin=self.cfg.mitigation_enough_margin,
+            settle_iterations=self.cfg.mitigation_settle_iterations,
+            judge_iterations=self.cfg.mitigation_judge_iterations,
+        )
+        ep.mitigation = Mitigation(planner, root, list(loc.gpus), [list(x) for x in loc.links],
+                                   slow_replicas=replicas_of(loc.gpus, self.beats))
+        return [_event("planner_started", session=self.session, **planner.status())]
+
+    def _overheads(self, root: str) -> dict[str, float | None]:
+        """Measured costs: S2 = solving now + the last suspension's pause (applying a
+        plan is one more such suspension); S4 = the ranks' measured checkpoint save,
+        load and start-up; S3 is not available yet (issue 6)."""
+        s2 = None
+        view = replica_view(self.beats.values())
+        solve = 0.0
+        if root == "computation" and view is not None:
+            t0 = time.perf_counter()
+            try:
+                plan_microbatches(view.times, view.total, self.cfg.max_microbatches_per_replica or None)
+                solve = time.perf_counter() - t0
+                s2 = solve + self._last_pause_s
+            except ValueError:
+                s2 = None
+        restart = [b.restart_s for b in self.beats.values() if b.restart_s > 0]
+        s4 = max(restart) if restart and len(restart) == len(self.beats) else None
+        out: dict[str, float | None] = {"S3": None, "S4": s4}
+        if root == "computation":
+            out["S2"] = s2
+        allowed = {x.strip() for x in self.cfg.mitigation_strategies.split(",")}
+        return {k: (v if k in allowed else None) for k, v in out.items()}
+
+    def _observe(self, beat: Heartbeat, now: float) -> list[Output]:
+        """Feed the planner one observation per loop iteration (from one rank)."""
+        ep = self.episode
+        mit = ep.mitigation if ep is not None else None
+        if mit is None or mit.planner.finished or beat.rank != min(self.beats):
+            return []
+        planner = mit.planner
+        if beat.iteration <= planner.status()["last_iteration"] or beat.iteration < planner.status()["onset"]:
+            return []
+        if planner.status()["candidates"]:  # costs are re-measured as the ranks report them
+            for name, value in self._overheads(mit.root_cause).items():
+                state = {c["strategy"]: c["state"] for c in planner.status()["candidates"]}
+                if state.get(name) in ("remaining", "unavailable") and value is not None:
+                    planner.set_overhead(name, value)
+        out: list[Output] = []
+        if planner.current in ("S2", "S3") and mit.in_flight is None:
+            out += self._check_recovery(mit, beat.iteration, now)
+            if planner.finished:
+                return out
+        decision = planner.observe(beat.iteration, beat.iter_s)
+        if decision is not None:
+            out += self._decide(mit, decision, now)
+        return out
+
+    def _check_recovery(self, mit: Mitigation, it: int, now: float) -> list[Output]:
+        view = replica_view(self.beats.values())
+        if view is None or not straggler_recovered(view.times, mit.slow_replicas, self.cfg.mitigation_enough_margin):
+            mit.recovered_since = None
+            return []
+        if mit.recovered_since is None:
+            mit.recovered_since = it
+        if it - mit.recovered_since < self.cfg.mitigation_judge_iterations:
+            return []
+        decision = mit.planner.recovered(it)
+        out = [_event("fail_slow_recovered", session=self.session, iteration=it, replica_mb_s=view.times)]
+        if decision is not None:
+            out += self._decide(mit, decision, now)
+        return out
+
+    def _decide(self, mit: Mitigation, d: Decision, now: float, trigger: str = "planner") -> list[Output]:
+        out = [_event("mitigation_decision", session=self.session, trigger=trigger, action=d.action,
+                      strategy=d.strategy, iteration=d.iteration, impact_s=round(d.impact_s, 4),
+                      overhead_s=None if d.overhead_s is None else round(d.overhead_s, 4), reason=d.reason)]
+        if self.state is not State.TRACKING:
+            return out + self._action_failed(mit, d, f"controller busy ({self.state.value})")
+        if d.action == "revert":
+            view = replica_view(self.beats.values())
+            if view is None:
+                return out + self._action_failed(mit, d, "replica layout unknown")
+            n = len(view.plan)
+            action = {"kind": "microbatches", "strategy": "revert", "plan": [view.total // n] * n}
+        elif d.strategy == "S2":
+            view = replica_view(self.beats.values())
+            if view is None:
+                return out + self._action_failed(mit, d, "no compute time per micro-batch from every replica")
+            t0 = time.perf_counter()
+            try:
+                plan = plan_microbatches(view.times, view.total, self.cfg.max_microbatches_per_replica or None)
+            except ValueError as exc:
+                return out + self._action_failed(mit, d, f"no plan: {exc}")
+            mit.solve_s = time.perf_counter() - t0
+            if plan == view.plan:
+                return out + self._action_failed(mit, d, f"the balanced plan {plan} is the plan in effect")
+            action = {"kind": "microbatches", "strategy": "S2", "plan": plan, "replica_mb_s": view.times}
+        elif d.strategy == "S4":
+            node_of = {r: b.node for r, b in self.beats.items()}
+            nodes = exclude_nodes(mit.gpus, mit.links, node_of)
+            action = {"kind": "restart", "strategy": "S4", "exclude_nodes": nodes, "reason": d.reason}
+        else:
+            return out + self._action_failed(mit, d, f"{d.strategy} is not available")
+        mit.in_flight = d
+        return out + self._start_action(action, now)
+
+    def _action_failed(self, mit: Mitigation | None, d: Decision, reason: str) -> list[Output]:
+        if mit is not None and d.action == "apply" and mit.planner.pending() == d.strategy:
+            mit.planner.failed(d.strategy, reason)
+        return [_event("mitigation_failed", session=self.session, strategy=d.strategy, action=d.action, reason=reason)]
+
+    def _start_action(self, action: dict[str, Any], now: float) -> list[Output]:
+        self.session += 1
+        self._acks.clear()
+        self._tries = 0
+        self._go_sent = False
+        self._action = dict(action, session=self.session)
+        return self._suspend(now, State.MITIGATING)
+
+    def _mitigated(self, now: float, timed_out: bool = False) -> list[Output]:
+        """The action's suspension is over: applied on every rank, or on none."""
+        action, self._action = self._action or {}, None
+        acks = self._acks.get("resumed", {})
+        committed = set(acks) >= self.ranks() and all(a.committed for a in acks.values())
+        self._deadline = math.inf
+        out = [self._set(State.TRACKING, now, mitigated=committed)]
+        ep = self.episode
+        mit = ep.mitigation if ep is not None else None
+        d = mit.in_flight if mit is not None else None
+        if mit is not None:
+            mit.in_flight = None
+        strategy = action.get("strategy", "?")
+        if not committed:
+            reason = "timed out" if timed_out else "not every rank committed the action"
+            if mit is not None and d is not None:
+                return out + self._action_failed(mit, d, reason)
+            return out + [_event("mitigation_failed", session=self.session, strategy=strategy, reason=reason)]
+        pause = max(a.pause_s for a in acks.values())
+        effective = self._iteration + 1
+        overhead = pause + (mit.solve_s if mit is not None and strategy == "S2" else 0.0)
+        fields = {k: v for k, v in action.items() if k not in ("kind", "strategy", "session")}
+        out.append(_event("mitigation", strategy=strategy, session=self.session, iteration=effective,
+                          pause_s=round(pause, 4), overhead_s=round(overhead, 4),
+                          impact_s=None if mit is None else round(mit.planner.impact_s, 4),
+                          trigger="operator" if d is None else "planner", **fields))
+        if mit is not None and d is not None and d.action == "apply":
+            mit.applied.append({"strategy": strategy, "iteration": effective})
+            again = mit.planner.applied(strategy, effective, overhead)
+            if again is not None:
+                out += self._decide(mit, again, now)
+        if strategy == "S4" and ep is not None:
+            # the ranks restart: their detectors start over, so this episode is over
+            if mit is not None and not mit.planner.finished:
+                mit.planner.recovered(effective)
+            self.episode = None
+            out.append(_event("episode_end", session=self.session, ranks=sorted(ep.ended), reason="restart"))
+        elif mit is not None and mit.planner.finished:
+            out += self._maybe_close()
+        return out
+
+    def _operator_mitigate(self, cmd: Command, now: float) -> list[Output]:
+        """An operator's override: apply S2 (a given plan, or the balanced one), S4, or revert."""
+        if self.state is not State.TRACKING:
+            return [_event("operator_ignored", reason=f"busy ({self.state.value})")]
+        strategy = cmd.args.get("strategy")
+        view = replica_view(self.beats.values())
+        if strategy in ("S2", "revert"):
+            if view is None:
+                return [_event("operator_ignored", reason="replica layout not known yet (no heartbeats)")]
+            n = len(view.plan)
+            plan = cmd.args.get("plan")
+            if strategy == "revert":
+                plan = [view.total // n] * n
+            elif plan is None:
+                try:
+                    plan = plan_microbatches(view.times, view.total, self.cfg.max_microbatches_per_replica or None)
+                except ValueError as exc:
+                    return [_event("operator_ignored", reason=f"no plan: {exc}")]
+            if (not isinstance(plan, list) or len(plan) != n or sum(plan) != view.total
+                    or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in plan)):
+                return [_event("operator_ignored", reason=f"plan {plan!r} must give {n} replicas >= 1 each, {view.total} in all")]
+            action = {"kind": "microbatches", "strategy": strategy, "plan": plan}
+        elif strategy == "S4":
+            nodes = cmd.args.get("exclude_nodes", [])
+            if not isinstance(nodes, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in nodes):
+                return [_event("operator_ignored", reason=f"exclude_nodes {nodes!r} must be node numbers")]
+            action = {"kind": "restart", "strategy": "S4", "exclude_nodes": nodes, "reason": "operator"}
+        else:
+            return [_event("operator_ignored", reason=f"unknown strategy {strategy!r} (S2, S4 or revert)")]
+        return [_event("operator_mitigate", strategy=strategy)] + self._start_action(action, now)
 
     def _abort(self, now: float, reason: str) -> list[Output]:
         self._deadline = math.inf
@@ -297,7 +539,11 @@ class Controller:
 
     def _maybe_close(self) -> list[Output]:
         ep = self.episode
-        if ep is not None and (ep.trigger == "operator" or (ep.reporters and ep.ended >= set(ep.reporters))):
+        mit = ep.mitigation if ep is not None else None
+        if mit is not None and (not mit.planner.finished or mit.in_flight is not None):
+            return []  # the planner decides when this fail-slow is over
+        if ep is not None and (ep.trigger == "operator" or mit is not None
+                               or (ep.reporters and ep.ended >= set(ep.reporters))):
             self.episode = None
             return [_event("episode_end", session=self.session, ranks=sorted(ep.ended))]
         return []

@@ -55,6 +55,13 @@ class Heartbeat:
     iteration: int
     iter_s: float
     time: float
+    #: the rank's DP replica, and its recent compute seconds per micro-batch (what S2
+    #: balances on; 0: not measured yet)
+    replica: int = -1
+    mb_s: float = 0.0
+    micro: int = 0  # micro-batches the replica runs per global batch now
+    #: this rank's measured cost of S4: checkpoint save + load + process start-up
+    restart_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,8 @@ class SessionAck:
 
     status: ``held`` (trapped at the agreed iteration), ``missed`` (was already past
     it), ``resumed`` (training goes on; ``pause_s`` is how long it was held).
+    ``committed``: the session carried an action (a mitigation) and every rank agreed
+    to apply it from the next iteration.
     """
 
     rank: int
@@ -88,6 +97,7 @@ class SessionAck:
     time: float
     pause_s: float = 0.0
     expired: bool = False
+    committed: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,8 +137,10 @@ class Command:
     """Controller -> ranks (and operator -> controller).
 
     kinds: ``profile`` (send ProfileData; args: session, window_s), ``suspend`` (trap
-    at loop iteration ``iteration``, at most ``deadline_s``; args: session, plan),
-    ``go`` and ``release`` (args: session), and from an operator ``validate``.
+    at loop iteration ``iteration``, at most ``deadline_s``; args: session, plan; a
+    plan may carry an ``action`` to apply from the next iteration), ``go`` and
+    ``release`` (args: session), and from an operator ``validate`` or ``mitigate``
+    (args: strategy S2|S4|revert, optional plan).
     """
 
     kind: str

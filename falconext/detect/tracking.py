@@ -7,9 +7,13 @@ on at the edge (``falconext/megatron``), which needs only the times carried here
 
 Early on, a tracker can lock onto a unit repeated inside the iteration (a layer, a
 micro-batch) and emit sub-iteration spans until it has seen enough history; when it
-relocks onto a multiple of that period, those spans were not iterations, so the
-detector's series restarts. A change to an unrelated period (the job re-planned its
-micro-batches) keeps the detector: iteration times stay comparable across it.
+relocks onto a longer period, those spans may not have been iterations, so the
+detector's series restarts. That includes a longer period that is not a multiple of
+the old one: a data-parallel job with gradient buckets was seen to lock onto a
+3-call unit and then onto its 41-call iteration, and comparing the two as one series
+raised a false 18x fail-slow. A relock onto a shorter period (the job re-planned to
+fewer micro-batches) keeps the detector: those spans were iterations too. The cost
+of a restart is a new warm-up, during which a fail-slow is not watched.
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ class RankTracking:
         events: list[FailSlowEvent] = []
         restarted = False
         for it in its:
-            if self._period is not None and it.period != self._period and it.period % self._period == 0:
-                self.detector = VerifiedBOCD(self.config)  # earlier spans were sub-iteration
+            if self._period is not None and it.period > self._period:
+                self.detector = VerifiedBOCD(self.config)  # earlier spans may have been sub-iteration
                 self.series = 0
                 self.seen = 0
                 self.restarts += 1

@@ -4,8 +4,11 @@ The paper injected fail-slows with GPU clock locking and side-channel traffic; h
 
 - ``{"kind": "compute", "rank": r, "factor": f, "start": i, "end": j}`` stretches rank r's
   compute by f during iterations [i, j): after each forward of a micro-batch the rank
-  stays busy (f - 1) times the forward's duration, and in the backward (f - 1) times
-  twice that (a backward costs about two forwards);
+  stays busy (f - 1) times the forward's duration, and after the backward through the
+  transformer layers (f - 1) times that backward's measured duration. (An earlier
+  version assumed a backward costs two forwards; on CPU it costs about one, which made
+  a "2x" fault 2.6-2.9x and S2's balancing on forward times miss it. A pipeline stage
+  whose layers take no input gradient still uses that rule.)
 - ``{"kind": "link", "nodes": [a, b], "factor": f, ...}`` congests the link between
   virtual nodes a and b (ranks grouped by ``--ranks-per-node``): a point-to-point transfer
   over it, and a collective whose ring (members in rank order) crosses it, is delayed by
@@ -140,16 +143,37 @@ def _busy(seconds: float) -> None:
 
 
 class _SlowBackward(torch.autograd.Function):
+    """At the model's output: the first node of its backward. Notes when the backward
+    starts; stalls ``delay`` there when no end marker measures the backward."""
+
     @staticmethod
-    def forward(ctx, x, delay):  # type: ignore[override]
-        ctx.delay = delay
+    def forward(ctx, x, delay, clock):  # type: ignore[override]
+        ctx.delay, ctx.clock = delay, clock
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        ctx.clock["backward_start"] = time.perf_counter()
         if ctx.delay > 0:
             _busy(ctx.delay)
-        return grad, None
+        return grad, None, None
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """At the transformer layers' input: the backward through them has just ended;
+    stall (factor - 1) times its duration."""
+
+    @staticmethod
+    def forward(ctx, x, factor, clock):  # type: ignore[override]
+        ctx.factor, ctx.clock = factor, clock
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        start = ctx.clock.get("backward_start")
+        if start is not None:
+            _busy((ctx.factor - 1.0) * (time.perf_counter() - start))
+        return grad, None, None
 
 
 # name -> (normalised op, position of the full-size tensor, position of the group)
@@ -197,8 +221,23 @@ class FaultInjector:
         if not any(f.kind == "compute" and f.rank == self.rank for f in self.faults):
             return
 
+        clock: dict[str, float] = {}
+        marked = [False]
+
         def pre(_mod, _inputs):
             self._t0 = time.perf_counter()
+            marked[0] = False
+
+        def layers_pre(_mod, args, kwargs):
+            factor = self._compute_factor()
+            hs = kwargs.get("hidden_states", args[0] if args else None)
+            if factor <= 1.0 or not isinstance(hs, torch.Tensor) or not hs.requires_grad:
+                return None
+            marked[0] = True
+            hs = _BackwardEnd.apply(hs, factor, clock)
+            if "hidden_states" in kwargs:
+                return args, dict(kwargs, hidden_states=hs)
+            return (hs, *args[1:]), kwargs
 
         def post(_mod, _inputs, output):
             factor = self._compute_factor()
@@ -207,13 +246,16 @@ class FaultInjector:
             spent = time.perf_counter() - self._t0
             delay = (factor - 1.0) * spent
             _busy(delay)
-            self.injected_s += 3 * delay
+            self.injected_s += delay
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                return _SlowBackward.apply(output, 2.0 * delay)
+                return _SlowBackward.apply(output, 0.0 if marked[0] else 2.0 * delay, clock)
             return output
 
         self._handles.append(module.register_forward_pre_hook(pre))
         self._handles.append(module.register_forward_hook(post))
+        layers = getattr(module, "decoder", None)
+        if isinstance(layers, torch.nn.Module):
+            self._handles.append(layers.register_forward_pre_hook(layers_pre, with_kwargs=True))
 
     def stretch_compute(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` as this rank's emulated device runs it: (f - 1) x longer under a fault.

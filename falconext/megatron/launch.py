@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import json
 import socket
 import subprocess
 import sys
+import time
 
 from falconext.config import config_from_args
 from falconext.inputs import InputError
@@ -93,11 +95,60 @@ def launch_training(args: argparse.Namespace) -> int:
         except RedisUnavailable as exc:
             raise InputError(str(exc)) from None
         env.update(plane.env())
+    from falconext.train import LAUNCH_TIME_ENV
+
+    env[LAUNCH_TIME_ENV] = repr(time.time())
     try:
-        proc = subprocess.run(cmd, env=env)
+        while True:
+            proc = subprocess.run(cmd, env=env)
+            if proc.returncode != 0:
+                raise InputError(f"training failed (torchrun exit status {proc.returncode}); see the messages above")
+            req = _take_restart_request(args.out)
+            if req is None:
+                return 0
+            if req.attempt > MAX_RESTARTS:
+                raise InputError(f"the job asked for restart number {req.attempt}; at most {MAX_RESTARTS} are allowed")
+            _prepare_restart(args, req)
+            cmd = torchrun_command(args, rank_argv(args), free_port())
+            env[LAUNCH_TIME_ENV] = repr(req.requested_at)  # S4's downtime runs from the request
     finally:
         if plane is not None:
             plane.stop()
-    if proc.returncode != 0:
-        raise InputError(f"training failed (torchrun exit status {proc.returncode}); see the messages above")
-    return 0
+
+
+#: S4 restarts one job may ask for before the launcher gives up
+MAX_RESTARTS = 3
+
+
+def _take_restart_request(out: str):
+    """The ranks' restart request, if they left one, moved aside so it is acted on once."""
+    from falconext.mitigate import restart
+
+    path = os.path.join(out, restart.RESTART_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        req = restart.read_request(path)
+    except restart.CheckpointError as exc:
+        raise InputError(str(exc)) from None
+    os.replace(path, os.path.join(out, f"restart-{req.attempt}.json"))
+    return req
+
+
+def _prepare_restart(args: argparse.Namespace, req) -> None:
+    """Relaunch from the checkpoint without the excluded nodes. On the test bed the
+    excluded virtual node is replaced by a healthy one: its faults are dropped."""
+    from falconext.mitigate import restart
+
+    if args.inject:
+        with open(args.inject) as f:
+            faults = json.load(f)
+        kept = restart.faults_without_nodes(faults, req.exclude_nodes, args.ranks_per_node)
+        path = os.path.join(args.out, f"faults-r{req.attempt}.json")
+        with open(path, "w") as f:
+            json.dump(kept, f)
+        args.inject = path
+    args.resume = req.checkpoint
+    args.attempt = req.attempt
+    print(f"falconext: restart {req.attempt} from iteration {req.iteration} without nodes {req.exclude_nodes} "
+          f"(checkpoint {req.checkpoint})", flush=True)

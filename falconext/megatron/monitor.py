@@ -53,8 +53,10 @@ class RankMonitor:
         call_log_path: str | None,
         interval_s: float = 0.05,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        first_iteration: int = 0,
     ) -> None:
         self.drain = drain
+        self.first_iteration = first_iteration  # loop_starts[0] is this iteration (a resumed job)
         self.tracking = RankTracking(config)
         self.rank = rank
         self.loop_starts = loop_starts  # appended by the training thread
@@ -104,8 +106,8 @@ class RankMonitor:
             first = starts[i + 1] - t_begin
             second = t_end - starts[i + 1]
             if second > first:
-                return i + 1
-        return i
+                return self.first_iteration + i + 1
+        return self.first_iteration + i
 
     def _process(self) -> None:
         try:

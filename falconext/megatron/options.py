@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from falconext.config import add_config_arguments
+from falconext.config import ConfigError, add_config_arguments, parse_microbatches
 
 
 def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
@@ -35,6 +35,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
         help="control-plane Redis (redis://:PASSWORD@HOST:PORT/0); default: $FALCON_REDIS_URL, "
         "else the launcher starts a private one on loopback",
     )
+    p.add_argument("--resume", default=None, help="resume from this falconext checkpoint directory (S4 restarts)")
+    p.add_argument("--attempt", type=int, default=0, help="restart count of this job (set by the launcher)")
     add_config_arguments(p)
 
 
@@ -50,6 +52,17 @@ def check_train_arguments(args: argparse.Namespace, world: int) -> None:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not divisible by "
             f"--micro-batch-size {args.micro_batch_size} x DP {dp}"
+        )
+    try:
+        forced = parse_microbatches(getattr(args, "falcon_force_microbatches", None) or "")
+    except ConfigError as exc:
+        raise ValueError(f"--falcon-force-microbatches: {exc}") from None
+    total = args.global_batch_size // args.micro_batch_size
+    if forced is not None and (len(forced) != dp or sum(forced) != total):
+        raise ValueError(
+            f"--falcon-force-microbatches {args.falcon_force_microbatches} must give {dp} DP replicas "
+            f"{total} micro-batches in all (global batch {args.global_batch_size} / micro-batch "
+            f"{args.micro_batch_size}); it gives {len(forced)} replicas {sum(forced)}"
         )
     if args.layers % args.pp:
         raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")

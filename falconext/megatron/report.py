@@ -18,12 +18,15 @@ from typing import Any
 HEADER = ["rank", "iteration", "iter_time_s", "loss"]
 
 
-def write_rank_files(out: str, rank: int, measured: list[tuple[int, float, float | None]], estimates: dict[int, float]) -> None:
-    with open(os.path.join(out, "ranks", f"iterations-{rank}.csv"), "w", newline="") as f:
+def write_rank_files(
+    out: str, rank: int, measured: list[tuple[int, float, float | None]], estimates: dict[int, float], suffix: str = ""
+) -> None:
+    """``suffix`` names a restarted attempt's files, so they add to the first attempt's."""
+    with open(os.path.join(out, "ranks", f"iterations-{rank}{suffix}.csv"), "w", newline="") as f:
         w = csv.writer(f)
         for it, secs, loss in measured:
             w.writerow([rank, it, f"{secs:.6f}", "" if loss is None else f"{loss:.6f}"])
-    with open(os.path.join(out, "ranks", f"estimates-{rank}.csv"), "w", newline="") as f:
+    with open(os.path.join(out, "ranks", f"estimates-{rank}{suffix}.csv"), "w", newline="") as f:
         w = csv.writer(f)
         for it in sorted(estimates):
             w.writerow([rank, it, f"{estimates[it]:.6f}", ""])
@@ -75,7 +78,10 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
         return any(f["start"] <= it and (f["end"] is None or it < f["end"]) for f in faults)
 
     healthy = [v for it, v in steady.items() if not in_fault(it)]
-    slow = [v for it, v in steady.items() if in_fault(it)]
+    applied = [e for e in events if e.get("type") == "mitigation" and e.get("strategy") in ("S2", "S3", "S4")]
+    first_fix = min((int(e["iteration"]) for e in applied), default=None)
+    slow = [v for it, v in steady.items() if in_fault(it) and (first_fix is None or it < first_fix)]
+    mitigated = [v for it, v in steady.items() if in_fault(it) and first_fix is not None and it >= first_fix + SETTLE]
     errors = []
     for rank, it, secs, _ in estimated:
         key = (int(rank), int(it))
@@ -99,7 +105,48 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
         "detection": detection_figures(fail_slows, faults),
         "localization": localization_figures(events),
     }
+    summary["mitigated_iter_s"] = round(median(mitigated), 6) if mitigated else None
+    summary["slowdown_removed"] = None
+    if mitigated and slow and healthy:
+        from falconext.mitigate.planner import slowdown_removed
+
+        removed = slowdown_removed(median(healthy), median(slow), median(mitigated))
+        summary["slowdown_removed"] = None if removed is None else round(removed, 4)
+    summary["mitigation"] = mitigation_figures(events, steady)
     return summary
+
+
+#: iterations after a mitigation takes effect that are not counted as "mitigated" (the
+#: first ones after a plan switch or a restart carry its transient)
+SETTLE = 5
+
+
+def mitigation_figures(events: list[dict], steady: dict[int, float]) -> dict[str, Any]:
+    """Each strategy applied: from which iteration, its plan, its cost, and the median
+    iteration time while it was the one in effect."""
+    applied = sorted((e for e in events if e.get("type") == "mitigation"), key=lambda e: int(e["iteration"]))
+    rows = []
+    for k, e in enumerate(applied):
+        start = int(e["iteration"])
+        end = int(applied[k + 1]["iteration"]) if k + 1 < len(applied) else None
+        span = [v for it, v in steady.items() if it >= start + SETTLE and (end is None or it < end)]
+        rows.append({
+            "strategy": e["strategy"], "iteration": start, "trigger": e.get("trigger"),
+            "plan": e.get("plan"), "exclude_nodes": e.get("exclude_nodes"),
+            "overhead_s": e.get("overhead_s"), "pause_s": e.get("pause_s"), "impact_s": e.get("impact_s"),
+            "iter_s": round(median(span), 6) if span else None,
+        })
+    restarts = [e for e in events if e.get("type") == "restarted"]
+    return {
+        "applied": rows,
+        "decisions": [
+            {k: e.get(k) for k in ("action", "strategy", "iteration", "impact_s", "overhead_s", "reason")}
+            for e in events if e.get("type") == "mitigation_decision"
+        ],
+        "failed": [e.get("reason") for e in events if e.get("type") == "mitigation_failed"],
+        "restarts": [{"iteration": e.get("iteration"), "downtime_s": e.get("downtime_s"), "load_s": e.get("load_s")}
+                     for e in restarts],
+    }
 
 
 def localization_figures(events: list[dict]) -> dict[str, Any]:
@@ -182,4 +229,18 @@ def format_summary(s: dict[str, Any]) -> str:
             lines.append(f"training paused for validation: {loc['pause_s']} s at most (target < 5 s)")
         for reason in loc.get("failed", []):
             lines.append(f"localization failed: {reason}")
+        mit = s.get("mitigation") or {}
+        for row in mit.get("applied", []):
+            what = f"plan {row['plan']}" if row.get("plan") else f"without nodes {row.get('exclude_nodes')}"
+            lines.append(
+                f"mitigation {row['strategy']} ({row['trigger']}) from iteration {row['iteration']}: {what}, "
+                f"cost {row['overhead_s']} s, then {row['iter_s']} s/iter"
+            )
+        for r in mit.get("restarts", []):
+            lines.append(f"restarted at iteration {r['iteration']} after {r['downtime_s']} s down")
+        if s.get("mitigated_iter_s") is not None:
+            lines.append(
+                f"healthy {s['healthy_iter_s']} s/iter, slow {s['slow_iter_s']}, mitigated {s['mitigated_iter_s']}: "
+                f"slowdown removed {s['slowdown_removed']} (target >= 0.70)"
+            )
     return "\n".join(lines)

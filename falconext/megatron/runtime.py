@@ -1,9 +1,12 @@
 """falconext inside one training process: tracer, monitor, control client, suspensions.
 
-The training loop makes two calls: :meth:`FalconRuntime.before_iteration` at the top of
-each iteration (the only place a suspension can be scheduled from: the loop iteration
-is the boundary every rank agrees on) and :meth:`FalconRuntime.close` at the end. With
-Megatron-LM the same two calls go in ``train()`` (patches/).
+The training loop makes three calls: :meth:`FalconRuntime.before_iteration` at the top
+of each iteration (the only place a suspension can be scheduled from: the loop
+iteration is the boundary every rank agrees on; it returns the mitigation action, if
+any, that every rank applies from this iteration), :meth:`FalconRuntime.after_step`
+with the step's micro-batch count and forward seconds (what S2 balances on), and
+:meth:`FalconRuntime.close` at the end. With Megatron-LM the same calls go in
+``train()`` (patches/).
 
 Everything else runs off the training thread. A suspension traps the first collective
 of the agreed iteration; validation traffic uses a dedicated gloo group created at
@@ -13,6 +16,7 @@ the torch.distributed functions found below the tracer.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import statistics
@@ -46,6 +50,10 @@ class FalconRuntime:
         job: str | None = None,
         matmul: Callable[..., Any] = torch.matmul,
         device: str = "cpu",
+        replica: int = -1,
+        restart_s: float = 0.0,
+        calls_suffix: str = "",
+        first_iteration: int = 0,
     ) -> None:
         from falconext.trace.groups import megatron_roles
         from falconext.trace.hooks import CallTracer
@@ -62,6 +70,11 @@ class FalconRuntime:
         self._matmul = matmul
         self._device = device
         self.suspensions: list[Suspension] = []
+        self.replica = replica
+        self.restart_s = restart_s
+        self._mb_s: collections.deque[float] = collections.deque(maxlen=8)
+        self._action: tuple[int, dict[str, Any]] | None = None
+        self._micro = 0
 
         url = redis_url or os.environ.get(REDIS_URL_ENV) or None
         self.control = bool(config.control_plane and url)
@@ -75,7 +88,8 @@ class FalconRuntime:
         self.tracer.install()
         self.monitor = RankMonitor(
             self.tracer.drain, config, rank, loop_starts, events,
-            os.path.join(out, "calls", f"rank{rank}.jsonl"), on_event=self._on_event,
+            os.path.join(out, "calls", f"rank{rank}{calls_suffix}.jsonl"), on_event=self._on_event,
+            first_iteration=first_iteration,
         )
         self.client = None
         if self.control:
@@ -89,8 +103,21 @@ class FalconRuntime:
 
     # --- called by the training loop --------------------------------------------------------
 
-    def before_iteration(self, it: int) -> None:
+    def before_iteration(self, it: int) -> dict[str, Any] | None:
+        """Arms a scheduled suspension; returns the action committed for this iteration."""
         self._iteration = it
+        action = None
+        if self._action is not None and self._action[0] <= it:
+            action, self._action = self._action[1], None
+        self._arm(it)
+        return action
+
+    def after_step(self, micro_batches: int, forward_s: float) -> None:
+        self._micro = micro_batches
+        if micro_batches > 0 and forward_s > 0:
+            self._mb_s.append(forward_s / micro_batches)
+
+    def _arm(self, it: int) -> None:
         pend = self._pending
         if pend is None:
             return
@@ -119,6 +146,15 @@ class FalconRuntime:
     def iteration(self) -> int:
         return self._iteration
 
+    def beat_fields(self) -> dict[str, Any]:
+        mb = sorted(self._mb_s)
+        return {
+            "replica": self.replica,
+            "mb_s": mb[len(mb) // 2] if mb else 0.0,
+            "restart_s": self.restart_s,
+            "micro": self._micro,
+        }
+
     def iter_s(self) -> float:
         starts = self.loop_starts[-12:]
         if len(starts) < 3:
@@ -137,7 +173,8 @@ class FalconRuntime:
             return None
         if self._iteration >= cmd.iteration:
             return self._iteration
-        sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit)
+        sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
+                         commit=self._commit)
         with self._lock:
             self._pending = sus
         return None
@@ -152,6 +189,11 @@ class FalconRuntime:
                     self._pending = None
 
     # --- internals -----------------------------------------------------------------------
+
+    def _commit(self, action: dict[str, Any]) -> None:
+        """Runs on the trapped training thread of iteration K: the step of K is already
+        under way with the old plan, so the action takes effect from K + 1 on every rank."""
+        self._action = (self._iteration + 1, action)
 
     def _on_event(self, kind: str, fields: dict[str, Any]) -> None:
         if self.client is None or fields.get("onset") is None:

@@ -8,6 +8,7 @@ on the last pipeline stage reduce the global-batch loss across data-parallel rep
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterator
@@ -28,6 +29,8 @@ class TrainOptions:
     shape: ModelShape = field(default_factory=ModelShape)
     device: str = "cpu"
     seed: int = 1234
+    #: micro-batches per DP replica; None: the even plan
+    plan: list[int] | None = None
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -40,13 +43,30 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, tokens, {"lm loss": report}
 
 
-def _forward_step(data_iterator: Iterator[data.MicroBatch] | None, model: torch.nn.Module):
-    batch = next(data_iterator) if data_iterator is not None else None
-    if batch is None:  # a middle pipeline stage: input comes from the previous stage
-        output = model(None, None, None)
-        return output, partial(_loss_func, torch.ones(1))
-    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
-    return output, partial(_loss_func, batch.loss_mask)
+class _ForwardTimer:
+    """The forward step, timing this rank's model forwards within one step: the
+    per-micro-batch compute time S2 balances on (a forward is a fixed share of a
+    micro-batch's compute, so its ratio between replicas is the replicas' speed ratio;
+    reading the data is left out, it is not what a slow GPU slows). Host time: right on
+    the CPU test bed; with CUDA the forward returns at launch, so there the time would
+    need CUDA events (not done yet)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.count = 0
+
+    def __call__(self, data_iterator: Iterator[data.MicroBatch] | None, model: torch.nn.Module):
+        batch = next(data_iterator) if data_iterator is not None else None
+        t0 = time.perf_counter()
+        if batch is None:  # a middle pipeline stage: input comes from the previous stage
+            output = model(None, None, None)
+            mask = torch.ones(1)
+        else:
+            output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+            mask = batch.loss_mask
+        self.seconds += time.perf_counter() - t0
+        self.count += 1
+        return output, partial(_loss_func, mask)
 
 
 class Trainer:
@@ -61,7 +81,11 @@ class Trainer:
         self.ps = ps
         world = torch.distributed.get_world_size()
         self.dp = world // (opts.tp * opts.pp)
-        self.plan = data.even_plan(opts.global_batch_size, opts.micro_batch_size, self.dp)
+        self.even = data.even_plan(opts.global_batch_size, opts.micro_batch_size, self.dp)
+        self.plan = list(self.even)
+        if opts.plan is not None:
+            self.set_plan(opts.plan)
+        self.timer = _ForwardTimer()
         mrandom.model_parallel_cuda_manual_seed(opts.seed)
         torch.manual_seed(opts.seed)
         self.model, self.optimizer, self.config = build(opts.shape, opts.device)
@@ -70,8 +94,25 @@ class Trainer:
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
 
+    def set_plan(self, plan: list[int]) -> None:
+        """Micro-batches per replica from the next step on. Every rank of the job must
+        switch at the same iteration (falconext agrees on it in a suspension): the plan
+        decides which samples each replica reads."""
+        plan = [int(m) for m in plan]
+        if len(plan) != self.dp or sum(plan) != sum(self.even) or min(plan) < 1:
+            raise ValueError(
+                f"micro-batch plan {plan} does not give {self.dp} replicas >= 1 each and "
+                f"{sum(self.even)} in all"
+            )
+        self.plan = plan
+
+    def forward_time(self) -> tuple[float, int]:
+        """(seconds, forward passes) of the last step."""
+        return self.timer.seconds, self.timer.count
+
     def step(self, it: int) -> float | None:
         opts = self.opts
+        self.timer.seconds, self.timer.count = 0.0, 0
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         n_micro = self.plan[self.replica]
@@ -81,7 +122,7 @@ class Trainer:
                 opts.seed, it, self.plan, self.replica, opts.micro_batch_size, opts.shape.seq_len, opts.shape.vocab
             )
         losses = self.forward_backward(
-            forward_step_func=_forward_step,
+            forward_step_func=self.timer,
             data_iterator=it_data,
             model=[self.model],
             num_microbatches=n_micro,

@@ -41,6 +41,7 @@ class Suspension:
         bench: Bench,
         post: Callable[[Any], None],
         emit: Callable[..., Any],
+        commit: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.rank = rank
         self.session = session
@@ -49,6 +50,8 @@ class Suspension:
         self.bench = bench
         self.post = post
         self.emit = emit
+        self.commit = commit
+        self.committed = False
         self._go = threading.Event()
         self._release = threading.Event()
         self._wake = threading.Event()
@@ -72,15 +75,37 @@ class Suspension:
             self._wake.wait(min(left, 0.05))
         outcome = "released" if self._release.is_set() else "expired" if self.expired else "validated"
         if self._go.is_set() and not self._release.is_set():
-            self.post(self._validate())
+            if self.plan.get("gemm") or self.plan.get("passes"):
+                self.post(self._validate())
+            if isinstance(self.plan.get("action"), dict):
+                self._agree()
         self.pause_s = time.monotonic() - t0
         self.post(
-            SessionAck(self.rank, self.session, "resumed", self.iteration, time.time(), self.pause_s, self.expired)
+            SessionAck(self.rank, self.session, "resumed", self.iteration, time.time(), self.pause_s,
+                       self.expired, self.committed)
         )
         self.emit(
             "suspension", rank=self.rank, session=self.session, iteration=self.iteration,
             outcome=outcome, pause_s=round(self.pause_s, 4),
+            **({"committed": self.committed} if "action" in self.plan else {}),
         )
+
+    def _agree(self) -> None:
+        """Commit the plan's action only once every rank is known to hold "go".
+
+        "go" reaches ranks one by one, and a rank's own deadline may fire just before
+        it: a barrier on the validation group (which only ranks that got "go" enter)
+        turns that into all or nothing, so every rank applies the action from the same
+        iteration or none does. A failed barrier times out on the group's deadline.
+        """
+        try:
+            self.bench.barrier()
+        except Exception as exc:  # the peers did not all come: apply nothing
+            self.emit("control_error", rank=self.rank, error=f"action not agreed: {type(exc).__name__}: {exc}"[:300])
+            return
+        if self.commit is not None:
+            self.commit(dict(self.plan["action"]))
+        self.committed = True
 
     def _validate(self) -> ValidationResult:
         plan = self.plan

@@ -28,8 +28,19 @@ def _positive(value: object) -> bool:
     )
 
 
-def slow_ranks(flops: Mapping[int, float], factor: float = 1.3) -> list[int]:
+def slow_ranks(
+    flops: Mapping[int, float],
+    factor: float = 1.3,
+    suspects: Sequence[int] = (),
+    confirm_factor: float | None = None,
+) -> list[int]:
     """Ranks whose FLOP/s is below median / factor, sorted.
+
+    A profiled compute suspect (the rank the others waited for) needs less to be
+    confirmed: below the median of the *other* ranks / ``confirm_factor`` (default
+    halfway between 1 and ``factor``). Two independent measurements then agree on it,
+    and with two ranks, where the median is the mean of the straggler and its peer, a
+    2x straggler would otherwise sit exactly at the 1.5 threshold.
 
     Fewer than two ranks give no verdict: a lone rank has nothing to be compared with,
     and there is no nominal speed to fall back on. With exactly two the median is their
@@ -42,8 +53,16 @@ def slow_ranks(flops: Mapping[int, float], factor: float = 1.3) -> list[int]:
             raise ValueError(f"slow_ranks: FLOP/s of rank {rank} is {value!r}; expected a finite positive number")
     if len(flops) < 2:
         return []
+    confirm = 1.0 + (factor - 1.0) / 2.0 if confirm_factor is None else confirm_factor
+    _check_factor(confirm, "slow_ranks (confirm_factor)")
     reference = statistics.median(flops.values())
-    return sorted(rank for rank, value in flops.items() if value * factor < reference)
+    slow = {rank for rank, value in flops.items() if value * factor < reference}
+    for rank in suspects:
+        if rank in flops:
+            others = statistics.median(v for r, v in flops.items() if r != rank)
+            if flops[rank] * confirm < others:
+                slow.add(rank)
+    return sorted(slow)
 
 
 def _key(a: int, b: int) -> str:

@@ -1,0 +1,410 @@
+"""The adaptive multi-level mitigation planner (Falcon section 5.2, Algorithm 1).
+
+Strategies, cheapest and least effective first in the paper's order:
+
+* ``S1`` do nothing (wait for the straggler to recover by itself),
+* ``S2`` rebalance micro-batches across data-parallel replicas,
+* ``S3`` change the parallel topology (move congested links / consolidate stragglers),
+* ``S4`` checkpoint-and-restart without the bad node.
+
+A computation fail-slow can be treated by S2, S3 or S4; a communication fail-slow only
+by S3 or S4 (moving work between replicas does not unclog a link). S1 is implicit: it is
+what the planner does while it is waiting.
+
+Why ski rental. How long a fail-slow will last is unknown in advance (tens of seconds to
+hours). Every slow iteration costs ``t_iter - t_healthy`` seconds: that is the *rent*.
+Applying a strategy costs a one-off overhead (solver time, parameter shuffling, a
+restart): that is the *buy*. The classical deterministic ski-rental rule -- keep renting
+until the rent paid so far equals the purchase price, then buy -- is never worse than
+twice the cost of the (clairvoyant) optimum, whatever the duration turns out to be. The
+planner therefore keeps the accumulated slow impact and applies the next candidate (sorted
+by overhead) as soon as that impact reaches the candidate's overhead.
+
+Why accumulate since onset, including before and during mitigation. The rent is what the
+job has already lost to this fail-slow, whichever strategy was in effect while it was
+lost; so the impact counts from the event's onset (not from detection, nor from the last
+strategy applied). An escalation to a costlier strategy is then justified by the total
+loss so far: S4 is bought once the whole fail-slow has cost as much as a restart. Iterations
+that are fed in jumps (every k-th iteration) count ``k`` times their excess.
+
+Judging. A strategy that was applied is given ``settle_iterations`` to take effect, then
+judged on the median of the next ``judge_iterations`` observations: it is *enough* if that
+median is within ``enough_margin`` of the healthy time. While the strategy in effect is
+enough the planner never escalates; the verdict is kept up to date on the rolling median of
+the last ``judge_iterations`` observations, so escalation resumes if the iteration time
+rises above the margin again. No escalation happens before the strategy in effect has been
+judged, nor while a decision is pending (issued but not yet ``applied``/``failed``).
+
+No flapping. When the caller reports that the fail-slow is over (``recovered``), the planner
+asks once to revert a reversible strategy (S2, S3: go back to the even/original plan) and
+finishes. A finished planner never issues another decision, whatever it is fed: a new
+fail-slow gets a new planner. S4 is never reverted (the bad node is gone), and S4 is
+terminal: once it is in effect nothing is escalated to after it.
+
+The planner is pure: it measures nothing and applies nothing. Overheads are measured by
+the caller and may be updated at any time with :meth:`Planner.set_overhead`; an
+unavailable strategy (overhead ``None``) is skipped until it gets one.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+STRATEGIES = ("S1", "S2", "S3", "S4")
+CANDIDATES = {
+    "computation": ("S2", "S3", "S4"),
+    "communication": ("S3", "S4"),
+}
+REVERSIBLE = frozenset({"S2", "S3"})
+TERMINAL = frozenset({"S4"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the planner asks the caller to do."""
+
+    action: str  # "apply" | "revert"
+    strategy: str
+    iteration: int
+    impact_s: float
+    overhead_s: float | None
+    reason: str
+
+
+def _seconds(name: str, value: Any, *, positive: bool = False) -> float:
+    """A finite, non-negative (or positive) number of seconds, or ValueError naming it."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if x < 0 or (positive and x == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return x
+
+
+def _overhead(name: str, value: Any) -> float | None:
+    return None if value is None else _seconds(name, value)
+
+
+def _iteration(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer iteration number, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer iteration number, got {value!r}") from None
+
+
+def _strategy(value: Any) -> str:
+    if value not in STRATEGIES:
+        raise ValueError(f"unknown strategy {value!r}; expected one of {', '.join(STRATEGIES)}")
+    return value
+
+
+def slowdown_removed(healthy_s: float, slow_s: float, mitigated_s: float) -> float | None:
+    """Fraction of the slowdown a mitigation removed: (slow - mitigated) / (slow - healthy).
+
+    1.0 means back to healthy, 0.0 no effect; a value below 0 means the mitigation made it
+    worse and above 1 that it ran faster than the healthy baseline (not clamped). None if
+    there was no slowdown to remove (``slow_s <= healthy_s``).
+    """
+    h = _seconds("healthy_s", healthy_s)
+    s = _seconds("slow_s", slow_s)
+    m = _seconds("mitigated_s", mitigated_s)
+    if s <= h:
+        return None
+    return (s - m) / (s - h)
+
+
+class Planner:
+    """Ski-rental escalation S1 -> (S2) -> (S3) -> S4 for one fail-slow event.
+
+    Usage: feed ``observe(iteration, iter_s)``; when it returns an ``apply`` Decision, apply
+    the strategy and call ``applied(...)`` (or ``failed(...)``); call ``recovered(iteration)``
+    when the fail-slow is over and perform the ``revert`` it may return.
+    """
+
+    def __init__(
+        self,
+        root_cause: str,
+        healthy_s: float,
+        overheads: dict[str, float | None],
+        onset: int,
+        *,
+        enough_margin: float = 0.10,
+        settle_iterations: int = 5,
+        judge_iterations: int = 5,
+    ) -> None:
+        if root_cause not in CANDIDATES:
+            raise ValueError(
+                f"unknown root_cause {root_cause!r}; expected one of {', '.join(CANDIDATES)}"
+            )
+        self._root_cause = root_cause
+        self._healthy = _seconds("healthy_s", healthy_s, positive=True)
+        self._onset = _iteration("onset", onset)
+        self._margin = _seconds("enough_margin", enough_margin)
+        self._settle = _iteration("settle_iterations", settle_iterations)
+        if self._settle < 0:
+            raise ValueError(f"settle_iterations must be >= 0, got {settle_iterations!r}")
+        self._judge_n = _iteration("judge_iterations", judge_iterations)
+        if self._judge_n < 1:
+            raise ValueError(f"judge_iterations must be >= 1, got {judge_iterations!r}")
+        if overheads is None:
+            overheads = {}
+        if not isinstance(overheads, dict):
+            raise ValueError(f"overheads must be a dict of strategy -> seconds, got {overheads!r}")
+        self._overheads: dict[str, float | None] = {s: None for s in STRATEGIES[1:]}
+        for name, value in overheads.items():
+            _strategy(name)
+            if name == "S1":  # S1 is implicit and free; accept and ignore it
+                _overhead("overhead of S1", value)
+                continue
+            self._overheads[name] = _overhead(f"overhead of {name}", value)
+        # Remaining (not yet applied or failed) candidates for this root cause.
+        self._remaining: list[str] = list(CANDIDATES[root_cause])
+        self._applied: list[str] = []
+        self._failed: dict[str, str] = {}
+        self._impact = 0.0
+        self._last_iteration = self._onset - 1
+        self._current = "S1"
+        self._pending: Decision | None = None
+        self._cancelled: str | None = None  # pending at recovery time
+        self._finished = False
+        # Judging of the strategy in effect.
+        self._applied_at: int | None = None
+        self._window: deque[float] = deque(maxlen=self._judge_n)
+        self._verdict: bool | None = None  # None: not judged yet
+        self._judged: list[dict[str, Any]] = []
+        self._history: list[dict[str, Any]] = []
+
+    # -- read-only views --------------------------------------------------------------
+
+    @property
+    def impact_s(self) -> float:
+        """Accumulated slow impact since onset, in seconds."""
+        return self._impact
+
+    @property
+    def current(self) -> str:
+        """The strategy currently in effect ("S1" until one has been applied)."""
+        return self._current
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Decisions, applications, failures and judgements, as plain dicts, in order."""
+        return [dict(h) for h in self._history]
+
+    def pending(self) -> str | None:
+        """The strategy of the decision awaiting ``applied``/``failed``, or None."""
+        return None if self._pending is None else self._pending.strategy
+
+    def candidates(self) -> list[str]:
+        """Remaining available candidates, in the order they would be escalated to."""
+        order = {s: i for i, s in enumerate(STRATEGIES)}
+        avail = [s for s in self._remaining if self._overheads[s] is not None]
+        return sorted(avail, key=lambda s: (self._overheads[s], order[s]))
+
+    def status(self) -> dict[str, Any]:
+        """A plain dict for events and summaries."""
+        rows = []
+        for s in CANDIDATES[self._root_cause]:
+            if s in self._applied:
+                state = "applied"
+            elif s in self._failed:
+                state = "failed"
+            elif self._overheads[s] is None:
+                state = "unavailable"
+            else:
+                state = "remaining"
+            rows.append({"strategy": s, "overhead_s": self._overheads[s], "state": state})
+        return {
+            "root_cause": self._root_cause,
+            "healthy_s": self._healthy,
+            "onset": self._onset,
+            "last_iteration": self._last_iteration,
+            "impact_s": self._impact,
+            "current": self._current,
+            "pending": self.pending(),
+            "finished": self._finished,
+            "next": (self.candidates() or [None])[0],
+            "candidates": rows,
+            "applied": list(self._applied),
+            "failed": dict(self._failed),
+            "judged": [dict(j) for j in self._judged],
+        }
+
+    # -- inputs -----------------------------------------------------------------------
+
+    def set_overhead(self, strategy: str, overhead_s: float | None) -> None:
+        """Update a measured overhead (None: unavailable); the remaining order re-sorts."""
+        _strategy(strategy)
+        value = _overhead(f"overhead of {strategy}", overhead_s)
+        if strategy == "S1":
+            return
+        self._overheads[strategy] = value
+        self._history.append({"kind": "overhead", "strategy": strategy, "overhead_s": value})
+
+    def observe(self, iteration: int, iter_s: float) -> Decision | None:
+        """Account one observation; return an ``apply`` Decision when it is time to escalate."""
+        it = _iteration("iteration", iteration)
+        t = _seconds("iter_s", iter_s)
+        if it < self._onset:
+            raise ValueError(f"iteration {it} is before the onset {self._onset}")
+        if it <= self._last_iteration:
+            raise ValueError(
+                f"iteration went backwards: {it} after {self._last_iteration} "
+                "(iterations must strictly increase)"
+            )
+        if self._finished:
+            self._last_iteration = it
+            return None
+        self._impact += (it - self._last_iteration) * max(0.0, t - self._healthy)
+        self._last_iteration = it
+        self._judge(it, t)
+        if self._pending is not None:
+            return None
+        if self._applied_at is not None and self._verdict is None:
+            return None  # the strategy in effect has not been judged yet
+        if self._verdict is True:
+            return None  # enough: keep it
+        if self._current in TERMINAL:
+            return None
+        nxt = self.candidates()
+        if not nxt:
+            return None
+        s = nxt[0]
+        ov = self._overheads[s]
+        assert ov is not None
+        if self._impact < ov:
+            return None
+        why = f"impact {self._impact:.3f}s >= overhead {ov:.3f}s of {s}"
+        if self._current != "S1":
+            why += f" ({self._current} judged not enough)"
+        d = Decision("apply", s, it, self._impact, ov, why)
+        self._pending = d
+        self._history.append({"kind": "decision", **asdict(d)})
+        return d
+
+    def applied(
+        self, strategy: str, iteration: int, overhead_s: float | None = None
+    ) -> Decision | None:
+        """The pending strategy has taken effect at ``iteration`` (its measured overhead).
+
+        Returns None, except after a recovery that arrived while the strategy was in flight:
+        then a reversible strategy gets a ``revert`` Decision right away.
+        """
+        s = _strategy(strategy)
+        it = _iteration("iteration", iteration)
+        ov = _overhead(f"overhead of {s}", overhead_s)
+        if self._finished and self._cancelled == s:
+            self._cancelled = None
+            self._history.append(
+                {"kind": "applied", "strategy": s, "iteration": it, "overhead_s": ov,
+                 "impact_s": self._impact, "after_recovery": True}
+            )
+            if s in REVERSIBLE:
+                d = Decision("revert", s, it, self._impact, None,
+                             f"{s} took effect after the fail-slow recovered; "
+                             "back to the original plan")
+                self._history.append({"kind": "decision", **asdict(d)})
+                return d
+            return None
+        p = self._check_pending(s)
+        if it < p.iteration:
+            raise ValueError(f"{s} cannot take effect at iteration {it}, before it was "
+                             f"decided at iteration {p.iteration}")
+        if ov is not None:
+            self._overheads[s] = ov
+        self._pending = None
+        self._remaining.remove(s)
+        self._applied.append(s)
+        self._current = s
+        self._applied_at = it
+        self._window.clear()
+        self._verdict = None
+        self._history.append({"kind": "applied", "strategy": s, "iteration": it,
+                              "overhead_s": self._overheads[s], "impact_s": self._impact})
+        return None
+
+    def failed(self, strategy: str, reason: str) -> None:
+        """The pending strategy could not be applied: drop it from the candidates."""
+        s = _strategy(strategy)
+        if self._finished and self._cancelled == s:
+            self._cancelled = None
+            self._history.append({"kind": "failed", "strategy": s, "reason": str(reason),
+                                  "impact_s": self._impact, "after_recovery": True})
+            return
+        self._check_pending(s)
+        self._pending = None
+        self._remaining.remove(s)
+        self._failed[s] = str(reason)
+        self._history.append({"kind": "failed", "strategy": s, "reason": str(reason),
+                              "impact_s": self._impact})
+
+    def recovered(self, iteration: int) -> Decision | None:
+        """The fail-slow is over: revert S2/S3 if one is in effect, and finish for good."""
+        it = _iteration("iteration", iteration)
+        if self._finished:
+            return None
+        self._finished = True
+        if self._pending is not None:
+            self._cancelled = self._pending.strategy
+            self._pending = None
+        d = None
+        if self._current in REVERSIBLE:
+            d = Decision("revert", self._current, it, self._impact, None,
+                         f"fail-slow recovered; {self._current} reverted to the original plan")
+        self._history.append({"kind": "recovered", "iteration": it, "impact_s": self._impact,
+                              "current": self._current, "cancelled": self._cancelled,
+                              "revert": None if d is None else d.strategy})
+        if d is not None:
+            self._history.append({"kind": "decision", **asdict(d)})
+        return d
+
+    # -- internals --------------------------------------------------------------------
+
+    def _check_pending(self, s: str) -> Decision:
+        if self._pending is None:
+            raise ValueError(f"no decision is pending; {s} was not asked for")
+        if self._pending.strategy != s:
+            raise ValueError(f"{s} is not the pending strategy ({self._pending.strategy})")
+        return self._pending
+
+    def _judge(self, it: int, t: float) -> None:
+        if self._applied_at is None or self._pending is not None:
+            return
+        if it <= self._applied_at + self._settle:
+            return  # still settling
+        self._window.append(t)
+        if len(self._window) < self._judge_n:
+            return
+        med = statistics.median(self._window)
+        threshold = self._healthy * (1.0 + self._margin)
+        enough = med <= threshold
+        if enough == self._verdict:
+            return
+        first = self._verdict is None
+        self._verdict = enough
+        rec = {
+            "kind": "judgement", "strategy": self._current, "iteration": it,
+            "enough": enough, "median_s": med, "threshold_s": threshold,
+            "impact_s": self._impact,
+            "reason": "first judgement" if first else
+                      ("back within the margin" if enough else "rose above the margin"),
+        }
+        self._judged.append({k: v for k, v in rec.items() if k != "kind"})
+        self._history.append(rec)

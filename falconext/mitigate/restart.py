@@ -1,0 +1,162 @@
+"""S4: checkpoint, restart without the bad node, resume exactly where the job stopped.
+
+Each rank saves its own shard (its pipeline stage's model, its optimizer state, its
+RNG states) plus the loop position, at an iteration boundary every rank agreed on in a
+suspension. Files are written to a temporary name and renamed, so a crash mid-save
+never leaves a half checkpoint that a resume would trust; they are read back with
+``torch.load(weights_only=True)``, which rebuilds tensors and plain containers and
+nothing else. The data order is defined per global batch (megatron/data.py), so the
+loop position is all the data loader needs.
+
+The restart itself is the launcher's: the ranks write ``restart.json`` (what to
+exclude, where to resume) and exit 0 (torchrun folds rank exit codes into one, so a
+file is the message; the launcher treats "exit 0 and a fresh restart.json" as
+"restart", :data:`RESTART_FILE`). On the CPU test bed a virtual node is "replaced" by
+dropping the faults that concern it; on a cluster the launcher maps the excluded node
+to a spare (or shrinks the job by one DP replica) before calling torchrun again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+RESTART_FILE = "restart.json"
+CHECKPOINT_DIR = "checkpoint"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class RestartRequest:
+    """What the ranks ask the launcher to do: resume at ``iteration`` without ``exclude_nodes``."""
+
+    iteration: int
+    exclude_nodes: list[int]
+    checkpoint: str
+    session: int = 0
+    requested_at: float = 0.0
+    save_s: float = 0.0
+    attempt: int = 1
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or restart request that is missing, malformed, or for another layout."""
+
+
+def shard_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank:05d}.pt")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": np.random.get_state()[1].copy(),
+        "numpy_pos": int(np.random.get_state()[2]),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(v) for v in internal), gauss))
+    np.random.set_state(("MT19937", np.asarray(state["numpy"], dtype=np.uint32), int(state["numpy_pos"]), 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_shard(directory: str, rank: int, layout: dict[str, int], iteration: int, model: Any, optimizer: Any,
+               extra: dict[str, Any] | None = None) -> float:
+    """Write this rank's shard; returns the seconds it took."""
+    t0 = time.perf_counter()
+    os.makedirs(directory, exist_ok=True)
+    payload = {
+        "format": FORMAT,
+        "rank": rank,
+        "layout": dict(layout),
+        "iteration": int(iteration),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_state(),
+        "extra": dict(extra or {}),
+    }
+    path = shard_path(directory, rank)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return time.perf_counter() - t0
+
+
+def load_shard(directory: str, rank: int, layout: dict[str, int], model: Any, optimizer: Any) -> dict[str, Any]:
+    """Restore this rank's model, optimizer and RNG; returns iteration and extra."""
+    path = shard_path(directory, rank)
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint shard for rank {rank} at {path}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint shard ({type(exc).__name__}: {exc})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a falconext checkpoint shard of format {FORMAT}")
+    if payload.get("rank") != rank or payload.get("layout") != dict(layout):
+        raise CheckpointError(
+            f"{path}: saved by rank {payload.get('rank')} with layout {payload.get('layout')}, "
+            f"cannot resume rank {rank} with layout {dict(layout)}"
+        )
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    set_rng_state(payload["rng"])
+    return {"iteration": int(payload["iteration"]), "extra": payload.get("extra", {})}
+
+
+def write_request(out: str, req: RestartRequest) -> None:
+    path = os.path.join(out, RESTART_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(asdict(req), f, indent=2)
+    os.replace(tmp, path)
+
+
+def read_request(path: str) -> RestartRequest:
+    """Parse restart.json strictly: exactly the known fields, of the right types."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read the restart request ({exc})") from None
+    names = set(RestartRequest.__dataclass_fields__)
+    if not isinstance(obj, dict) or not {"iteration", "exclude_nodes", "checkpoint"} <= set(obj) or set(obj) - names:
+        raise CheckpointError(f"{path}: expected an object with fields {sorted(names)}")
+    it, nodes = obj["iteration"], obj["exclude_nodes"]
+    if isinstance(it, bool) or not isinstance(it, int) or it < 0:
+        raise CheckpointError(f"{path}: iteration must be an integer >= 0, got {it!r}")
+    if not isinstance(nodes, list) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nodes):
+        raise CheckpointError(f"{path}: exclude_nodes must be a list of node numbers, got {nodes!r}")
+    if not isinstance(obj["checkpoint"], str):
+        raise CheckpointError(f"{path}: checkpoint must be a path")
+    return RestartRequest(**obj)
+
+
+def faults_without_nodes(faults: list[dict[str, Any]], nodes: list[int], ranks_per_node: int) -> list[dict[str, Any]]:
+    """The test bed's "replace the node": faults on an excluded node's GPUs or links go away."""
+    gone = set(nodes)
+    kept = []
+    for f in faults:
+        if f.get("kind") == "compute" and int(f["rank"]) // ranks_per_node in gone:
+            continue
+        if f.get("kind") == "link" and gone & {int(n) for n in f["nodes"]}:
+            continue
+        kept.append(f)
+    return kept
