@@ -49,12 +49,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("train")
     return {
         "pp2": train(base / "pp2", "--tp", "1", "--pp", "2", "--iters", "60"),
+        # mitigation off: these runs test detection and localization; tests/test_mitigation_e2e.py
+        # has the runs that mitigate
         "compute": train(
-            base / "compute", "--iters", str(ITERS),
+            base / "compute", "--iters", str(ITERS), "--falcon-mitigation", "false",
             faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": FAULT_START}],
         ),
         "link": train(
-            base / "link", "--iters", str(ITERS), "--ranks-per-node", "2",
+            base / "link", "--iters", str(ITERS), "--ranks-per-node", "2", "--falcon-mitigation", "false",
             faults=[{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": FAULT_START}],
         ),
         "tp2": train(base / "tp2", "--tp", "2", "--iters", "12", "--no-falcon"),

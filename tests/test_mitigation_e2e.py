@@ -1,0 +1,144 @@
+"""Automatic mitigation in real training jobs (torchrun, gloo, real Redis), end to end.
+
+Two ranks, one per core of the CPU test bed, so each "GPU" computes on its own: with
+four ranks on two cores the replicas share the cores, and moving micro-batches between
+them moves no work off the machine. Each job is 24 micro-batches per global batch.
+
+* ``s2``: rank 1 computes 2x slower from iteration 45 on; only S2 is allowed. It must be
+  detected, localized and rebalanced automatically, removing most of the slowdown.
+* ``s4``: rank 1 computes 3x slower from 45 on; all strategies. S2 cannot be enough
+  (the best plan leaves 1.5x), so once the fail-slow has cost as much as the job's
+  measured restart, the planner escalates: checkpoint, restart without node 0's faulty
+  GPU (the test bed replaces the node), resume.
+* ``even``/``forced``: the same 20 iterations with the even plan and with a forced 3,5
+  plan, plain DP2 and TP1xDP2xPP2 (1F1B with different counts per replica).
+
+What the model learns must not change: every run's loss trajectory is compared with an
+uninterrupted even-plan run of the same job.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAULT_START = 45
+GB = "48"  # 24 micro-batches of 2
+
+
+def train(out: Path, nproc: int, *args: str, faults: list | None = None, timeout: int = 500) -> Path:
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out), *args]
+    if faults is not None:
+        inject = out.parent / f"{out.name}-faults.json"
+        inject.write_text(json.dumps(faults))
+        cmd += ["--inject", str(inject)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (out / "stdout.txt").write_text(proc.stdout)
+    return out
+
+
+def events(out: Path, type_: str) -> list[dict]:
+    evs = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
+    return [e for e in evs if e["type"] == type_]
+
+
+def losses(out: Path) -> dict[int, float]:
+    with open(out / "iterations.csv", newline="") as f:
+        got: dict[int, float] = {}
+        for r in csv.DictReader(f):
+            if r["loss"]:
+                it = int(r["iteration"])
+                assert it not in got or got[it] == float(r["loss"]), f"two losses for iteration {it}"
+                got[it] = float(r["loss"])
+    return got
+
+
+def assert_same_trajectory(a: dict[int, float], b: dict[int, float], iters: int) -> None:
+    assert sorted(a) == sorted(b) == list(range(iters))
+    worst = max(abs(a[i] - b[i]) / abs(b[i]) for i in a)
+    assert worst <= 1e-4, worst
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("mitigate")
+    fault = {"kind": "compute", "rank": 1, "start": FAULT_START}
+    return {
+        "s2": train(base / "s2", 2, "--iters", "110", "--global-batch-size", GB,
+                    "--falcon-mitigation-strategies", "S2", faults=[dict(fault, factor=2.0)]),
+        "s4": train(base / "s4", 2, "--iters", "130", "--global-batch-size", GB, faults=[dict(fault, factor=3.0)]),
+        "ref": train(base / "ref", 2, "--iters", "130", "--global-batch-size", GB, "--no-falcon"),
+    }
+
+
+def test_s2_rebalances_the_straggler_automatically(runs):
+    out = runs["s2"]
+    loc = events(out, "localized")
+    assert loc and loc[0]["gpus"] == [1], loc
+    applied = events(out, "mitigation")
+    assert [e["strategy"] for e in applied] == ["S2"], applied
+    plan = applied[0]["plan"]
+    assert sum(plan) == 24 and plan[1] < plan[0], plan  # the slow replica runs fewer
+    assert applied[0]["trigger"] == "planner" and applied[0]["iteration"] > FAULT_START
+    # every rank switched at the same iteration, the one the controller announced
+    switched = events(out, "plan_applied")
+    assert [(e["iteration"], e["plan"]) for e in switched] == [(applied[0]["iteration"], plan)]
+    decisions = events(out, "mitigation_decision")
+    assert decisions[0]["impact_s"] >= decisions[0]["overhead_s"] > 0  # ski rental: paid rent >= price
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("healthy_iter_s", "slow_iter_s", "mitigated_iter_s", "slowdown_removed"):
+        assert summary[key] is not None, summary
+    assert summary["slow_iter_s"] > 1.5 * summary["healthy_iter_s"]
+    # target 0.70 (measured ~0.8 on the 2-core machine); the test leaves room for a noisy CI host
+    assert summary["slowdown_removed"] >= 0.5, summary
+    assert "slowdown removed" in (out / "stdout.txt").read_text()
+
+
+def test_s2_does_not_change_what_the_model_learns(runs):
+    assert_same_trajectory(losses(runs["s2"]), {i: v for i, v in losses(runs["ref"]).items() if i < 110}, 110)
+
+
+def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
+    out = runs["s4"]
+    applied = events(out, "mitigation")
+    assert [e["strategy"] for e in applied] == ["S2", "S4"], applied
+    s4 = applied[1]
+    assert s4["exclude_nodes"] == [0]  # ranks 0-1 are virtual node 0
+    decision = [d for d in events(out, "mitigation_decision") if d["strategy"] == "S4"][0]
+    assert decision["impact_s"] >= decision["overhead_s"] > 1.0  # the measured restart cost
+    assert "S2 judged not enough" in decision["reason"]
+    restarted = events(out, "restarted")
+    assert len(restarted) == 1 and restarted[0]["iteration"] == s4["iteration"]
+    assert (out / "restart-1.json").exists() and not (out / "restart.json").exists()
+    kept = json.loads((out / "faults-r1.json").read_text())
+    assert kept == []  # the replaced node has no fault
+    assert_same_trajectory(losses(out), losses(runs["ref"]), 130)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 130
+    assert summary["mitigated_iter_s"] < 1.3 * summary["healthy_iter_s"], summary
+    assert summary["mitigation"]["restarts"][0]["downtime_s"] > 0
+
+
+@pytest.mark.parametrize("layout", [("--pp", "1"), ("--pp", "2")])
+def test_forced_uneven_plan_learns_the_same(tmp_path, layout):
+    nproc = 2 if layout[1] == "1" else 4
+    common = ["--iters", "20", "--global-batch-size", "16", "--no-falcon", *layout]
+    even = train(tmp_path / "even", nproc, *common)
+    forced = train(tmp_path / "forced", nproc, *common, "--falcon-force-microbatches", "3,5")
+    assert_same_trajectory(losses(forced), losses(even), 20)
+
+
+def test_forced_plan_must_fit_the_job(tmp_path):
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", "2", "--out", str(tmp_path / "x"),
+           "--global-batch-size", "16", "--falcon-force-microbatches", "3,4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--falcon-force-microbatches 3,4 must give 2 DP replicas 8 micro-batches" in proc.stderr

@@ -1,0 +1,426 @@
+"""S4's pieces: per-rank checkpoint shards, the restart request, the test bed's node
+replacement, and the pure mitigation helpers the controller uses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from falconext.control.messages import Heartbeat
+from falconext.mitigate import restart
+from falconext.mitigate.mitigation import exclude_nodes, replica_view, replicas_of, straggler_recovered
+from falconext.mitigate.restart import (
+    RESTART_FILE,
+    CheckpointError,
+    RestartRequest,
+    faults_without_nodes,
+    load_shard,
+    read_request,
+    save_shard,
+    shard_path,
+    write_request,
+)
+
+LAYOUT = {"world": 4, "tp": 1, "pp": 1}
+
+
+# --- a small training job ----------------------------------------------------------------
+
+
+def make_job(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def train_step(model, opt) -> float:
+    """One step that draws from every RNG stream a training loop uses."""
+    x = torch.randn(16, 4)
+    y = torch.randn(16, 1)
+    scale = 1.0 + random.random() + float(np.random.rand())
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x) * scale, y)  # dropout draws from torch's RNG
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def next_draws(gauss: bool = False):
+    out = {
+        "torch": torch.rand(5).tolist(),
+        "python": [random.random() for _ in range(3)],
+        "numpy": np.random.rand(3).tolist(),
+    }
+    if gauss:
+        out["python_gauss"] = [random.gauss(0.0, 1.0) for _ in range(3)]
+        out["numpy_gauss"] = np.random.randn(3).tolist()
+    return out
+
+
+def continuation(model, opt, gauss: bool = False):
+    draws = next_draws(gauss)
+    loss = train_step(model, opt)
+    return draws, loss, [p.detach().clone() for p in model.parameters()]
+
+
+def scramble_rngs() -> None:
+    torch.manual_seed(12345)
+    random.seed(12345)
+    np.random.seed(12345)
+    random.gauss(0.0, 1.0)
+    np.random.randn(1)
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+@contextlib.contextmanager
+def numpy_allowed():
+    """Allow the numpy globals the shard's numpy RNG state needs past weights_only
+    (see test_round_trip_with_torch_defaults for why this is needed at all)."""
+    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    reconstruct = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray
+    allowed.append(reconstruct._reconstruct)
+    with torch.serialization.safe_globals(allowed):
+        yield
+
+
+def _round_trip(tmp_path, gauss: bool):
+    seed_all(3)
+    model, opt = make_job(0)
+    for _ in range(3):
+        train_step(model, opt)
+    if gauss:  # an odd number of normal draws leaves a cached gaussian in both generators
+        random.gauss(0.0, 1.0)
+        np.random.randn(1)
+    directory = str(tmp_path / "ckpt")
+    seconds = save_shard(directory, 2, LAYOUT, 3, model, opt, extra={"requested_at": 12.5})
+    assert seconds >= 0 and os.path.exists(shard_path(directory, 2))
+    assert not [f for f in os.listdir(directory) if ".tmp" in f]
+    saved_state = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = opt.state_dict()
+    expected = continuation(model, opt, gauss)  # the uninterrupted job
+
+    fresh, fresh_opt = make_job(1)  # another process: other weights, other RNG positions
+    assert not torch.equal(fresh[0].weight, saved_state["0.weight"])
+    scramble_rngs()
+    return directory, saved_state, saved_opt, expected, fresh, fresh_opt
+
+
+def _check_resumed(state, directory, saved_state, saved_opt, expected, fresh, fresh_opt, gauss):
+    assert state == {"iteration": 3, "extra": {"requested_at": 12.5}}
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, saved_state[k]), k
+    got_opt = fresh_opt.state_dict()
+    assert got_opt["param_groups"] == saved_opt["param_groups"]
+    assert set(got_opt["state"]) == set(saved_opt["state"]) and len(got_opt["state"]) == 4
+    for i, st in saved_opt["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got_opt["state"][i][key], st[key]), (i, key)
+    draws, loss, params = continuation(fresh, fresh_opt, gauss)
+    assert draws == expected[0]
+    assert loss == expected[1]
+    for a, b in zip(params, expected[2]):
+        assert torch.equal(a, b)
+
+
+def test_round_trip_continues_the_job_exactly(tmp_path):
+    """Parameters, Adam state and the torch/python/numpy streams continue as if the job
+    had never stopped (numpy's globals allowed past weights_only)."""
+    directory, saved_state, saved_opt, expected, fresh, fresh_opt = _round_trip(tmp_path, gauss=False)
+    with numpy_allowed():
+        state = load_shard(directory, 2, LAYOUT, fresh, fresh_opt)
+    _check_resumed(state, directory, saved_state, saved_opt, expected, fresh, fresh_opt, gauss=False)
+
+
+@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
+    "BUG: save_shard stores numpy's RNG key as a numpy.ndarray, which torch.load(weights_only=True) "
+    "refuses by default (numpy._core.multiarray._reconstruct is not an allowed global), so "
+    "load_shard cannot read any shard save_shard writes (and train.py's S4 cost probe fails the same way)"))
+def test_round_trip_with_torch_defaults(tmp_path):
+    directory, saved_state, saved_opt, expected, fresh, fresh_opt = _round_trip(tmp_path, gauss=False)
+    state = load_shard(directory, 2, LAYOUT, fresh, fresh_opt)
+    _check_resumed(state, directory, saved_state, saved_opt, expected, fresh, fresh_opt, gauss=False)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: set_rng_state restores numpy's legacy state with has_gauss=0, cached_gaussian=0.0: a "
+    "gaussian cached by an odd number of np.random.randn/normal draws is lost, so numpy's normal "
+    "stream after a resume is shifted by one value"))
+def test_round_trip_keeps_cached_gaussians(tmp_path):
+    directory, saved_state, saved_opt, expected, fresh, fresh_opt = _round_trip(tmp_path, gauss=True)
+    with numpy_allowed():
+        state = load_shard(directory, 2, LAYOUT, fresh, fresh_opt)
+    _check_resumed(state, directory, saved_state, saved_opt, expected, fresh, fresh_opt, gauss=True)
+
+
+def test_python_cached_gaussian_survives(tmp_path):
+    seed_all(5)
+    model, opt = make_job(0)
+    random.gauss(0.0, 1.0)  # caches the pair's second value
+    save_shard(str(tmp_path), 0, LAYOUT, 1, model, opt)
+    expected = [random.gauss(0.0, 1.0) for _ in range(3)]
+    scramble_rngs()
+    with numpy_allowed():
+        load_shard(str(tmp_path), 0, LAYOUT, model, opt)
+    assert [random.gauss(0.0, 1.0) for _ in range(3)] == expected
+
+
+# --- load_shard refuses what it cannot trust ---------------------------------------------------
+
+
+def test_missing_shard(tmp_path):
+    model, opt = make_job(0)
+    with pytest.raises(CheckpointError, match="no checkpoint shard for rank 3"):
+        load_shard(str(tmp_path), 3, LAYOUT, model, opt)
+
+
+def test_corrupted_shard(tmp_path):
+    model, opt = make_job(0)
+    with open(shard_path(str(tmp_path), 0), "wb") as f:
+        f.write(b"\x80\x04garbage, not a checkpoint" * 10)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match="unreadable checkpoint shard"):
+        load_shard(str(tmp_path), 0, LAYOUT, model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_truncated_shard(tmp_path):
+    model, opt = make_job(0)
+    save_shard(str(tmp_path), 0, LAYOUT, 1, model, opt)
+    path = shard_path(str(tmp_path), 0)
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_shard(str(tmp_path), 0, LAYOUT, model, opt)
+
+
+@pytest.mark.parametrize("layout,rank", [
+    ({"world": 2, "tp": 1, "pp": 1}, 0),   # fewer ranks after the restart
+    ({"world": 4, "tp": 2, "pp": 1}, 0),   # another split
+    ({"world": 4, "tp": 1}, 0),            # another kind of layout
+    (LAYOUT, 1),                           # another rank's shard under this rank's name
+])
+def test_layout_or_rank_mismatch(tmp_path, layout, rank):
+    model, opt = make_job(0)
+    save_shard(str(tmp_path), 0, LAYOUT, 1, model, opt)
+    if rank != 0:
+        os.replace(shard_path(str(tmp_path), 0), shard_path(str(tmp_path), rank))
+    other, other_opt = make_job(1)
+    before = [p.detach().clone() for p in other.parameters()]
+    with numpy_allowed(), pytest.raises(CheckpointError, match=f"cannot resume rank {rank} with layout") as err:
+        load_shard(str(tmp_path), rank, layout, other, other_opt)
+    assert "saved by rank 0" in str(err.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # nothing half-loaded
+
+
+_side_effects: list[str] = []
+
+
+def _mark(what: str) -> str:
+    _side_effects.append(what)
+    return what
+
+
+class Payload:
+    """Unpickling this would run code (_mark): weights_only must refuse it."""
+
+    def __reduce__(self):
+        return (_mark, ("unpickled",))
+
+
+def test_a_pickled_object_is_refused_without_running_it(tmp_path):
+    model, opt = make_job(0)
+    torch.save({"format": restart.FORMAT, "rank": 0, "layout": LAYOUT, "model": Payload()},
+               shard_path(str(tmp_path), 0))
+    _side_effects.clear()
+    with pytest.raises(CheckpointError, match="unreadable checkpoint shard"):
+        load_shard(str(tmp_path), 0, LAYOUT, model, opt)
+    assert _side_effects == []
+
+
+@pytest.mark.parametrize("payload", [[1, 2, 3], {"format": 2, "rank": 0, "layout": LAYOUT}, {"rank": 0}])
+def test_not_a_shard_of_this_format(tmp_path, payload):
+    model, opt = make_job(0)
+    torch.save(payload, shard_path(str(tmp_path), 0))
+    with pytest.raises(CheckpointError, match="not a falconext checkpoint shard of format 1"):
+        load_shard(str(tmp_path), 0, LAYOUT, model, opt)
+
+
+# --- restart.json -------------------------------------------------------------------------
+
+
+def test_request_round_trip(tmp_path):
+    req = RestartRequest(iteration=120, exclude_nodes=[1, 3], checkpoint=str(tmp_path / "checkpoint"), session=7,
+                         requested_at=1712.5, save_s=0.25, attempt=2, reason="impact 3s >= overhead 2s of S4",
+                         extra={"note": [1, 2]})
+    write_request(str(tmp_path), req)
+    assert sorted(os.listdir(tmp_path)) == [RESTART_FILE]  # no temporary left behind
+    assert read_request(str(tmp_path / RESTART_FILE)) == req
+    minimal = {"iteration": 0, "exclude_nodes": [], "checkpoint": "ck"}
+    (tmp_path / "min.json").write_text(json.dumps(minimal))
+    assert read_request(str(tmp_path / "min.json")) == RestartRequest(0, [], "ck")
+
+
+def _write(tmp_path, obj=None, text=None) -> str:
+    path = tmp_path / RESTART_FILE
+    path.write_text(text if text is not None else json.dumps(obj))
+    return str(path)
+
+
+GOOD = {"iteration": 10, "exclude_nodes": [0], "checkpoint": "/ck"}
+
+
+@pytest.mark.parametrize("text", ["", "{", "{'iteration': 1}", "[1, 2", "NaN?"])
+def test_request_malformed_json(tmp_path, text):
+    with pytest.raises(CheckpointError, match="cannot read the restart request"):
+        read_request(_write(tmp_path, text=text))
+
+
+def test_request_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot read the restart request"):
+        read_request(str(tmp_path / "nope.json"))
+
+
+@pytest.mark.parametrize("obj", [
+    {**GOOD, "surprise": 1},                               # unknown field
+    {"iteration": 10, "exclude_nodes": [0]},               # missing checkpoint
+    {"exclude_nodes": [0], "checkpoint": "/ck"},           # missing iteration
+    {"iteration": 10, "checkpoint": "/ck"},                # missing exclude_nodes
+    [GOOD],                                                # not an object
+    "restart",
+])
+def test_request_fields(tmp_path, obj):
+    with pytest.raises(CheckpointError, match="expected an object with fields") as err:
+        read_request(_write(tmp_path, obj))
+    assert "exclude_nodes" in str(err.value) and "iteration" in str(err.value)
+
+
+@pytest.mark.parametrize("it", [True, False, -1, 1.5, 10.0, "10", None])
+def test_request_bad_iteration(tmp_path, it):
+    with pytest.raises(CheckpointError, match=r"iteration must be an integer >= 0, got"):
+        read_request(_write(tmp_path, {**GOOD, "iteration": it}))
+
+
+@pytest.mark.parametrize("nodes", ["0", 0, {"0": 1}, None, [0.0], [True], [-1], ["1"], [None], [[1]]])
+def test_request_bad_exclude_nodes(tmp_path, nodes):
+    with pytest.raises(CheckpointError, match="exclude_nodes must be a list of node numbers"):
+        read_request(_write(tmp_path, {**GOOD, "exclude_nodes": nodes}))
+
+
+@pytest.mark.parametrize("ck", [None, 1, ["/ck"]])
+def test_request_bad_checkpoint(tmp_path, ck):
+    with pytest.raises(CheckpointError, match="checkpoint must be a path"):
+        read_request(_write(tmp_path, {**GOOD, "checkpoint": ck}))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: read_request claims 'exactly the known fields, of the right types' but checks only "
+    "iteration, exclude_nodes and checkpoint: attempt/session/requested_at/save_s/reason/extra pass "
+    "with any JSON type (e.g. attempt \"2\" then crashes launch.py's `req.attempt > MAX_RESTARTS` "
+    "with TypeError instead of a CheckpointError/InputError)"))
+@pytest.mark.parametrize("field,value", [
+    ("attempt", "2"), ("attempt", True), ("session", "7"), ("requested_at", "now"),
+    ("save_s", None), ("reason", 3), ("extra", [1]),
+])
+def test_request_bad_optional_fields(tmp_path, field, value):
+    with pytest.raises(CheckpointError, match=field):
+        read_request(_write(tmp_path, {**GOOD, field: value}))
+
+
+# --- the test bed's node replacement --------------------------------------------------------
+
+
+FAULTS = [
+    {"kind": "compute", "rank": 1, "factor": 3.0, "start": 10, "end": 100},   # node 0
+    {"kind": "compute", "rank": 2, "factor": 2.0, "start": 10, "end": 100},   # node 1
+    {"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": 0, "end": 50},  # touches node 0
+    {"kind": "link", "nodes": [1, 2], "factor": 4.0, "start": 0, "end": 50},
+    {"kind": "compute", "rank": 0, "factor": 1.5, "start": 60, "end": 70},    # node 0
+]
+
+
+def test_faults_on_an_excluded_node_go_away():
+    faults = json.loads(json.dumps(FAULTS))
+    kept = faults_without_nodes(faults, [0], 2)
+    assert kept == [FAULTS[1], FAULTS[3]]
+    assert faults == FAULTS  # the input is not changed
+    assert faults_without_nodes(FAULTS, [], 2) == FAULTS
+    assert faults_without_nodes(FAULTS, [2], 2) == [FAULTS[0], FAULTS[1], FAULTS[2], FAULTS[4]]
+    assert faults_without_nodes(FAULTS, [1], 2) == [FAULTS[0], FAULTS[4]]
+    # 4 ranks per node: rank 2 is on node 0 too
+    assert faults_without_nodes(FAULTS, [0], 4) == [FAULTS[3]]
+
+
+# --- mitigation helpers ---------------------------------------------------------------------
+
+
+def hb(rank, replica=None, mb_s=0.05, micro=4, node=None):
+    return Heartbeat(rank, rank // 2 if node is None else node, 10, 0.3, 1.0,
+                     replica=rank if replica is None else replica, mb_s=mb_s, micro=micro)
+
+
+def test_replica_view_needs_every_replica():
+    full = [hb(0), hb(1, mb_s=0.1), hb(2), hb(3)]
+    view = replica_view(full)
+    assert view is not None
+    assert view.times == [0.05, 0.1, 0.05, 0.05] and view.plan == [4, 4, 4, 4] and view.total == 16
+    assert replica_view([]) is None
+    assert replica_view(full[:3] + [hb(3, mb_s=0.0)]) is None      # no compute time yet
+    assert replica_view(full[:3] + [hb(3, micro=0)]) is None       # no micro-batch count yet
+    assert replica_view(full[:3] + [hb(3, replica=-1)]) is None    # replica unknown
+    assert replica_view([hb(0), hb(2)]) is None                    # replicas 0 and 2: where is 1?
+
+
+def test_replica_view_slowest_member_and_total():
+    # two ranks per replica (TP pairs): replica 0 = ranks 0, 1; replica 1 = ranks 2, 3
+    beats = [hb(0, 0, 0.05, 6), hb(1, 0, 0.2, 6), hb(2, 1, 0.07, 2), hb(3, 1, 0.04, 2)]
+    view = replica_view(beats)
+    assert view.times == [0.2, 0.07]  # a replica is as fast as its slowest member
+    assert view.plan == [6, 2]
+    assert view.total == 8  # micro-batches per replica, not per rank
+    assert replica_view(list(reversed(beats))) == view
+
+
+def test_replicas_of():
+    beats = {0: hb(0, 0), 1: hb(1, 0), 2: hb(2, 1), 3: hb(3, -1)}
+    assert replicas_of([1], beats) == {0}
+    assert replicas_of([1, 2], beats) == {0, 1}
+    assert replicas_of([3, 7], beats) == set()  # unknown replica, unknown rank
+
+
+def test_exclude_nodes():
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    assert exclude_nodes([1], [], node_of) == [0]
+    assert exclude_nodes([5, 1, 0], [], node_of) == [0, 2]
+    assert exclude_nodes([], [[0, 1]], node_of) == [1]          # the higher end of a slow link
+    assert exclude_nodes([], [[2, 0]], node_of) == [2]
+    assert exclude_nodes([1], [[0, 2]], node_of) == [0]         # already cut by node 0
+    assert exclude_nodes([1], [[1, 2]], node_of) == [0, 2]
+    assert exclude_nodes([], [[0, 1], [1, 2]], node_of) == [1]  # node 1 cuts both
+    assert exclude_nodes([9], [], node_of) == []                # a rank nobody heard of
+
+
+def test_straggler_recovered_margins():
+    assert straggler_recovered([0.05, 0.054, 0.05, 0.05], {1}, 0.10)
+    assert not straggler_recovered([0.05, 0.056, 0.05, 0.05], {1}, 0.10)
+    assert straggler_recovered([0.05, 0.056, 0.05, 0.05], {1}, 0.15)
+    # the others' median, not their mean: one slow healthy replica does not excuse the straggler
+    assert not straggler_recovered([0.05, 0.06, 0.05, 1.0], {1}, 0.10)
+    # every slow replica must be back
+    assert not straggler_recovered([0.05, 0.05, 0.1, 0.05], {1, 2}, 0.10)
+    assert straggler_recovered([0.05, 0.05, 0.051, 0.05], {1, 2}, 0.10)
+    # nothing to compare with
+    assert not straggler_recovered([0.05, 0.05], set(), 0.10)
+    assert not straggler_recovered([0.05, 0.05], {0, 1}, 0.10)
