@@ -429,10 +429,6 @@ def test_a_rank_that_missed_the_iteration_gets_a_retry_with_a_new_session():
     assert mit["session"] == s + 1 and mit["iteration"] == again.iteration + 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: on a retry after a 'missed' ack the suspend command gets session n+1 but the "
-    "action it carries keeps 'session': n (_suspend reuses self._action built in _start_action), "
-    "so the ranks' restart request records a session the controller never completed"))
 def test_the_retried_action_carries_the_retry_session():
     job = Job()
     _, sus = s2_decided(job)
@@ -630,11 +626,6 @@ def test_mitigation_off_starts_no_planner():
 # --- episodes with a planner must still end -------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a localized fail-slow that ends by itself before any strategy was applied (the planner "
-    "still at S1) never closes its episode: _maybe_close waits for planner.finished, but "
-    "planner.recovered() is only called under S2/S3 or after S4, so the reporters' end reports "
-    "are ignored and every later fail-slow report joins the dead episode (no profile)"))
 def test_a_fail_slow_that_ends_before_any_mitigation_closes_its_episode():
     job = Job(restart_s=30.0)
     job.localize()
@@ -647,10 +638,6 @@ def test_a_fail_slow_that_ends_before_any_mitigation_closes_its_episode():
     assert commands(out, "profile")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a revert that is not committed (or times out) leaves the episode open for good once its "
-    "reporters have already ended: the planner is finished, but _mitigated's failure path never "
-    "calls _maybe_close, so a later fail-slow report joins the dead episode (no profile)"))
 def test_a_failed_revert_still_closes_the_episode():
     job = Job()
     effective = _s2_applied(job)

@@ -244,6 +244,8 @@ class Controller:
         self._go_sent = False
         wait = (self._iteration - latest + 1) * max(iter_s, 0.05)
         self._deadline = now + wait + self.cfg.suspend_deadline_s + SLACK_S
+        if state is State.MITIGATING and self._action is not None:
+            self._action["session"] = self.session  # a retry is a new session
         plan = self._plan if state is State.VALIDATING else {"action": self._action}
         cmd = Command(
             "suspend",
@@ -476,7 +478,7 @@ class Controller:
         if not committed:
             reason = "timed out" if timed_out else "not every rank committed the action"
             if mit is not None and d is not None:
-                return out + self._action_failed(mit, d, reason)
+                return out + self._action_failed(mit, d, reason) + self._maybe_close()
             return out + [_event("mitigation_failed", session=self.session, strategy=strategy, reason=reason)]
         pause = max(a.pause_s for a in acks.values())
         effective = self._iteration + 1
@@ -540,6 +542,10 @@ class Controller:
     def _maybe_close(self) -> list[Output]:
         ep = self.episode
         mit = ep.mitigation if ep is not None else None
+        if (mit is not None and not mit.planner.finished and mit.in_flight is None
+                and mit.planner.current == "S1" and mit.planner.pending() is None
+                and ep.reporters and ep.ended >= set(ep.reporters)):
+            mit.planner.recovered(max(0, mit.planner.status()["last_iteration"]))  # over before any strategy
         if mit is not None and (not mit.planner.finished or mit.in_flight is not None):
             return []  # the planner decides when this fail-slow is over
         if ep is not None and (ep.trigger == "operator" or mit is not None

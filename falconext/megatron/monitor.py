@@ -72,6 +72,7 @@ class RankMonitor:
         self.errors = 0
         self._period: int | None = None
         self._reported: set[int] = set()
+        self._ids: dict[tuple[int, int], int] = {}  # (detector generation, its event id) -> reported id
         self.on_event = on_event
         self._recent = RecentCollectives()
         self._recent_lock = threading.Lock()
@@ -163,10 +164,19 @@ class RankMonitor:
             return self._series_to_loop[k - 1] + 1
         return None
 
+    def _event_id(self, ev: FailSlowEvent) -> int:
+        """Ids unique for the whole run: a restarted detector numbers its events from 0
+        again, and its first event must not pass for a ladder step of an earlier one."""
+        key = (self.tracking.restarts, ev.id)
+        if key not in self._ids:
+            self._ids[key] = len(self._ids)
+        return self._ids[key]
+
     def _report(self, ev: FailSlowEvent) -> None:
+        event_id = self._event_id(ev)
         fields = {
             "rank": self.rank,
-            "event_id": ev.id,
+            "event_id": event_id,
             "onset": self._map(ev.onset),
             "detected_at": self._map(ev.detected_at),
             "end": self._map(ev.end),
@@ -175,10 +185,10 @@ class RankMonitor:
         }
         if ev.end is not None:
             kind, fields["ended_at"] = "fail_slow_end", self._map(ev.ended_at)
-        elif ev.id in self._reported:  # a ladder: the same event got slower
+        elif event_id in self._reported:  # a ladder: the same event got slower
             kind = "fail_slow_update"
         else:
-            self._reported.add(ev.id)
+            self._reported.add(event_id)
             kind = "fail_slow"
         self.events.emit(kind, **fields)
         if self.on_event is not None and kind != "fail_slow_update":

@@ -60,8 +60,10 @@ def rng_state() -> dict[str, Any]:
     state = {
         "torch": torch.get_rng_state(),
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": np.random.get_state()[1].copy(),
+        # numpy's state as a tensor and plain numbers: weights_only loading refuses numpy arrays
+        "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
         "numpy_pos": int(np.random.get_state()[2]),
+        "numpy_gauss": [int(np.random.get_state()[3]), float(np.random.get_state()[4])],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -72,7 +74,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((int(version), tuple(int(v) for v in internal), gauss))
-    np.random.set_state(("MT19937", np.asarray(state["numpy"], dtype=np.uint32), int(state["numpy_pos"]), 0, 0.0))
+    has_gauss, cached = state["numpy_gauss"]
+    keys = state["numpy"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, int(state["numpy_pos"]), int(has_gauss), float(cached)))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -146,6 +150,12 @@ def read_request(path: str) -> RestartRequest:
         raise CheckpointError(f"{path}: exclude_nodes must be a list of node numbers, got {nodes!r}")
     if not isinstance(obj["checkpoint"], str):
         raise CheckpointError(f"{path}: checkpoint must be a path")
+    for name, kinds in (("session", int), ("attempt", int), ("requested_at", (int, float)),
+                        ("save_s", (int, float)), ("reason", str), ("extra", dict)):
+        if name in obj and (isinstance(obj[name], bool) or not isinstance(obj[name], kinds)):
+            raise CheckpointError(f"{path}: {name} has the wrong type ({obj[name]!r})")
+    if obj.get("attempt", 1) < 1:
+        raise CheckpointError(f"{path}: attempt must be >= 1, got {obj['attempt']!r}")
     return RestartRequest(**obj)
 
 
