@@ -482,7 +482,11 @@ class Controller:
             return out + [_event("mitigation_failed", session=self.session, strategy=strategy, reason=reason)]
         pause = max(a.pause_s for a in acks.values())
         effective = self._iteration + 1
-        overhead = pause + (mit.solve_s if mit is not None and strategy == "S2" else 0.0)
+        overhead = pause
+        if mit is not None and strategy == "S2":
+            overhead += mit.solve_s
+        elif strategy == "S4" and d is not None and d.overhead_s is not None:
+            overhead += d.overhead_s  # the measured save + restart + load estimate; the run logs the real downtime
         fields = {k: v for k, v in action.items() if k not in ("kind", "strategy", "session")}
         out.append(_event("mitigation", strategy=strategy, session=self.session, iteration=effective,
                           pause_s=round(pause, 4), overhead_s=round(overhead, 4),
