@@ -18,12 +18,10 @@ import time
 import torch
 
 from falconext.config import config_from_args, parse_microbatches
+from falconext.megatron.options import add_train_arguments, check_train_arguments
 from falconext.mitigate import restart
 
-#: the launcher's wall clock when it started torchrun (S4's start-up cost is measured from it)
-LAUNCH_TIME_ENV = "FALCON_LAUNCH_TIME"
 _STARTED = time.time()  # this process's start, near enough: the module runs as __main__
-from falconext.megatron.options import add_train_arguments, check_train_arguments
 
 
 def _versions() -> dict[str, str]:
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     measured: list[tuple[int, float, float | None]] = []
     request = None
-    startup_s = time.time() - float(os.environ.get(LAUNCH_TIME_ENV, _STARTED))
+    startup_s = time.time() - float(os.environ.get(restart.LAUNCH_TIME_ENV, _STARTED))
     t_prev = time.perf_counter()
     try:
         for it in range(first_it, args.iters):
@@ -155,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 if request is not None:
                     break
             if runtime is not None and it == first_it + 2 and cfg.mitigation:
-                runtime.restart_s = startup_s + _probe_checkpoint_cost(trainer, out, rank, layout)
+                runtime.restart_s = startup_s + restart.probe_cost(
+                    os.path.join(out, "checkpoint-probe"), rank, layout, trainer.model, trainer.optimizer)
             loss = trainer.step(it)
             if runtime is not None:
                 runtime.after_step(trainer.plan[trainer.replica], trainer.forward_time()[0])
@@ -207,19 +206,6 @@ def _apply(action: dict, it: int, trainer, events, rank: int, out: str, layout: 
         )
     events.emit("control_error", rank=rank, error=f"unknown action {kind!r}")
     return None
-
-
-def _probe_checkpoint_cost(trainer, out: str, rank: int, layout: dict) -> float:
-    """Seconds to save this rank's shard and read it back: with the start-up this
-    process went through (from the launcher's clock when it gave one), S4's measured
-    cost for this job."""
-    directory = os.path.join(out, "checkpoint-probe")
-    save_s = restart.save_shard(directory, rank, layout, 0, trainer.model, trainer.optimizer)
-    t0 = time.perf_counter()
-    torch.load(restart.shard_path(directory, rank), map_location="cpu", weights_only=True)
-    load_s = time.perf_counter() - t0
-    os.remove(restart.shard_path(directory, rank))
-    return save_s + load_s
 
 
 if __name__ == "__main__":

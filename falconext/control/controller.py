@@ -374,7 +374,8 @@ class Controller:
         if root == "computation":
             out["S2"] = s2
         allowed = {x.strip() for x in self.cfg.mitigation_strategies.split(",")}
-        return {k: (v if k in allowed else None) for k, v in out.items()}
+        # milliseconds: finer is timer jitter, and an unchanged cost is not re-recorded
+        return {k: (round(v, 3) if k in allowed and v is not None else None) for k, v in out.items()}
 
     def _observe(self, beat: Heartbeat, now: float) -> list[Output]:
         """Feed the planner one observation per loop iteration (from one rank)."""
@@ -383,13 +384,13 @@ class Controller:
         if mit is None or mit.planner.finished or beat.rank != min(self.beats):
             return []
         planner = mit.planner
-        if beat.iteration <= planner.status()["last_iteration"] or beat.iteration < planner.status()["onset"]:
+        status = planner.status()
+        if beat.iteration <= status["last_iteration"] or beat.iteration < status["onset"]:
             return []
-        if planner.status()["candidates"]:  # costs are re-measured as the ranks report them
-            for name, value in self._overheads(mit.root_cause).items():
-                state = {c["strategy"]: c["state"] for c in planner.status()["candidates"]}
-                if state.get(name) in ("remaining", "unavailable") and value is not None:
-                    planner.set_overhead(name, value)
+        state = {c["strategy"]: c["state"] for c in status["candidates"]}
+        for name, value in self._overheads(mit.root_cause).items():  # costs re-measured as ranks report them
+            if state.get(name) in ("remaining", "unavailable") and value is not None:
+                planner.set_overhead(name, value)
         out: list[Output] = []
         if planner.current in ("S2", "S3") and mit.in_flight is None:
             out += self._check_recovery(mit, beat.iteration, now)

@@ -95,7 +95,7 @@ def launch_training(args: argparse.Namespace) -> int:
         except RedisUnavailable as exc:
             raise InputError(str(exc)) from None
         env.update(plane.env())
-    from falconext.train import LAUNCH_TIME_ENV
+    from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
     env[LAUNCH_TIME_ENV] = repr(time.time())
     try:

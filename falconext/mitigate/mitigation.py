@@ -56,11 +56,6 @@ def replica_view(beats: Iterable[Any]) -> ReplicaView | None:
     return ReplicaView([times[r] for r in range(n)], [micro[r] for r in range(n)], sum(micro.values()))
 
 
-def replica_times(beats: Iterable[Any]) -> list[float] | None:
-    view = replica_view(beats)
-    return None if view is None else view.times
-
-
 def replicas_of(ranks: Iterable[int], beats: Mapping[int, Any]) -> set[int]:
     return {beats[r].replica for r in ranks if r in beats and beats[r].replica >= 0}
 

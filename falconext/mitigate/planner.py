@@ -253,8 +253,8 @@ class Planner:
         """Update a measured overhead (None: unavailable); the remaining order re-sorts."""
         _strategy(strategy)
         value = _overhead(f"overhead of {strategy}", overhead_s)
-        if strategy == "S1":
-            return
+        if strategy == "S1" or self._overheads.get(strategy, "missing") == value:
+            return  # unchanged: nothing to re-sort, and the history stays bounded
         self._overheads[strategy] = value
         self._history.append({"kind": "overhead", "strategy": strategy, "overhead_s": value})
 

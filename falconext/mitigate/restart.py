@@ -29,6 +29,9 @@ import numpy as np
 import torch
 
 RESTART_FILE = "restart.json"
+#: the launcher's wall clock when it started torchrun: a rank's start-up, part of S4's
+#: cost, is measured from it (after a restart, from the restart request)
+LAUNCH_TIME_ENV = "FALCON_LAUNCH_TIME"
 CHECKPOINT_DIR = "checkpoint"
 FORMAT = 1
 
@@ -108,10 +111,7 @@ def load_shard(directory: str, rank: int, layout: dict[str, int], model: Any, op
     path = shard_path(directory, rank)
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint shard for rank {rank} at {path}")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable checkpoint shard ({type(exc).__name__}: {exc})") from None
+    payload = _read(path)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a falconext checkpoint shard of format {FORMAT}")
     if payload.get("rank") != rank or payload.get("layout") != dict(layout):
@@ -123,6 +123,24 @@ def load_shard(directory: str, rank: int, layout: dict[str, int], model: Any, op
     optimizer.load_state_dict(payload["optimizer"])
     set_rng_state(payload["rng"])
     return {"iteration": int(payload["iteration"]), "extra": payload.get("extra", {})}
+
+
+def _read(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint shard ({type(exc).__name__}: {exc})") from None
+
+
+def probe_cost(directory: str, rank: int, layout: dict[str, int], model: Any, optimizer: Any) -> float:
+    """Seconds to save this rank's shard and read it back (then removed): with the
+    process start-up, S4's measured cost for this job."""
+    save_s = save_shard(directory, rank, layout, 0, model, optimizer)
+    t0 = time.perf_counter()
+    _read(shard_path(directory, rank))
+    load_s = time.perf_counter() - t0
+    os.remove(shard_path(directory, rank))
+    return save_s + load_s
 
 
 def write_request(out: str, req: RestartRequest) -> None:
