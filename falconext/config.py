@@ -93,6 +93,9 @@ class FalconConfig:
     suspend_deadline_s: float = 4.0
     #: a GPU (link) is slow when its GEMM (transfer) takes this x the median
     validation_slow_factor: float = 1.5
+    #: and (links) slower than the reference by at least this many seconds per message:
+    #: host scheduling alone doubled a 0.6 ms loopback message on the 2-core test bed
+    validation_min_link_excess_s: float = 0.002
     #: GEMM benchmark: n x n x n, repeats (after warm-up)
     gemm_size: int = 256
     gemm_repeats: int = 50
@@ -172,6 +175,7 @@ class FalconConfig:
         _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
         _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
         _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
+        _check(self.validation_min_link_excess_s >= 0, "validation_min_link_excess_s must be >= 0")
         _check(self.gemm_size >= 16 and self.gemm_repeats >= 1, "gemm_size must be >= 16 and gemm_repeats >= 1")
         _check(self.p2p_bytes >= 1 and self.p2p_repeats >= 1, "p2p_bytes and p2p_repeats must be >= 1")
         _check(0.0 < self.mitigation_enough_margin < 1.0, "mitigation_enough_margin must be in (0, 1)")

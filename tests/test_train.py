@@ -53,7 +53,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         # has the runs that mitigate
         "compute": train(
             base / "compute", "--iters", str(ITERS), "--falcon-mitigation", "false",
-            faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": FAULT_START}],
+            faults=[{"kind": "compute", "rank": 1, "factor": 3.0, "start": FAULT_START}],
         ),
         "link": train(
             base / "link", "--iters", str(ITERS), "--ranks-per-node", "2", "--falcon-mitigation", "false",

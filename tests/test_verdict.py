@@ -73,6 +73,16 @@ def test_slow_link_among_node_ring():
     json.dumps(ev)  # JSON-friendly
 
 
+def test_a_slow_link_must_also_lose_real_time():
+    """2.9x of a 1 ms message is scheduling noise on a shared host; 40 ms is congestion."""
+    node_of = {r: r for r in range(4)}
+    noisy = [(0, 1, 1.0e-3), (1, 2, 1.1e-3), (2, 3, 3.0e-3), (3, 0, 0.95e-3)]
+    assert slow_links(noisy, node_of, 1.5, min_excess_s=0.002)[0] == []
+    congested = [(0, 1, 1.0e-3), (1, 2, 1.1e-3), (2, 3, 40e-3), (3, 0, 0.95e-3)]
+    slow, ev = slow_links(congested, node_of, 1.5, min_excess_s=0.002)
+    assert slow == [(2, 3)] and ev["min_excess_s"] == 0.002
+
+
 def test_link_is_unordered_and_takes_the_median_of_its_measurements():
     node_of = {0: 0, 1: 1, 2: 2, 3: 3}
     pairs = [

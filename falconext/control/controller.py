@@ -304,7 +304,8 @@ class Controller:
             suspects = self._findings.compute_suspects if self._findings else []
             gpus = slow_ranks(flops, self.cfg.validation_slow_factor, suspects)
             links, link_evidence = slow_links(
-                [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, self.cfg.validation_slow_factor
+                [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, self.cfg.validation_slow_factor,
+                self.cfg.validation_min_link_excess_s,
             )
         except ValueError as exc:
             return self._abort(now, f"bad validation results: {exc}")

@@ -73,6 +73,7 @@ def slow_links(
     pairs: Sequence[tuple[int, int, float]],
     node_of: Mapping[int, int],
     factor: float = 1.3,
+    min_excess_s: float = 0.0,
 ) -> tuple[list[tuple[int, int]], dict]:
     """Slow inter-node links as sorted node pairs (a, b), a < b, plus the evidence.
 
@@ -115,13 +116,18 @@ def slow_links(
     else:
         basis, reference = "all links", None
 
-    slow = [] if reference is None else [link for link, v in inter.items() if v > factor * reference]
+    # ``min_excess_s``: a sub-millisecond message on a shared host can take 2x its peers'
+    # time from scheduling alone; a congested link costs far more than that in absolute terms
+    slow = [] if reference is None else [
+        link for link, v in inter.items() if v > factor * reference and v - reference > min_excess_s
+    ]
     evidence = {
         "links": {_key(*link): v for link, v in inter.items()},
         "intra": {_key(*link): v for link, v in intra.items()},
         "reference": reference,
         "reference_from": basis,
         "factor": float(factor),
+        "min_excess_s": float(min_excess_s),
         "slow": [_key(*link) for link in slow],
     }
     return slow, evidence
