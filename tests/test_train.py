@@ -1,6 +1,7 @@
 """Real multi-process megatron-core training on CPU/gloo, with falconext in the loop.
 
-Each run is a real ``falconext train`` (torchrun, 4 ranks). Runs are shared across tests
+Each run is a real ``falconext train`` (torchrun, 4 ranks; the compute-fault run has 2, one
+per core of the test host, where an honest 2x straggler stands out). Runs are shared across tests
 through module-scoped fixtures so the suite stays within a few minutes.
 """
 
@@ -22,8 +23,8 @@ FAULT_START = 45
 ITERS = 80
 
 
-def train(out: Path, *args: str, faults: list | None = None, timeout: int = 400) -> Path:
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", "4", "--out", str(out), *args]
+def train(out: Path, *args: str, faults: list | None = None, timeout: int = 400, nproc: int = 4) -> Path:
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out), *args]
     if faults is not None:
         inject = out.parent / f"{out.name}-faults.json"
         inject.write_text(json.dumps(faults))
@@ -51,9 +52,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "pp2": train(base / "pp2", "--tp", "1", "--pp", "2", "--iters", "60"),
         # mitigation off: these runs test detection and localization; tests/test_mitigation_e2e.py
         # has the runs that mitigate
+        # DP2: with 4 ranks on the 2-core host the ranks share cores and a 2x straggler
+        # was sometimes hidden by host drift
         "compute": train(
-            base / "compute", "--iters", str(ITERS), "--falcon-mitigation", "false",
-            faults=[{"kind": "compute", "rank": 1, "factor": 3.0, "start": FAULT_START}],
+            base / "compute", "--iters", str(ITERS), "--global-batch-size", "48", "--falcon-mitigation", "false",
+            faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": FAULT_START}], nproc=2,
         ),
         "link": train(
             base / "link", "--iters", str(ITERS), "--ranks-per-node", "2", "--falcon-mitigation", "false",
@@ -159,7 +162,8 @@ def test_fault_is_localized_in_job(runs, name, gpus, links):
     assert found[0]["gpus"] == gpus and found[0]["links"] == links, found[0]["evidence"]
     assert found[0]["evidence"]["trigger"] == "fail_slow"
     held = events(runs[name], "suspension")
-    assert sorted(e["rank"] for e in held) == [0, 1, 2, 3]
+    world = json.loads((runs[name] / "run.json").read_text())["topology"]["world"]
+    assert sorted(e["rank"] for e in held) == list(range(world))
     assert {e["outcome"] for e in held} == {"validated"}
     assert len({e["iteration"] for e in held}) == 1  # one boundary for everyone
     states = [e["new"] for e in events(runs[name], "controller_state")]

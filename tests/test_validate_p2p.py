@@ -24,8 +24,8 @@ from falconext.validate.p2p import merge_passes, run_passes
 from falconext.validate.passes import ring_passes
 
 WORLD = 4
-SLOW_SRC, SLOW_DST, DELAY_S = 1, 2, 0.020
-NBYTES, REPEATS = 65536, 3
+SLOW_SRC, SLOW_DST, DELAY_S = 1, 2, 0.060
+NBYTES, REPEATS = 65536, 5
 
 
 def free_port() -> int:
@@ -83,9 +83,10 @@ def test_ring_passes_find_the_slow_link(tmp_path):
     slow = ring[(SLOW_SRC, SLOW_DST)]
     others = [t for pair, t in ring.items() if pair != (SLOW_SRC, SLOW_DST)]
     assert slow >= 0.8 * DELAY_S, ring
-    # 2 cores, 4 processes: a healthy link's median reaches a few ms under load, so the
-    # margin is set against the typical link, and the slow one must still top them all
-    assert slow > 4 * statistics.median(others) and slow > max(others), ring
+    # 2 cores, 4 processes: a healthy link's median reaches a few ms under load (one CI
+    # host showed 20 ms), so the margin is set against the typical link, and the slow one
+    # must still top them all
+    assert slow > 3 * statistics.median(others) and slow > max(others), ring
 
     merged = sorted((s, d) for r in res for s, d, _ in r["merged"])
     assert merged == [(0, 1), (1, 0), (2, 3), (3, 2)]
