@@ -125,6 +125,9 @@ class FalconConfig:
     #: operator override: micro-batches per DP replica from the first iteration, e.g.
     #: "3,5" (must sum to the job's micro-batches per global batch); empty: even
     force_microbatches: str = ""
+    #: operator override: switch roles at an iteration, "ITER:r0,r1,..." with r_p the
+    #: torch rank process p plays from ITER on (a permutation; S3 applied by hand)
+    force_topology: str = ""
 
     # --- slide-window baseline (detect/baselines.py) -----------------------------------
     #: recent iterations averaged and compared with the reference median
@@ -185,6 +188,7 @@ class FalconConfig:
         )
         _check(self.max_microbatches_per_replica >= 0, "max_microbatches_per_replica must be >= 0")
         parse_microbatches(self.force_microbatches)
+        parse_topology(self.force_topology)
         strategies = [x.strip() for x in self.mitigation_strategies.split(",") if x.strip()]
         _check(
             all(x in ("S2", "S3", "S4") for x in strategies),
@@ -203,6 +207,18 @@ class FalconConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def parse_topology(text: str) -> tuple[int, list[int]] | None:
+    """``"30:0,2,1,3"`` -> (30, [0, 2, 1, 3]); empty -> None. That the roles are a
+    permutation of the job's ranks is checked where the world size is known."""
+    if not text.strip():
+        return None
+    it, sep, roles = text.partition(":")
+    parts = [p.strip() for p in roles.split(",")]
+    if not sep or not it.strip().isdigit() or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"force_topology must be ITERATION:ROLES (e.g. 30:0,2,1,3), got {text!r}")
+    return int(it), [int(p) for p in parts]
 
 
 def parse_microbatches(text: str) -> list[int] | None:

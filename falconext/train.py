@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from falconext.config import config_from_args, parse_microbatches
+from falconext.config import config_from_args, parse_microbatches, parse_topology
 from falconext.megatron.options import add_train_arguments, check_train_arguments
 from falconext.mitigate import restart
 
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         injector.attach_model(trainer.model.module)
     topology = _topology(world, args.tp, args.pp, args.ranks_per_node)
     layout = {"world": world, "tp": args.tp, "pp": args.pp}
+    switch_layout = dict(layout, ranks_per_node=args.ranks_per_node)
     first_it, restarted = 0, None
     if args.resume:
         t_load = time.perf_counter()
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     measured: list[tuple[int, float, float | None]] = []
     request = None
+    forced_topology = parse_topology(cfg.force_topology)
+    switches = 0
     startup_s = time.time() - float(os.environ.get(restart.LAUNCH_TIME_ENV, _STARTED))
     t_prev = time.perf_counter()
     try:
@@ -148,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
                 events.emit("restarted", iteration=it, attempt=args.attempt, load_s=round(restarted["load_s"], 4),
                             downtime_s=round(time.time() - float(restarted.get("requested_at", time.time())), 3))
             action = runtime.before_iteration(it) if runtime is not None else None
-            if action is not None:
+            if forced_topology is not None and it == forced_topology[0]:
+                action = {"kind": "topology", "roles": forced_topology[1], "strategy": "S3", "forced": True}
+            if action is not None and action.get("kind") == "topology":
+                switches += 1
+                trainer = _switch(action, it, trainer, opts, switches, events, rank, switch_layout, runtime, injector)
+            elif action is not None:
                 request = _apply(action, it, trainer, events, rank, out, layout, args)
                 if request is not None:
                     break
@@ -183,6 +191,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: int, layout: dict, runtime, injector):
+    """S3 at this boundary (every process does, at the same one): new roles, same state.
+    Returns the trainer of this process's new role (the old one if the switch was refused)."""
+    import dataclasses
+
+    from falconext.megatron.switch import check_roles, check_tp_in_nodes, switch_roles
+    from falconext.megatron.trainer import Trainer
+
+    world = layout["world"]
+    try:
+        roles = check_roles(action.get("roles"), world)
+        check_tp_in_nodes(roles, layout["tp"], layout["ranks_per_node"])
+    except ValueError as exc:  # agreed but impossible: every process refuses alike
+        events.emit("control_error", rank=process, error=f"topology not applied: {exc}")
+        return trainer
+    comm = runtime.untraced() if runtime is not None else None
+    if runtime is not None:
+        runtime.before_switch()
+    new, times = switch_roles(
+        trainer, roles, process, {k: layout[k] for k in ("world", "tp", "pp")}, it, epoch,
+        lambda plan: Trainer(dataclasses.replace(opts, plan=plan)), comm=comm,
+    )
+    if runtime is not None:
+        runtime.after_switch(new.replica, times.total_s)
+    if injector is not None:
+        injector.attach_model(new.model.module)
+    events.emit(
+        "topology_switch", rank=process, iteration=it, roles=roles, role=roles[process], epoch=epoch,
+        strategy=action.get("strategy", "S3"), forced=bool(action.get("forced", False)),
+        pause_s=round(times.total_s, 4), serialize_s=round(times.serialize_s, 4),
+        transfer_s=round(times.transfer_s, 4), regroup_s=round(times.regroup_s, 4),
+        rebuild_s=round(times.rebuild_s, 4), load_s=round(times.load_s, 4), sent_bytes=times.sent_bytes,
+    )
+    return new
+
+
 def _apply(action: dict, it: int, trainer, events, rank: int, out: str, layout: dict, args) -> "restart.RestartRequest | None":
     """Apply a committed mitigation at this iteration boundary (every rank does, at the same one)."""
     kind = action.get("kind")
@@ -197,7 +241,9 @@ def _apply(action: dict, it: int, trainer, events, rank: int, out: str, layout: 
         return None
     if kind == "restart":
         directory = os.path.join(out, restart.CHECKPOINT_DIR)
-        save_s = restart.save_shard(directory, rank, layout, it, trainer.model, trainer.optimizer,
+        # a shard belongs to the role (torch rank), which a topology switch may have moved:
+        # the restarted job starts with launch ranks = roles again
+        save_s = restart.save_shard(directory, torch.distributed.get_rank(), layout, it, trainer.model, trainer.optimizer,
                                     extra={"requested_at": time.time()})
         return restart.RestartRequest(
             iteration=it, exclude_nodes=[int(n) for n in action.get("exclude_nodes", [])], checkpoint=directory,

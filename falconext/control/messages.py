@@ -62,6 +62,8 @@ class Heartbeat:
     micro: int = 0  # micro-batches the replica runs per global batch now
     #: this rank's measured cost of S4: checkpoint save + load + process start-up
     restart_s: float = 0.0
+    #: this rank's measured pause of the last topology switch (S3's cost; 0: none yet)
+    switch_s: float = 0.0
 
 
 @dataclass(frozen=True)

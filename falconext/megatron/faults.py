@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from falconext.inputs import InputError, loads_strict, read_text
+from falconext.trace.groups import to_process
 
 #: nominal bandwidth of a virtual link, bytes/s; a link fault of factor f adds
 #: (f - 1) * bytes / this to each transfer over the link
@@ -190,7 +191,11 @@ def _arg(args: tuple, kwargs: dict, pos: int, name: str) -> Any:
 
 
 class FaultInjector:
-    """Applies the faults that concern this rank; ``iteration`` is set by the loop."""
+    """Applies the faults that concern this process; ``iteration`` is set by the loop.
+
+    ``rank`` is the process's launch rank: a fault belongs to a GPU or a link, and a
+    topology switch (S3) moves roles between processes, not faults. Peers named by torch
+    rank are mapped to processes through :func:`falconext.trace.groups.to_process`."""
 
     def __init__(
         self,
@@ -286,7 +291,7 @@ class FaultInjector:
     def _delay_p2p(self, peer: int, nbytes: int) -> float:
         d = 0.0
         for f in self._links():
-            if {self._node(self.rank), self._node(peer)} == set(f.nodes or ()):
+            if {self._node(self.rank), self._node(to_process(peer))} == set(f.nodes or ()):
                 d += (f.factor - 1.0) * nbytes / self.bandwidth
         return d
 
@@ -294,9 +299,11 @@ class FaultInjector:
         links = self._links()
         if not links:
             return 0.0
-        members = sorted(torch.distributed.get_process_group_ranks(group)) if group is not None else list(
+        ranks = sorted(torch.distributed.get_process_group_ranks(group)) if group is not None else list(
             range(torch.distributed.get_world_size())
         )
+        # the ring follows torch ranks; the links follow the processes playing them
+        members = [to_process(r) for r in ranks]
         nbytes = link_bytes(op, tensor.numel() * tensor.element_size(), len(members))
         d = 0.0
         for f in links:

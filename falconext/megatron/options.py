@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from falconext.config import ConfigError, add_config_arguments, parse_microbatches
+from falconext.config import ConfigError, add_config_arguments, parse_microbatches, parse_topology
 
 
 def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
@@ -64,6 +64,15 @@ def check_train_arguments(args: argparse.Namespace, world: int) -> None:
             f"{total} micro-batches in all (global batch {args.global_batch_size} / micro-batch "
             f"{args.micro_batch_size}); it gives {len(forced)} replicas {sum(forced)}"
         )
+    try:
+        topo = parse_topology(getattr(args, "falcon_force_topology", None) or "")
+    except ConfigError as exc:
+        raise ValueError(f"--falcon-force-topology: {exc}") from None
+    if topo is not None:
+        from falconext.megatron.switch import check_roles, check_tp_in_nodes
+
+        roles = check_roles(topo[1], world, "--falcon-force-topology roles")
+        check_tp_in_nodes(roles, args.tp, args.ranks_per_node, "--falcon-force-topology")
     if args.layers % args.pp:
         raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
     if args.hidden % args.heads or args.heads % args.tp:

@@ -72,6 +72,8 @@ class FalconRuntime:
         self.suspensions: list[Suspension] = []
         self.replica = replica
         self.restart_s = restart_s
+        #: measured pause of the last topology switch (S3's cost); 0: none yet
+        self.switch_s = 0.0
         self._mb_s: collections.deque[float] = collections.deque(maxlen=8)
         self._action: tuple[int, dict[str, Any]] | None = None
         self._micro = 0
@@ -134,6 +136,25 @@ class FalconRuntime:
         else:
             self._pending = pend  # not yet
 
+    def untraced(self) -> dict[str, Callable[..., Any]]:
+        """torch.distributed below the tracer: a topology switch's state hand-over is not
+        training traffic and must not enter the call log."""
+        return {name: self.tracer.original(name) for name in ("all_gather", "isend", "irecv")}
+
+    def before_switch(self) -> None:
+        """The world group is about to be re-created: the validation group dies with it."""
+        self._vgroup = None
+
+    def after_switch(self, replica: int, pause_s: float) -> None:
+        """Runs on every process right after the new world group exists (collective)."""
+        self.replica = replica
+        self.switch_s = round(pause_s, 3)
+        self._mb_s.clear()  # the new role's compute is another stage's
+        self.tracer.forget_groups()
+        if self.control:
+            timeout = datetime.timedelta(seconds=max(10.0, 2 * self.cfg.suspend_deadline_s))
+            self._vgroup = torch.distributed.new_group(backend="gloo", timeout=timeout)
+
     def close(self) -> None:
         self.tracer.trap.release()
         self.tracer.uninstall()
@@ -152,6 +173,7 @@ class FalconRuntime:
             "replica": self.replica,
             "mb_s": mb[len(mb) // 2] if mb else 0.0,
             "restart_s": self.restart_s,
+            "switch_s": self.switch_s,
             "micro": self._micro,
         }
 
@@ -210,6 +232,8 @@ class FalconRuntime:
         )
 
     def _bench(self) -> Bench:
+        from falconext.trace.groups import to_process, to_rank
+
         tr = self.tracer
         send, recv, barrier = tr.original("send"), tr.original("recv"), tr.original("barrier")
         group = self._vgroup
@@ -222,7 +246,10 @@ class FalconRuntime:
             return result.best_flops
 
         def passes(schedule: list, nbytes: int, repeats: int, concurrency: int) -> list:
-            return run_passes(schedule, self.rank, nbytes, repeats, group=group, send=send, recv=recv,
-                              barrier=barrier, concurrency=concurrency)
+            # the plan names processes; send/recv take torch ranks (different after S3)
+            ranked = [[(to_rank(a), to_rank(b)) for a, b in p] for p in schedule]
+            found = run_passes(ranked, to_rank(self.rank), nbytes, repeats, group=group, send=send, recv=recv,
+                               barrier=barrier, concurrency=concurrency)
+            return [(to_process(a), to_process(b), sec) for a, b, sec in found]
 
         return Bench(gemm, passes, lambda: barrier(group=group))

@@ -18,6 +18,7 @@ to a spare (or shrinks the job by one DP replica) before calling torchrun again.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -84,12 +85,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_shard(directory: str, rank: int, layout: dict[str, int], iteration: int, model: Any, optimizer: Any,
-               extra: dict[str, Any] | None = None) -> float:
-    """Write this rank's shard; returns the seconds it took."""
-    t0 = time.perf_counter()
-    os.makedirs(directory, exist_ok=True)
-    payload = {
+def state_payload(rank: int, layout: dict[str, int], iteration: int, model: Any, optimizer: Any,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a role needs to go on exactly where it stopped: one format for the
+    disk shard (S4) and the in-memory hand-over of a topology switch (S3)."""
+    return {
         "format": FORMAT,
         "rank": rank,
         "layout": dict(layout),
@@ -99,6 +99,41 @@ def save_shard(directory: str, rank: int, layout: dict[str, int], iteration: int
         "rng": rng_state(),
         "extra": dict(extra or {}),
     }
+
+
+def restore_payload(payload: Any, where: str, rank: int, layout: dict[str, int], model: Any,
+                    optimizer: Any, kind: str = "checkpoint shard", verb: str = "resume") -> dict[str, Any]:
+    """Load a payload made by :func:`state_payload` for ``rank``; returns iteration and extra."""
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: not a falconext {kind} of format {FORMAT}")
+    if payload.get("rank") != rank or payload.get("layout") != dict(layout):
+        raise CheckpointError(
+            f"{where}: saved by rank {payload.get('rank')} with layout {payload.get('layout')}, "
+            f"cannot {verb} rank {rank} with layout {dict(layout)}"
+        )
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    set_rng_state(payload["rng"])
+    return {"iteration": int(payload["iteration"]), "extra": payload.get("extra", {})}
+
+
+def payload_to_bytes(payload: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    return buf.getvalue()
+
+
+def payload_from_bytes(data: bytes, where: str) -> Any:
+    """The same strict reader as for files: tensors and plain containers only."""
+    return _load(io.BytesIO(data), where, "state")
+
+
+def save_shard(directory: str, rank: int, layout: dict[str, int], iteration: int, model: Any, optimizer: Any,
+               extra: dict[str, Any] | None = None) -> float:
+    """Write this rank's shard; returns the seconds it took."""
+    t0 = time.perf_counter()
+    os.makedirs(directory, exist_ok=True)
+    payload = state_payload(rank, layout, iteration, model, optimizer, extra)
     path = shard_path(directory, rank)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(payload, tmp)
@@ -111,25 +146,18 @@ def load_shard(directory: str, rank: int, layout: dict[str, int], model: Any, op
     path = shard_path(directory, rank)
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint shard for rank {rank} at {path}")
-    payload = _read(path)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a falconext checkpoint shard of format {FORMAT}")
-    if payload.get("rank") != rank or payload.get("layout") != dict(layout):
-        raise CheckpointError(
-            f"{path}: saved by rank {payload.get('rank')} with layout {payload.get('layout')}, "
-            f"cannot resume rank {rank} with layout {dict(layout)}"
-        )
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    set_rng_state(payload["rng"])
-    return {"iteration": int(payload["iteration"]), "extra": payload.get("extra", {})}
+    return restore_payload(_read(path), path, rank, layout, model, optimizer)
 
 
 def _read(path: str) -> Any:
+    return _load(path, path, "checkpoint shard")
+
+
+def _load(source: Any, where: str, kind: str) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable checkpoint shard ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{where}: unreadable {kind} ({type(exc).__name__}: {exc})") from None
 
 
 def probe_cost(directory: str, rank: int, layout: dict[str, int], model: Any, optimizer: Any) -> float:

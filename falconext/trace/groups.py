@@ -54,6 +54,37 @@ MEGATRON_GETTERS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 CP_FREE_ROLES = {"dp_cp": "dp", "tp_dp_cp": "tp_dp", "dp_cp_gloo": "dp_gloo"}
 
 
+#: the process (launch rank) behind each torch rank, once a topology switch (S3) has
+#: given processes new ranks; None while every process still has its launch rank. Every
+#: record, profile and verdict speaks of processes: a process stays on its node and its
+#: GPU, which is what a fault belongs to, whatever role it plays.
+_PROCESS_OF: tuple[int, ...] | None = None
+
+
+def set_roles(roles: list[int] | None) -> None:
+    """``roles[process]`` = the torch rank that process now has (None: launch ranks)."""
+    global _PROCESS_OF
+    if roles is None or list(roles) == list(range(len(roles))):
+        _PROCESS_OF = None
+        return
+    inverse = [0] * len(roles)
+    for proc, role in enumerate(roles):
+        inverse[role] = proc
+    _PROCESS_OF = tuple(inverse)
+
+
+def to_process(rank: int) -> int:
+    """The process playing torch rank ``rank`` now."""
+    table = _PROCESS_OF
+    return rank if table is None or not 0 <= rank < len(table) else table[rank]
+
+
+def to_rank(process: int) -> int:
+    """The torch rank process ``process`` plays now."""
+    table = _PROCESS_OF
+    return process if table is None else table.index(process)
+
+
 class GroupInfo:
     """What the tracer needs to know about one process group, computed once."""
 
@@ -61,7 +92,7 @@ class GroupInfo:
 
     def __init__(self, gid: str, ranks: tuple[int, ...], role: str | None, group: object) -> None:
         self.gid = gid
-        #: global ranks in group-rank order (index = group rank); the id holds them sorted
+        #: processes in group-rank order (index = group rank); the id holds them sorted
         self.ranks = ranks
         self.role = role
         #: a strong reference, so the ``id(group)`` cache key cannot be reused by another
@@ -91,7 +122,7 @@ def describe_group(group: object, roles: Callable[[object], str | None] | None) 
         default = None
     pg = default if group is None else group
     try:
-        ranks = tuple(int(r) for r in dist.get_process_group_ranks(pg))
+        ranks = tuple(to_process(int(r)) for r in dist.get_process_group_ranks(pg))
     except Exception:
         return GroupInfo("unknown", (), None, pg)
     if pg is not None and pg is default:

@@ -55,7 +55,7 @@ import warnings
 from collections import deque
 from typing import Any, Callable, NamedTuple
 
-from falconext.trace.groups import GroupInfo, describe_group, megatron_roles
+from falconext.trace.groups import GroupInfo, describe_group, megatron_roles, to_process
 from falconext.trace.records import CallRecord
 
 __all__ = ["CallTracer", "Trap", "megatron_roles"]
@@ -319,6 +319,11 @@ class CallTracer:
     def installed(self) -> bool:
         return _active is self
 
+    def forget_groups(self) -> None:
+        """Drop the group cache: a topology switch destroyed every group (and a new one
+        may come to live at a recycled ``id``)."""
+        self._groups.clear()
+
     def original(self, name: str) -> Callable[..., Any]:
         """The torch.distributed function found at install (below the tracer).
 
@@ -417,6 +422,8 @@ class CallTracer:
             info = self._describe(group)
         if peer is None and gpeer is not None:
             peer = info.ranks[gpeer]
+        elif peer is not None:
+            peer = to_process(peer)
         if self._coalescing:
             pg = self._coalesced_on(group)
             if pg is not None:
@@ -459,7 +466,7 @@ class CallTracer:
                 info = self._describe(group)
             op = "send" if _reaches(p.op, self._base_isend) else "recv"
             ev0 = evs[i] if evs is not None else None
-            e = [seq, op, info, p.tensor.nbytes, p.peer, t_issue,
+            e = [seq, op, info, p.tensor.nbytes, to_process(p.peer), t_issue,
                  t_issue if ev0 is None else None, None, False, ev0, None]
             ring.append(e)
             entries.append(e)
