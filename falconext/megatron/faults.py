@@ -34,6 +34,7 @@ import torch
 
 from falconext.inputs import InputError, loads_strict, read_text
 from falconext.trace.groups import to_process
+from falconext.trace.hooks import P2PWrapper
 
 #: nominal bandwidth of a virtual link, bytes/s; a link fault of factor f adds
 #: (f - 1) * bytes / this to each transfer over the link
@@ -349,7 +350,9 @@ class FaultInjector:
                 return _orig(tensor, dst, *args, **kwargs)
 
             p2p.__wrapped__ = orig  # type: ignore[attr-defined]
-            setattr(dist, name, p2p)
+            # isend must still pass P2POp's "op in [isend, irecv]" check (no tracer above
+            # may be there to make it so: a run without falconext)
+            setattr(dist, name, P2PWrapper(p2p, orig, c10d.isend) if name == "isend" else p2p)
 
         orig_batch = dist.batch_isend_irecv
         self._saved["batch_isend_irecv"] = orig_batch

@@ -36,10 +36,11 @@ Pure: no torch, no I/O, no clock.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from falconext.sim.itertime import IterationModel, JobCosts, check_roles
 
@@ -160,10 +161,11 @@ class TopologyPlan:
 
 
 # ---------------------------------------------------------------------------------------
-# search state: blocks[b] = the processes playing block b's tp ranks, in tp_r order
+# search state: proc[tp * b + i] = the process playing tp_r i of block b (block b is the
+# TP group of roles with dp_r + dp * pp_r == b). Swapping two blocks swaps two slices.
 # ---------------------------------------------------------------------------------------
 
-Blocks = list[tuple[int, ...]]
+Move = tuple[int, int, int, int]  # (i, j, -1, -1): swap blocks i, j; (i, j, a, c): exchange
 
 
 class _Search:
@@ -176,51 +178,45 @@ class _Search:
         self.n_blocks = layout.dp * layout.pp
         self.rpn = layout.ranks_per_node
         self.factor = [model.factor(p) for p in range(self.world)]
-        self.link_nodes = {n for link in model.slow_links if model.slow_links[link] > 0 for n in link}
+        self.link_nodes = {n for link, e in model.slow_links.items() if e > 0 for n in link}
         self.budget = budget  # model evaluations left for local search
-        self.evaluations = 0
-        self._memo: dict[tuple[int, ...], float] = {}
+        self._memo: dict[bytes, float] = {}
 
     # -- conversions ---------------------------------------------------------------------
 
-    def roles(self, blocks: Blocks) -> tuple[int, ...]:
-        roles = [0] * self.world
-        tp = self.tp
-        for b, procs in enumerate(blocks):
-            for t, p in enumerate(procs):
-                roles[p] = tp * b + t
-        return tuple(roles)
+    def roles(self, proc: np.ndarray) -> tuple[int, ...]:
+        roles = np.empty(self.world, dtype=np.intp)
+        roles[proc] = np.arange(self.world)
+        return tuple(roles.tolist())
 
-    def blocks_of(self, roles: Sequence[int]) -> Blocks | None:
-        """Blocks of ``roles``, or None if some TP group straddles nodes."""
-        proc = [0] * self.world
-        for p, r in enumerate(roles):
-            proc[r] = p
-        tp, rpn = self.tp, self.rpn
-        blocks = []
-        for b in range(self.n_blocks):
-            procs = tuple(proc[tp * b + t] for t in range(tp))
-            if len({p // rpn for p in procs}) != 1:
-                return None
-            blocks.append(procs)
-        return blocks
+    def proc_of(self, roles: Sequence[int]) -> np.ndarray | None:
+        """``proc[role] = process`` of ``roles``, or None if a TP group straddles nodes."""
+        proc = np.empty(self.world, dtype=np.intp)
+        proc[np.asarray(roles, dtype=np.intp)] = np.arange(self.world)
+        nodes = (proc // self.rpn).reshape(self.n_blocks, self.tp)
+        if np.any(nodes != nodes[:, :1]):
+            return None
+        return proc
 
-    def score(self, blocks: Blocks) -> float:
-        roles = self.roles(blocks)
-        t = self._memo.get(roles)
+    def block(self, proc: np.ndarray, b: int) -> list[int]:
+        return proc[self.tp * b : self.tp * (b + 1)].tolist()
+
+    def score(self, proc: np.ndarray) -> float:
+        key = proc.tobytes()
+        t = self._memo.get(key)
         if t is None:
-            self.evaluations += 1
-            t = self.model.time(roles, checked=True)
-            self._memo[roles] = t
+            t = self.model.time_of_processes(proc)
+            self._memo[key] = t
+            self.budget -= 1
         return t
 
     def stage(self, b: int) -> int:
         return b // self.dp
 
-    def slowness(self, procs: tuple[int, ...]) -> float:
+    def slowness(self, procs: Sequence[int]) -> float:
         return max(self.factor[p] for p in procs)
 
-    def dirty(self, procs: tuple[int, ...]) -> bool:
+    def dirty(self, procs: Sequence[int]) -> bool:
         """Whether moving a block onto/off these processes can change the model's time.
 
         Swapping two blocks that both sit on healthy GPUs of nodes with no slow link
@@ -231,16 +227,14 @@ class _Search:
 
     # -- local search ----------------------------------------------------------------------
 
-    def _moves(self, blocks: Blocks) -> list[tuple[str, int, int, int, int]]:
-        moves: list[tuple[str, int, int, int, int]] = []
+    def _moves(self, proc: np.ndarray) -> list[Move]:
+        n, tp, rpn, fac = self.n_blocks, self.tp, self.rpn, self.factor
+        blocks = [self.block(proc, b) for b in range(n)]
         dirty = [self.dirty(procs) for procs in blocks]
-        n = self.n_blocks
-        for i in range(n):
-            for j in range(i + 1, n):
-                if dirty[i] or dirty[j]:
-                    moves.append(("swap", i, j, 0, 0))
-        if self.tp > 1:  # regroup processes of one node between two of its TP groups
-            rpn, fac = self.rpn, self.factor
+        moves: list[Move] = [
+            (i, j, -1, -1) for i in range(n) for j in range(i + 1, n) if dirty[i] or dirty[j]
+        ]
+        if tp > 1:  # regroup processes of one node between two of its TP groups
             for i in range(n):
                 ni = blocks[i][0] // rpn
                 for j in range(i + 1, n):
@@ -249,51 +243,52 @@ class _Search:
                     for a, pa in enumerate(blocks[i]):
                         for c, pc in enumerate(blocks[j]):
                             if fac[pa] != fac[pc]:
-                                moves.append(("exchange", i, j, a, c))
+                                moves.append((i, j, a, c))
         return moves
 
-    @staticmethod
-    def _apply(blocks: Blocks, move: tuple[str, int, int, int, int]) -> Blocks:
-        kind, i, j, a, c = move
-        out = list(blocks)
-        if kind == "swap":
-            out[i], out[j] = blocks[j], blocks[i]
+    def _apply(self, proc: np.ndarray, move: Move) -> None:
+        """Apply ``move`` in place (every move is its own inverse)."""
+        i, j, a, c = move
+        tp = self.tp
+        if a < 0:
+            tmp = proc[tp * i : tp * (i + 1)].copy()
+            proc[tp * i : tp * (i + 1)] = proc[tp * j : tp * (j + 1)]
+            proc[tp * j : tp * (j + 1)] = tmp
         else:
-            bi, bj = list(blocks[i]), list(blocks[j])
-            bi[a], bj[c] = bj[c], bi[a]
-            out[i], out[j] = tuple(bi), tuple(bj)
-        return out
+            x, y = tp * i + a, tp * j + c
+            proc[x], proc[y] = proc[y], proc[x]
 
-    def climb(self, blocks: Blocks, max_rounds: int) -> tuple[Blocks, float]:
-        """Best-improvement pairwise swaps until no move gains more than ``REL_EPS``."""
-        t = self.score(blocks)
+    def climb(self, proc: np.ndarray, max_rounds: int) -> tuple[np.ndarray, float]:
+        """Best-improvement pairwise moves until none gains more than ``REL_EPS``."""
+        proc = proc.copy()
+        t = self.score(proc)
         for _ in range(max_rounds):
             best_t, best = t, None
-            for move in self._moves(blocks):
+            for move in self._moves(proc):
                 if self.budget <= 0:
                     break
-                cand = self._apply(blocks, move)
-                before = self.evaluations
-                ct = self.score(cand)
-                self.budget -= self.evaluations - before
+                self._apply(proc, move)
+                ct = self.score(proc)
+                self._apply(proc, move)
                 if ct < best_t:
-                    best_t, best = ct, cand
+                    best_t, best = ct, move
             if best is None or best_t >= t * (1.0 - REL_EPS):
                 break
-            blocks, t = best, best_t
-        return blocks, t
+            self._apply(proc, best)
+            t = best_t
+        return proc, t
 
     # -- constructive candidates -----------------------------------------------------------
 
-    def _node_slots(self, node_order: Sequence[int]) -> list[tuple[int, ...]]:
+    def _node_slots(self, node_order: Sequence[int]) -> list[range]:
         """Aligned TP slots of the given nodes, in that order."""
         slots = []
         for node in node_order:
             lo, hi = node * self.rpn, min((node + 1) * self.rpn, self.world)
-            slots.extend(tuple(range(k, k + self.tp)) for k in range(lo, hi, self.tp))
+            slots.extend(range(k, k + self.tp) for k in range(lo, hi, self.tp))
         return slots
 
-    def link_candidates(self) -> list[tuple[str, Blocks]]:
+    def link_candidates(self) -> list[tuple[str, np.ndarray]]:
         """Fill blocks pipeline-major along node orders that make slow links adjacent.
 
         Filling stage after stage of one pipeline along consecutive slots makes node
@@ -312,7 +307,7 @@ class _Search:
         for _, (a, b) in links[:4]:
             for x, y in ((a, b), (b, a)):
                 rest = [n for n in range(n_nodes) if n not in (x, y)]
-                orders.append((f"link ({a}, {b}) onto a pipeline boundary", [x, y, *rest]))
+                orders.append((f"link ({a}, {b}) moved onto a pipeline boundary", [x, y, *rest]))
         if len(links) > 1:  # one chain through all slow links, strongest first
             adj: dict[int, list[tuple[float, int]]] = {}
             for e, (a, b) in links:
@@ -320,93 +315,118 @@ class _Search:
                 adj.setdefault(b, []).append((-e, a))
             chain: list[int] = []
             for _, (a, _b) in links:
-                node = a
+                node: int | None = a
                 while node is not None and node not in chain:
                     chain.append(node)
                     nxt = [m for _, m in sorted(adj[node]) if m not in chain]
                     node = nxt[0] if nxt else None
             rest = [n for n in range(n_nodes) if n not in chain]
-            orders.append(("all slow links onto pipeline boundaries", chain + rest))
+            orders.append(("all slow links moved onto pipeline boundaries", chain + rest))
         seq = [d + self.dp * s for d in range(self.dp) for s in range(self.pp)]
         out = []
         for label, order in orders:
             slots = self._node_slots(order)
             for off in range(self.pp):
-                blocks: Blocks = [()] * self.n_blocks
+                proc = np.empty(self.world, dtype=np.intp)
                 for i, slot in enumerate(slots):
-                    blocks[seq[(i + off) % self.n_blocks]] = slot
-                out.append((label, blocks))
+                    b = seq[(i + off) % self.n_blocks]
+                    proc[self.tp * b : self.tp * (b + 1)] = slot
+                out.append((label, proc))
         return out
 
-    def regroup(self, blocks: Blocks) -> Blocks:
+    def regroup(self, proc: np.ndarray) -> np.ndarray:
         """Within every node, gather the slowest processes into the same TP groups."""
+        out = proc.copy()
         if self.tp == 1:
-            return list(blocks)
-        out = list(blocks)
+            return out
+        tp = self.tp
         by_node: dict[int, list[int]] = {}
-        for b, procs in enumerate(blocks):
-            by_node.setdefault(procs[0] // self.rpn, []).append(b)
+        for b in range(self.n_blocks):
+            by_node.setdefault(int(proc[tp * b]) // self.rpn, []).append(b)
         for bs in by_node.values():
-            procs = [p for b in bs for p in blocks[b]]
+            procs = [p for b in bs for p in self.block(proc, b)]
             if all(self.factor[p] == 1.0 for p in procs):
                 continue
             procs.sort(key=lambda p: (-self.factor[p], p))
-            chunks = [tuple(sorted(procs[i : i + self.tp])) for i in range(0, len(procs), self.tp)]
+            chunks = [sorted(procs[i : i + tp]) for i in range(0, len(procs), tp)]
             # the block that already sat on the slowest group gets the slowest chunk
-            order = sorted(bs, key=lambda b: (-self.slowness(blocks[b]), b))
+            order = sorted(bs, key=lambda b: (-self.slowness(self.block(proc, b)), b))
             for b, chunk in zip(order, chunks):
-                kept = [p for p in blocks[b] if p in chunk]
-                if len(kept) == self.tp:
-                    out[b] = blocks[b]  # same group: keep its tp_r order (no move)
-                else:
-                    out[b] = chunk
+                if sorted(self.block(proc, b)) != chunk:  # same group: keep its tp_r order
+                    out[tp * b : tp * (b + 1)] = chunk
         return out
 
-    def consolidation_candidates(self, base: Blocks, label: str) -> list[tuple[str, Blocks]]:
+    def consolidation_candidates(self, base: np.ndarray, label: str) -> list[tuple[str, np.ndarray]]:
         """Put the slow TP groups into the fewest stages, interior windows first."""
         grouped = self.regroup(base)
         slow = sorted(
-            (b for b, procs in enumerate(grouped) if self.slowness(procs) > 1.0),
-            key=lambda b: (-self.slowness(grouped[b]), b),
+            (b for b in range(self.n_blocks) if self.slowness(self.block(grouped, b)) > 1.0),
+            key=lambda b: (-self.slowness(self.block(grouped, b)), b),
         )
         if not slow:
             return []
         k = -(-len(slow) // self.dp)
-        if k > self.pp:
-            return []
         if self.pp > 2 and k <= self.pp - 2:
             starts = list(range(1, self.pp - k))  # interior windows only
         else:
             starts = list(range(0, self.pp - k + 1))
-        out = [(f"{label}: slow GPUs regrouped within their nodes", grouped)]
+        out = [(f"{label}, slow GPUs regrouped within their nodes", grouped)]
         for start in starts:
             window = range(start, start + k)
-            blocks = list(grouped)
-            targets = [b for b in range(self.n_blocks) if self.stage(b) in window]
-            slow_now = {b for b in slow}
+            proc = grouped.copy()
             for b in slow:
                 if self.stage(b) in window:
                     continue
-                # a target block still on a healthy group takes this slow group
-                for t in targets:
-                    if t not in slow_now and self.slowness(blocks[t]) <= 1.0:
-                        blocks[b], blocks[t] = blocks[t], blocks[b]
-                        slow_now.discard(b)
-                        slow_now.add(t)
+                # a target-stage block still on healthy GPUs takes this slow group
+                for t in range(start * self.dp, (start + k) * self.dp):
+                    if self.slowness(self.block(proc, t)) <= 1.0:
+                        self._apply(proc, (b, t, -1, -1))
                         break
             stages = f"stage {start}" if k == 1 else f"stages {start}..{start + k - 1}"
-            out.append((f"{label}: slow GPUs consolidated into {stages}", blocks))
+            out.append((f"{label}, slow GPUs consolidated into {stages}", proc))
         return out
 
 
+def _link_traffic(layout: Layout, roles: Sequence[int], a: int, b: int) -> str:
+    """What a link between nodes ``a`` and ``b`` carries under ``roles``: DP, PP or none."""
+    proc = [0] * layout.world
+    for p, r in enumerate(roles):
+        proc[r] = p
+    kinds = []
+    for kind, groups, ring in (("DP", layout.dp_groups(), True), ("PP", layout.pp_groups(), False)):
+        for g in groups:
+            nodes = [layout.node_of(proc[r]) for r in g]
+            pairs = list(zip(nodes, nodes[1:] + nodes[:1] if ring else nodes[1:]))
+            if (a, b) in pairs or (b, a) in pairs:
+                kinds.append(kind)
+                break
+    return "+".join(kinds) or "nothing"
+
+
 def _reason(
-    layout: Layout, label: str, before: float, after: float, moved: int, roles: Sequence[int]
+    layout: Layout, label: str, before: float, after: float, moved: int,
+    current: Sequence[int], roles: Sequence[int], model: IterationModel,
 ) -> str:
+    """One line for the operator: what won, the predicted gain, and where the faults sit."""
     gain = (before - after) / before if before > 0 else 0.0
-    return (
+    parts = [
         f"{label}: predicted {before:.6g} s -> {after:.6g} s per iteration "
         f"({100 * gain:.1f}% faster), {moved} of {layout.world} processes change role"
-    )
+    ]
+    slow = sorted(p for p, f in model.slow_gpus.items() if f > 1.0)
+    if slow:
+
+        def stages(rs: Sequence[int]) -> list[int]:
+            return sorted({layout.role_coords(rs[p])[2] for p in slow})
+
+        parts.append(f"slow GPUs {slow} in stages {stages(current)} -> {stages(roles)}")
+    for (a, b), e in sorted(model.slow_links.items()):
+        if e > 0:
+            parts.append(
+                f"link ({a}, {b}) carries {_link_traffic(layout, current, a, b)} -> "
+                f"{_link_traffic(layout, roles, a, b)}"
+            )
+    return "; ".join(parts)
 
 
 def plan_topology(
@@ -430,7 +450,7 @@ def plan_topology(
     current layout and of the best link candidate); and best-improvement local search
     (``max_rounds`` rounds of pairwise block swaps and intra-node process exchanges, at
     most ``max_evaluations`` model evaluations in all) from the current layout and the
-    three best constructive candidates. The winner is the fastest; among candidates within
+    best constructive candidate of each kind. The winner is the fastest; among candidates within
     ``REL_EPS`` of it, the one moving fewest processes, then the lexicographically smallest
     roles. If it does not beat the current layout by more than ``REL_EPS`` (relative), the
     current roles come back unchanged.
@@ -443,49 +463,49 @@ def plan_topology(
     model = IterationModel(layout, costs, slow_gpus, slow_links)  # validates costs and faults
     current = check_roles(current_roles, layout.world, "current_roles")
     search = _Search(layout, model, max_evaluations)
-    base = search.blocks_of(current)
+    base = search.proc_of(current)
     if base is None:
-        bad = next(
-            [p for p in range(layout.world) if current[p] in grp]
-            for grp in layout.tp_groups()
-            if len({layout.node_of(p) for p in range(layout.world) if current[p] in grp}) > 1
-        )
-        raise ValueError(
-            f"current_roles puts a TP group on processes {bad} of different nodes; "
-            "every TP group must stay inside one node"
-        )
+        for grp in layout.tp_groups():
+            procs = [p for p in range(layout.world) if current[p] in grp]
+            if len({layout.node_of(p) for p in procs}) > 1:
+                raise ValueError(
+                    f"current_roles puts TP group {grp} on processes {procs} of different "
+                    "nodes; every TP group must stay inside one node"
+                )
+    assert base is not None
     before = search.score(base)
 
     if not any(f != 1.0 for f in model.slow_gpus.values()) and not search.link_nodes:
         return TopologyPlan(current, before, before, (), "no slow GPU or link: nothing to move")
 
     # 1. constructive candidates, scored once each
-    found: list[tuple[float, str, Blocks]] = [(before, "current layout", base)]
-    link = search.link_candidates()
-    scored_links = sorted(
-        ((search.score(b), label, b) for label, b in link), key=lambda x: (x[0], search.roles(x[2]))
+    found: list[tuple[float, str, np.ndarray]] = [(before, "current layout", base)]
+    link = sorted(
+        ((search.score(p), label, p) for label, p in search.link_candidates()),
+        key=lambda x: (x[0], search.roles(x[2])),
     )
-    found.extend(scored_links)
-    bases = [("current layout", base)]
-    if scored_links:
-        bases.append((scored_links[0][1], scored_links[0][2]))
-    for label, b in bases:
-        found.extend((search.score(c), lab, c) for lab, c in search.consolidation_candidates(b, label))
+    bases = [("current layout", base)] + [(label, p) for _, label, p in link[:1]]
+    consolidated = sorted(
+        (
+            (search.score(c), lab, c)
+            for label, p in bases
+            for lab, c in search.consolidation_candidates(p, label)
+        ),
+        key=lambda x: (x[0], search.roles(x[2])),
+    )
+    found += link + consolidated
 
-    # 2. local search from the current layout and the three best distinct constructive ones
-    starts: list[tuple[str, Blocks]] = [("current layout", base)]
+    # 2. local search from the current layout and the best candidate of each kind (the
+    #    others mostly climb to the same optima, and each climb costs rounds of swaps)
+    starts: list[tuple[str, np.ndarray]] = [("current layout", base)]
     seen = {search.roles(base)}
-    for t, label, b in sorted(found[1:], key=lambda x: (x[0], search.roles(x[2]))):
-        r = search.roles(b)
-        if r in seen:
-            continue
-        seen.add(r)
-        starts.append((label, b))
-        if len(starts) == 4:
-            break
-    for label, b in starts:
-        climbed, t = search.climb(b, max_rounds)
-        if search.roles(climbed) != search.roles(b):
+    for kind in (link, consolidated):
+        if kind and search.roles(kind[0][2]) not in seen:
+            seen.add(search.roles(kind[0][2]))
+            starts.append((kind[0][1], kind[0][2]))
+    for label, p in starts:
+        climbed, t = search.climb(p, max_rounds)
+        if not np.array_equal(climbed, p):
             found.append((t, f"{label}, then pairwise swaps", climbed))
 
     # 3. pick among those that gain more than REL_EPS: fastest; near-ties -> fewest moved,
@@ -502,12 +522,13 @@ def plan_topology(
         )
     best_t = min(t for t, _, _ in gaining)
 
-    def key(item: tuple[float, str, Blocks]) -> tuple[int, tuple[int, ...]]:
+    def key(item: tuple[float, str, np.ndarray]) -> tuple[int, tuple[int, ...]]:
         roles = search.roles(item[2])
         return sum(1 for p in range(layout.world) if roles[p] != current[p]), roles
 
     near = [x for x in gaining if x[0] <= best_t * (1.0 + REL_EPS)]
-    t, label, blocks = min(near, key=key)
-    roles = search.roles(blocks)
+    t, label, proc = min(near, key=key)
+    roles = search.roles(proc)
     moved = tuple(p for p in range(layout.world) if roles[p] != current[p])
-    return TopologyPlan(roles, before, t, moved, _reason(layout, label, before, t, len(moved), roles))
+    reason = _reason(layout, label, before, t, len(moved), current, roles, model)
+    return TopologyPlan(roles, before, t, moved, reason)

@@ -45,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 __all__ = [
     "IterationBreakdown",
     "IterationModel",
@@ -339,6 +341,9 @@ def one_f_one_b(
         )
     if not _is_int(microbatches) or microbatches < 1:
         raise ValueError(f"microbatches = {microbatches!r} must be an int >= 1")
+    fwd_s = _float_seq("fwd_s", fwd_s)
+    bwd_s = _float_seq("bwd_s", bwd_s)
+    msg_s = _float_seq("msg_s", msg_s)
     m = int(microbatches)
     ops = _schedule(pp, m)
     nan = math.nan
@@ -393,7 +398,8 @@ class IterationModel:
     Validation happens once here, so a planner can evaluate thousands of permutations
     without re-checking the faults. Pipeline simulations are memoised on their exact
     inputs (micro-batches, stretched compute, message times): most candidate permutations
-    leave most replicas untouched, and healthy replicas all look alike.
+    leave most replicas untouched, and healthy replicas all look alike. Everything else
+    is a handful of numpy gathers over the ``(pp, dp, tp)`` role grid.
     """
 
     def __init__(
@@ -416,38 +422,104 @@ class IterationModel:
         self.costs = costs
         self.slow_gpus = check_slow_gpus(slow_gpus, self.world)
         self.slow_links = check_slow_links(slow_links, self.n_nodes)
-        self._factor = [1.0] * self.world
+
+        self._factor = np.ones(self.world)
         for p, f in self.slow_gpus.items():
             self._factor[p] = f
-        self._node = [p // rpn for p in range(self.world)]
         # links with zero excess are healthy: drop them so "any slow link?" is exact.
         self._links = {k: e for k, e in self.slow_links.items() if e > 0}
+        # Nodes are renumbered: 0 for every node without a slow link (all its transfers
+        # are healthy, so those nodes are interchangeable), 1.. for the others. The excess
+        # matrix then has (nodes with slow links + 1)^2 entries, not n_nodes^2.
+        link_nodes = sorted({n for k in self._links for n in k})
+        code = np.zeros(self.n_nodes, dtype=np.intp)
+        code[link_nodes] = np.arange(1, len(link_nodes) + 1)
+        self._node = code[np.arange(self.world) // rpn]  # process -> renumbered node
+        self._n_codes = len(link_nodes) + 1
+        excess = np.zeros((self._n_codes, self._n_codes))
+        for (a, b), e in self._links.items():
+            excess[code[a], code[b]] = excess[code[b], code[a]] = e
+        self._excess_flat = excess.ravel()
+        # role grid: _grid[s, d, t] = role (tp_r t, dp_r d, pp_r s); _ring_next is the role
+        # after it in its DP ring (role order, wrapping around).
+        self._grid = np.arange(self.world).reshape(pp, dp, tp)
+        self._ring_next = self._grid[:, (np.arange(dp) + 1) % dp, :]
+        self._fwd = np.asarray(costs.fwd_s, dtype=float)
+        self._bwd = np.asarray(costs.bwd_s, dtype=float)
+        self._ring_bytes = 2.0 * (dp - 1) / dp * np.asarray(costs.grad_bytes, dtype=float)
+        self._allreduce = (
+            np.asarray(costs.allreduce_s, dtype=float) if dp > 1 else np.zeros(pp)
+        )
+        self._p2p_slowed = bool(self._links) and costs.act_bytes > 0 and pp > 1
+        self._ring_slowed = bool(self._links) and dp > 1 and bool(np.any(self._ring_bytes > 0))
+        self._healthy_msgs = (costs.p2p_s,) * (pp - 1)
         self._pipe_cache: dict[tuple, tuple[float, ...]] = {}
-        self._ring_coef = 2.0 * (dp - 1) / dp
+        self._grid_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        # ~16 MB of cached finish times at most, whatever the job's size
+        self._grid_cache_cap = max(1_000, 2_000_000 // (dp * pp))
 
     def factor(self, process: int) -> float:
         """Compute factor of ``process`` (1.0 when healthy)."""
-        return self._factor[process]
+        return float(self._factor[process])
 
     def excess(self, node_a: int, node_b: int) -> float:
         """Excess seconds per byte on the link between two nodes (0 within a node)."""
-        if node_a == node_b:
-            return 0.0
-        key = (node_a, node_b) if node_a < node_b else (node_b, node_a)
-        return self._links.get(key, 0.0)
+        return self._links.get((min(node_a, node_b), max(node_a, node_b)), 0.0)
 
-    def _pipeline(self, m: int, factors: tuple[float, ...], msgs: tuple[float, ...]) -> tuple[float, ...]:
-        key = (m, factors, msgs)
+    def _pipeline(self, m: int, factors: np.ndarray, msgs: np.ndarray | None) -> tuple[float, ...]:
+        key = (m, factors.tobytes(), b"" if msgs is None else msgs.tobytes())
         hit = self._pipe_cache.get(key)
         if hit is None:
-            c = self.costs
-            fwd = [c.fwd_s[s] * factors[s] for s in range(self.pp)]  # type: ignore[index]
-            bwd = [c.bwd_s[s] * factors[s] for s in range(self.pp)]  # type: ignore[index]
-            hit = one_f_one_b(fwd, bwd, msgs, m)
+            msg = self._healthy_msgs if msgs is None else msgs.tolist()
+            hit = one_f_one_b((self._fwd * factors).tolist(), (self._bwd * factors).tolist(), msg, m)
             if len(self._pipe_cache) > 100_000:  # bound memory on very long searches
                 self._pipe_cache.clear()
             self._pipe_cache[key] = hit
         return hit
+
+    def _evaluate(self, proc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Core of the model for ``proc[role] = process``: (stage_finish, start, dur, total)."""
+        pgrid = proc[self._grid]  # (pp, dp, tp) processes
+        factors = self._factor[pgrid]
+        # a TP group runs at its slowest member
+        factors = factors[:, :, 0] if self.tp == 1 else factors.max(axis=2)
+        msgs = None
+        if self._p2p_slowed or self._ring_slowed:
+            nflat = self._node[pgrid] * self._n_codes  # row offsets into the flat excess matrix
+        if self._p2p_slowed:
+            worst = self._excess_flat[nflat[:-1] + self._node[pgrid[1:]]]
+            worst = worst[:, :, 0] if self.tp == 1 else worst.max(axis=2)  # slowest tp message
+            msgs = self.costs.p2p_s + self.costs.act_bytes * worst  # (pp - 1, dp)
+        # All replicas at once first: most candidates a planner tries leave every
+        # replica's pipeline inputs as they were in some earlier candidate.
+        key = factors.tobytes() + (b"" if msgs is None else msgs.tobytes())
+        hit = self._grid_cache.get(key)
+        if hit is None:
+            plan = self.costs.plan
+            finish = np.array(
+                [
+                    self._pipeline(plan[d], factors[:, d], None if msgs is None else msgs[:, d])  # type: ignore[index]
+                    for d in range(self.dp)
+                ]
+            )  # (dp, pp)
+            hit = (finish, finish.max(axis=0))  # each stage's all-reduce waits for its slowest replica
+            if len(self._grid_cache) > self._grid_cache_cap:
+                self._grid_cache.clear()
+            self._grid_cache[key] = hit
+        finish, start = hit
+        dur = self._allreduce
+        if self._ring_slowed:
+            ring = self._excess_flat[nflat + self._node[proc[self._ring_next]]]
+            dur = dur + self._ring_bytes * ring.reshape(self.pp, -1).max(axis=1)
+        total = float((start + dur).max()) + self.costs.other_s
+        return finish, start, dur, total
+
+    def _proc(self, roles: Sequence[int], checked: bool) -> np.ndarray:
+        if not checked:
+            roles = check_roles(roles, self.world)
+        proc = np.empty(self.world, dtype=np.intp)
+        proc[np.asarray(roles, dtype=np.intp)] = np.arange(self.world)
+        return proc
 
     def breakdown(self, roles: Sequence[int], *, checked: bool = False) -> IterationBreakdown:
         """Predict one iteration of the layout where ``roles[process] = role``.
@@ -455,65 +527,27 @@ class IterationModel:
         ``checked=True`` skips the permutation check (for callers that built ``roles``
         themselves and call this in a hot loop).
         """
-        tp, dp, pp, world = self.tp, self.dp, self.pp, self.world
-        if not checked:
-            roles = check_roles(roles, world)
-        proc = [0] * world
-        for p, r in enumerate(roles):
-            proc[r] = p
-        node, fac, costs = self._node, self._factor, self.costs
-        links = self._links
-        act, p2p = costs.act_bytes, costs.p2p_s
-
-        stage_finish: list[tuple[float, ...]] = []
-        for d in range(dp):
-            factors = []
-            for s in range(pp):
-                base = tp * (d + dp * s)
-                factors.append(max(fac[proc[base + t]] for t in range(tp)))
-            if links and act > 0:
-                msgs = []
-                for s in range(pp - 1):
-                    a = tp * (d + dp * s)
-                    b = tp * (d + dp * (s + 1))
-                    worst = max(self.excess(node[proc[a + t]], node[proc[b + t]]) for t in range(tp))
-                    msgs.append(p2p + act * worst)
-            else:
-                msgs = [p2p] * (pp - 1)
-            stage_finish.append(self._pipeline(costs.plan[d], tuple(factors), tuple(msgs)))  # type: ignore[index]
-
-        ar_start = tuple(max(stage_finish[d][s] for d in range(dp)) for s in range(pp))
-        ar_dur = []
-        for s in range(pp):
-            if dp == 1:
-                ar_dur.append(0.0)
-                continue
-            penalty = 0.0
-            if links and costs.grad_bytes[s] > 0:  # type: ignore[index]
-                per_link = self._ring_coef * costs.grad_bytes[s]  # type: ignore[index]
-                worst = 0.0
-                for t in range(tp):
-                    for i in range(dp):  # ring in role order: dp_r i -> dp_r i+1 (mod dp)
-                        a = proc[t + tp * (i + dp * s)]
-                        b = proc[t + tp * ((i + 1) % dp + dp * s)]
-                        e = self.excess(node[a], node[b])
-                        if e > worst:
-                            worst = e
-                penalty = per_link * worst
-            ar_dur.append(costs.allreduce_s[s] + penalty)  # type: ignore[index]
-        total = max(ar_start[s] + ar_dur[s] for s in range(pp)) + costs.other_s
+        finish, start, dur, total = self._evaluate(self._proc(roles, checked))
         return IterationBreakdown(
             total_s=total,
-            pipeline_s=tuple(max(f) for f in stage_finish),
-            stage_finish_s=tuple(stage_finish),
-            allreduce_start_s=ar_start,
-            allreduce_s=tuple(ar_dur),
-            other_s=costs.other_s,
+            pipeline_s=tuple(float(x) for x in finish.max(axis=1)),
+            stage_finish_s=tuple(tuple(float(x) for x in row) for row in finish),
+            allreduce_start_s=tuple(float(x) for x in start),
+            allreduce_s=tuple(float(x) for x in dur),
+            other_s=self.costs.other_s,
         )
 
     def time(self, roles: Sequence[int], *, checked: bool = False) -> float:
         """Predicted seconds of one iteration (see :meth:`breakdown`)."""
-        return self.breakdown(roles, checked=checked).total_s
+        return self._evaluate(self._proc(roles, checked))[3]
+
+    def time_of_processes(self, proc: np.ndarray) -> float:
+        """Like :meth:`time` for the inverse permutation ``proc[role] = process``.
+
+        The planner's hot path: it keeps ``proc`` as an int array, so this skips both the
+        inversion and the permutation check. ``proc`` must be a permutation (unchecked).
+        """
+        return self._evaluate(proc)[3]
 
 
 def iteration_time(

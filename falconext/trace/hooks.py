@@ -270,7 +270,7 @@ class CallTracer:
                 if orig is not None:
                     wrapper = _p2p_wrapper(self, name, op, peer_kw, gpeer_kw, is_async, orig)
                     if is_async:  # usable as P2POp's op: compares equal to c10d's isend/irecv
-                        wrapper = _P2PWrapper(wrapper, orig, getattr(c10d, name))
+                        wrapper = P2PWrapper(wrapper, orig, getattr(c10d, name))
                     patched[name] = (orig, wrapper)
             orig = getattr(dist, "batch_isend_irecv", None)
             if orig is not None:
@@ -569,7 +569,7 @@ class _TimedWork:
         return f"_TimedWork({self._work!r})"
 
 
-class _P2PWrapper:
+class P2PWrapper:
     """isend/irecv stand-in that compares equal to the function it wraps.
 
     ``P2POp(op, ...)`` accepts only ``op in [isend, irecv]`` of c10d's own module, and
@@ -691,7 +691,7 @@ def _batch_wrapper(tracer: CallTracer, orig: Callable[..., Any]) -> Callable[...
         try:
             for p in p2p_op_list:
                 fn = getattr(p, "op", None)
-                if isinstance(fn, _P2PWrapper):
+                if isinstance(fn, P2PWrapper):
                     p.op = fn._base  # c10d compares with ``is`` against its own isend
             if cuda is not None:
                 evs = [cuda.record() for _ in p2p_op_list]

@@ -1,0 +1,155 @@
+"""S3's live topology switch: the hand-over plan (pure), its input checks, and real
+megatron-core runs that switch roles mid-training and must learn exactly what a run
+without the switch learns."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from falconext.config import ConfigError, parse_topology
+from falconext.megatron.switch import check_roles, check_tp_in_nodes, handover_pairs
+from falconext.trace import groups
+
+
+# --- pure ------------------------------------------------------------------------------
+
+def test_handover_pairs():
+    assert handover_pairs([0, 1, 2, 3], [0, 1, 2, 3]) == []
+    # processes 1 and 2 swap roles: role 1's state goes to process 2 (torch rank 2 today)
+    assert handover_pairs([0, 1, 2, 3], [0, 2, 1, 3]) == [(1, 2), (2, 1)]
+    # a 3-cycle after an earlier switch: numbering is today's torch ranks
+    now, after = [1, 0, 2, 3], [2, 1, 0, 3]
+    pairs = handover_pairs(now, after)
+    assert sorted(src for src, _ in pairs) == sorted(dst for _, dst in pairs) == [0, 1, 2]
+    for proc, role in enumerate(after):
+        if now[proc] != role:
+            assert (role, now[proc]) in pairs  # the state of my next role comes to me
+
+
+@pytest.mark.parametrize("roles, word", [
+    ([0, 1, 2], "not a permutation of the 4 ranks"),
+    ([0, 1, 1, 3], "not a permutation"),
+    ([0, 1, 2, True], "list of integers"),
+    ("0,1,2,3", "list of integers"),
+])
+def test_bad_roles(roles, word):
+    with pytest.raises(ValueError, match=word):
+        check_roles(roles, 4)
+
+
+def test_tp_group_must_stay_in_a_node():
+    check_tp_in_nodes([2, 3, 0, 1], tp=2, ranks_per_node=2)  # whole TP blocks swap nodes
+    with pytest.raises(ValueError, match=r"TP group of ranks 0\.\.1 would be played by processes \[0, 2\]"):
+        check_tp_in_nodes([0, 2, 1, 3], tp=2, ranks_per_node=2)
+
+
+@pytest.mark.parametrize("text", ["30", "x:0,1", "30:0,,1", "30:0;1", ":0,1"])
+def test_force_topology_syntax(text):
+    with pytest.raises(ConfigError, match="ITERATION:ROLES"):
+        parse_topology(text)
+    assert parse_topology(" ") is None
+    assert parse_topology("30:0,2,1,3") == (30, [0, 2, 1, 3])
+
+
+def test_role_map_translates_both_ways():
+    try:
+        groups.set_roles([2, 0, 1, 3])
+        assert [groups.to_process(r) for r in range(4)] == [1, 2, 0, 3]
+        assert [groups.to_rank(p) for p in range(4)] == [2, 0, 1, 3]
+        groups.set_roles([0, 1, 2, 3])
+        assert groups.to_process(2) == 2 and groups.to_rank(2) == 2
+    finally:
+        groups.set_roles(None)
+
+
+# --- real training ----------------------------------------------------------------------
+
+def train(out: Path, *args: str, nproc: int = 4) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def losses(out: Path) -> dict[int, dict[int, float]]:
+    """iteration -> {process: loss} (last-stage processes report the global-batch loss)."""
+    found: dict[int, dict[int, float]] = {}
+    with open(out / "iterations.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["loss"]:
+                found.setdefault(int(row["iteration"]), {})[int(row["rank"])] = float(row["loss"])
+    return found
+
+
+def events(out: Path, kind: str) -> list[dict]:
+    lines = (out / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, filter(None, lines)) if e["type"] == kind]
+
+
+def assert_same_learning(run: Path, ref: Path, iters: int) -> float:
+    a, b = losses(run), losses(ref)
+    assert sorted(a) == sorted(b) == list(range(iters))
+    worst = 0.0
+    for it in range(iters):
+        ref_loss = next(iter(b[it].values()))
+        for loss in a[it].values():
+            worst = max(worst, abs(loss - ref_loss) / abs(ref_loss))
+    assert worst <= 1e-4, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def dp2pp2(tmp_path_factory):
+    base = tmp_path_factory.mktemp("switch")
+    common = ["--pp", "2", "--iters", "20", "--global-batch-size", "16", "--ranks-per-node", "1"]
+    ref = train(base / "ref", *common, "--no-falcon")
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    # a 4-cycle: every process hands its role on; falconext traces and tracks throughout
+    run = train(base / "run", *common, "--falcon-force-topology", "10:1,2,3,0", "--falcon-mitigation", "false")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return base / "run", base / "ref"
+
+
+def test_switch_keeps_what_the_model_learns(dp2pp2):
+    run, ref = dp2pp2
+    worst = assert_same_learning(run, ref, 20)
+    print(f"worst relative loss difference {worst:.2e}")
+    # before the switch processes 2 and 3 play the last stage; after it, the processes
+    # now playing torch ranks 2 and 3 (processes 1 and 2) do
+    after = losses(run)
+    assert set(after[9]) == {2, 3} and set(after[10]) == {1, 2}
+
+
+def test_switch_is_reported_on_every_process(dp2pp2):
+    run, _ = dp2pp2
+    sw = events(run, "topology_switch")
+    assert sorted(e["rank"] for e in sw) == [0, 1, 2, 3]
+    assert {e["iteration"] for e in sw} == {10}
+    assert {e["role"] for e in sw} == {0, 1, 2, 3} and all(e["role"] == [1, 2, 3, 0][e["rank"]] for e in sw)
+    for e in sw:
+        assert 0 < e["pause_s"] < 30 and e["sent_bytes"] > 0, e
+        assert e["pause_s"] >= e["transfer_s"] + e["regroup_s"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == 20
+
+
+def test_tensor_parallel_blocks_move_between_nodes(tmp_path):
+    common = ["--tp", "2", "--pp", "2", "--iters", "10", "--ranks-per-node", "2", "--no-falcon"]
+    ref = train(tmp_path / "ref", *common)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    run = train(tmp_path / "run", *common, "--falcon-force-topology", "5:2,3,0,1")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert_same_learning(tmp_path / "run", tmp_path / "ref", 10)
+
+
+def test_a_split_tp_group_is_refused_before_training(tmp_path):
+    proc = train(tmp_path / "bad", "--tp", "2", "--pp", "2", "--iters", "4", "--ranks-per-node", "2", "--no-falcon",
+                 "--falcon-force-topology", "2:0,2,1,3")
+    assert proc.returncode == 2
+    assert "a TP group must stay inside one node" in proc.stderr
