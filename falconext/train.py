@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             first_iteration=first_it,
         )
 
+    if runtime is not None:
+        _tell_role(runtime, trainer, opts)
+    s3_probe = runtime is not None and cfg.mitigation and "S3" in cfg.mitigation_strategies
     measured: list[tuple[int, float, float | None]] = []
     request = None
     forced_topology = parse_topology(cfg.force_topology)
@@ -161,8 +164,17 @@ def main(argv: list[str] | None = None) -> int:
                 if request is not None:
                     break
             if runtime is not None and it == first_it + 2 and cfg.mitigation:
-                runtime.restart_s = startup_s + restart.probe_cost(
-                    os.path.join(out, "checkpoint-probe"), rank, layout, trainer.model, trainer.optimizer)
+                disk_s = restart.probe_cost(os.path.join(out, "checkpoint-probe"), rank, layout, trainer.model,
+                                            trainer.optimizer)
+                runtime.restart_s = startup_s + disk_s
+                events.emit("restart_probe", rank=rank, iteration=it, restart_s=round(runtime.restart_s, 4),
+                            save_load_s=round(disk_s, 4), startup_s=round(startup_s, 4))
+            if s3_probe and it == first_it + 3:
+                # S3's cost, measured: a switch to the same roles (state handed round a
+                # ring and dropped, groups re-created, model rebuilt and reloaded)
+                switches += 1
+                trainer = _switch({"kind": "topology", "roles": None, "probe": True}, it, trainer, opts, switches,
+                                  events, rank, switch_layout, runtime, injector)
             loss = trainer.step(it)
             if runtime is not None:
                 runtime.after_step(trainer.plan[trainer.replica], trainer.forward_time()[0])
@@ -199,9 +211,12 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
     from falconext.megatron.switch import check_roles, check_tp_in_nodes, switch_roles
     from falconext.megatron.trainer import Trainer
 
+    from falconext.trace.groups import to_rank
+
     world = layout["world"]
+    probe = bool(action.get("probe"))
     try:
-        roles = check_roles(action.get("roles"), world)
+        roles = [to_rank(p) for p in range(world)] if probe else check_roles(action.get("roles"), world)
         check_tp_in_nodes(roles, layout["tp"], layout["ranks_per_node"])
     except ValueError as exc:  # agreed but impossible: every process refuses alike
         events.emit("control_error", rank=process, error=f"topology not applied: {exc}")
@@ -211,20 +226,28 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
         runtime.before_switch()
     new, times = switch_roles(
         trainer, roles, process, {k: layout[k] for k in ("world", "tp", "pp")}, it, epoch,
-        lambda plan: Trainer(dataclasses.replace(opts, plan=plan)), comm=comm,
+        lambda plan: Trainer(dataclasses.replace(opts, plan=plan)), comm=comm, probe=probe,
     )
     if runtime is not None:
         runtime.after_switch(new.replica, times.total_s)
+        _tell_role(runtime, new, opts)
     if injector is not None:
         injector.attach_model(new.model.module)
     events.emit(
         "topology_switch", rank=process, iteration=it, roles=roles, role=roles[process], epoch=epoch,
-        strategy=action.get("strategy", "S3"), forced=bool(action.get("forced", False)),
+        strategy=action.get("strategy", "S3"), forced=bool(action.get("forced", False)), probe=probe,
         pause_s=round(times.total_s, 4), serialize_s=round(times.serialize_s, 4),
         transfer_s=round(times.transfer_s, 4), regroup_s=round(times.regroup_s, 4),
         rebuild_s=round(times.rebuild_s, 4), load_s=round(times.load_s, 4), sent_bytes=times.sent_bytes,
     )
     return new
+
+
+def _tell_role(runtime, trainer, opts) -> None:
+    from megatron.core import parallel_state as ps
+
+    grad, act = trainer.traffic()
+    runtime.set_role(torch.distributed.get_rank(), ps.get_pipeline_model_parallel_rank(), opts.tp, opts.pp, grad, act)
 
 
 def _apply(action: dict, it: int, trainer, events, rank: int, out: str, layout: dict, args) -> "restart.RestartRequest | None":

@@ -528,13 +528,13 @@ def test_operator_invalid_plans_are_ignored_naming_the_problem(plan):
     assert ctl.state is State.TRACKING and ctl.session == session
 
 
-@pytest.mark.parametrize("strategy", ["S3", "S1", "s2", None, 2])
+@pytest.mark.parametrize("strategy", ["S5", "S1", "s2", None, 2])
 def test_operator_unknown_strategy_is_ignored(strategy):
     job = _operator_job()
     out = mitigate(job, strategy=strategy)
     assert not commands(out)
     (ign,) = events(out, "operator_ignored")
-    assert ign["reason"] == f"unknown strategy {strategy!r} (S2, S4 or revert)"
+    assert ign["reason"] == f"unknown strategy {strategy!r} (S2, S3, S4 or revert)"
     assert job.ctl.state is State.TRACKING
 
 

@@ -6,7 +6,7 @@ them moves no work off the machine. Each job is 24 micro-batches per global batc
 
 * ``s2``: rank 1 computes 2x slower from iteration 45 on; only S2 is allowed. It must be
   detected, localized and rebalanced automatically, removing most of the slowdown.
-* ``s4``: rank 1 computes 3x slower from 45 on; all strategies. S2 cannot be enough
+* ``s4``: rank 1 computes 3x slower from 45 on; S2 and S4. S2 cannot be enough
   (the best plan leaves 1.5x), so once the fail-slow has cost as much as the job's
   measured restart, the planner escalates: checkpoint, restart without node 0's faulty
   GPU (the test bed replaces the node), resume.
@@ -74,7 +74,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return {
         "s2": train(base / "s2", 2, "--iters", "110", "--global-batch-size", GB,
                     "--falcon-mitigation-strategies", "S2", faults=[dict(fault, factor=2.0)]),
-        "s4": train(base / "s4", 2, "--iters", "130", "--global-batch-size", GB, faults=[dict(fault, factor=3.0)]),
+        # S3 left out: with one pipeline stage no permutation helps a compute straggler
+        # (tests/test_topology_e2e.py has S3's runs)
+        "s4": train(base / "s4", 2, "--iters", "130", "--global-batch-size", GB,
+                    "--falcon-mitigation-strategies", "S2,S4", faults=[dict(fault, factor=3.0)]),
         "ref": train(base / "ref", 2, "--iters", "130", "--global-batch-size", GB, "--no-falcon"),
     }
 

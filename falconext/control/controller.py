@@ -46,12 +46,15 @@ from falconext.control.messages import (
 from falconext.mitigate.mitigation import (
     Mitigation,
     exclude_nodes,
+    link_excess,
+    topology_inputs,
     replica_view,
     replicas_of,
     straggler_recovered,
 )
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Decision, Planner
+from falconext.mitigate.topology import TopologyPlan, plan_topology
 from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import validation_plan
 from falconext.validate.verdict import slow_links, slow_ranks
@@ -352,12 +355,20 @@ class Controller:
         )
         ep.mitigation = Mitigation(planner, root, list(loc.gpus), [list(x) for x in loc.links],
                                    slow_replicas=replicas_of(loc.gpus, self.beats))
+        ep.mitigation.link_excess = link_excess(loc.links, loc.evidence.get("links", {}),
+                                                int((self._plan or {}).get("nbytes", 0) or 0))
+        flops = {int(r): float(g) for r, g in loc.evidence.get("gemm_gflops", {}).items()}
+        for r in loc.gpus:
+            others = [g for q, g in flops.items() if q not in loc.gpus]
+            if flops.get(r) and others:
+                ep.mitigation.gpu_factors[r] = max(1.0, sorted(others)[len(others) // 2] / flops[r])
         return [_event("planner_started", session=self.session, **planner.status())]
 
     def _overheads(self, root: str) -> dict[str, float | None]:
         """Measured costs: S2 = solving now + the last suspension's pause (applying a
         plan is one more such suspension); S4 = the ranks' measured checkpoint save,
-        load and start-up; S3 is not available yet (issue 6)."""
+        load and start-up; S3 = the ranks' measured pause of a topology switch (a probe
+        switch at start-up, then the last real one) plus the last suspension's pause."""
         s2 = None
         view = replica_view(self.beats.values())
         solve = 0.0
@@ -371,7 +382,9 @@ class Controller:
                 s2 = None
         restart = [b.restart_s for b in self.beats.values() if b.restart_s > 0]
         s4 = max(restart) if restart and len(restart) == len(self.beats) else None
-        out: dict[str, float | None] = {"S3": None, "S4": s4}
+        switch = [b.switch_s for b in self.beats.values() if b.switch_s > 0]
+        s3 = max(switch) + self._last_pause_s if switch and len(switch) == len(self.beats) else None
+        out: dict[str, float | None] = {"S3": s3, "S4": s4}
         if root == "computation":
             out["S2"] = s2
         allowed = {x.strip() for x in self.cfg.mitigation_strategies.split(",")}
@@ -393,7 +406,7 @@ class Controller:
             if state.get(name) in ("remaining", "unavailable") and value is not None:
                 planner.set_overhead(name, value)
         out: list[Output] = []
-        if planner.current in ("S2", "S3") and mit.in_flight is None:
+        if planner.current == "S2" and mit.in_flight is None:  # S3 stays: its layout is as good healthy
             out += self._check_recovery(mit, beat.iteration, now)
             if planner.finished:
                 return out
@@ -442,6 +455,13 @@ class Controller:
             if plan == view.plan:
                 return out + self._action_failed(mit, d, f"the balanced plan {plan} is the plan in effect")
             action = {"kind": "microbatches", "strategy": "S2", "plan": plan, "replica_mb_s": view.times}
+        elif d.strategy == "S3":
+            plan_or_why = self._topology(mit)
+            if isinstance(plan_or_why, str):
+                return out + self._action_failed(mit, d, plan_or_why)
+            action = {"kind": "topology", "strategy": "S3", "roles": list(plan_or_why.roles),
+                      "predicted_s": [round(plan_or_why.predicted_before_s, 4), round(plan_or_why.predicted_after_s, 4)],
+                      "moved": list(plan_or_why.moved_processes), "why": plan_or_why.reason}
         elif d.strategy == "S4":
             node_of = {r: b.node for r, b in self.beats.items()}
             nodes = exclude_nodes(mit.gpus, mit.links, node_of)
@@ -450,6 +470,19 @@ class Controller:
             return out + self._action_failed(mit, d, f"{d.strategy} is not available")
         mit.in_flight = d
         return out + self._start_action(action, now)
+
+    def _topology(self, mit: Mitigation) -> TopologyPlan | str:
+        """S3's permutation for the localized faults, or why there is none."""
+        inputs = topology_inputs(self.beats, mit.planner.status()["healthy_s"], mit.gpus)
+        if isinstance(inputs, str):
+            return f"no topology model: {inputs}"
+        try:
+            plan = plan_topology(inputs.layout, inputs.roles, inputs.costs, mit.gpu_factors, mit.link_excess)
+        except ValueError as exc:
+            return f"no topology plan: {exc}"
+        if not plan.changed:
+            return f"no permutation helps: {plan.reason}"
+        return plan
 
     def _action_failed(self, mit: Mitigation | None, d: Decision, reason: str) -> list[Output]:
         if mit is not None and d.action == "apply" and mit.planner.pending() == d.strategy:
@@ -487,6 +520,8 @@ class Controller:
         overhead = pause
         if mit is not None and strategy == "S2":
             overhead += mit.solve_s
+        elif strategy == "S3":  # the switch itself comes after the suspension: its last measured pause
+            overhead += max((b.switch_s for b in self.beats.values()), default=0.0)
         elif strategy == "S4" and d is not None and d.overhead_s is not None:
             overhead += d.overhead_s  # the measured save + restart + load estimate; the run logs the real downtime
         fields = {k: v for k, v in action.items() if k not in ("kind", "strategy", "session")}
@@ -531,13 +566,20 @@ class Controller:
                     or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in plan)):
                 return [_event("operator_ignored", reason=f"plan {plan!r} must give {n} replicas >= 1 each, {view.total} in all")]
             action = {"kind": "microbatches", "strategy": strategy, "plan": plan}
+        elif strategy == "S3":
+            roles = cmd.args.get("roles")
+            world = len(self.beats)
+            if (not isinstance(roles, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in roles)
+                    or sorted(roles) != list(range(world))):
+                return [_event("operator_ignored", reason=f"roles {roles!r} must be a permutation of the {world} ranks")]
+            action = {"kind": "topology", "strategy": "S3", "roles": roles}
         elif strategy == "S4":
             nodes = cmd.args.get("exclude_nodes", [])
             if not isinstance(nodes, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in nodes):
                 return [_event("operator_ignored", reason=f"exclude_nodes {nodes!r} must be node numbers")]
             action = {"kind": "restart", "strategy": "S4", "exclude_nodes": nodes, "reason": "operator"}
         else:
-            return [_event("operator_ignored", reason=f"unknown strategy {strategy!r} (S2, S4 or revert)")]
+            return [_event("operator_ignored", reason=f"unknown strategy {strategy!r} (S2, S3, S4 or revert)")]
         return [_event("operator_mitigate", strategy=strategy)] + self._start_action(action, now)
 
     def _abort(self, now: float, reason: str) -> list[Output]:

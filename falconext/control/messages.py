@@ -64,6 +64,15 @@ class Heartbeat:
     restart_s: float = 0.0
     #: this rank's measured pause of the last topology switch (S3's cost; 0: none yet)
     switch_s: float = 0.0
+    #: the role it plays (torch rank, pipeline stage) in a TP x DP x PP job of these
+    #: sizes, and its traffic: gradient bytes all-reduced over its DP group per
+    #: iteration, bytes of one pipeline message (what S3 plans with; -1/0: unknown)
+    role: int = -1
+    stage: int = -1
+    tp: int = 0
+    pp: int = 0
+    grad_bytes: int = 0
+    act_bytes: int = 0
 
 
 @dataclass(frozen=True)

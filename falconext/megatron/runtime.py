@@ -74,6 +74,8 @@ class FalconRuntime:
         self.restart_s = restart_s
         #: measured pause of the last topology switch (S3's cost); 0: none yet
         self.switch_s = 0.0
+        #: the role this process plays, for the heartbeats (see :meth:`set_role`)
+        self.role: dict[str, int] = {}
         self._mb_s: collections.deque[float] = collections.deque(maxlen=8)
         self._action: tuple[int, dict[str, Any]] | None = None
         self._micro = 0
@@ -136,6 +138,11 @@ class FalconRuntime:
         else:
             self._pending = pend  # not yet
 
+    def set_role(self, role: int, stage: int, tp: int, pp: int, grad_bytes: int, act_bytes: int) -> None:
+        """What S3 needs to know about this process's role; set at start and after a switch."""
+        self.role = {"role": role, "stage": stage, "tp": tp, "pp": pp, "grad_bytes": grad_bytes,
+                     "act_bytes": act_bytes}
+
     def untraced(self) -> dict[str, Callable[..., Any]]:
         """torch.distributed below the tracer: a topology switch's state hand-over is not
         training traffic and must not enter the call log."""
@@ -174,6 +181,7 @@ class FalconRuntime:
             "mb_s": mb[len(mb) // 2] if mb else 0.0,
             "restart_s": self.restart_s,
             "switch_s": self.switch_s,
+            **self.role,
             "micro": self._micro,
         }
 

@@ -101,12 +101,15 @@ def exchange(payload: bytes, pairs: list[tuple[int, int]], me: int,
 
 def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str, int], iteration: int,
                  epoch: int, make_trainer: Callable[[list[int]], Any],
-                 comm: dict[str, Callable] | None = None, timeout_s: float = 120.0) -> tuple[Any, SwitchTimes]:
+                 comm: dict[str, Callable] | None = None, timeout_s: float = 120.0,
+                 probe: bool = False) -> tuple[Any, SwitchTimes]:
     """Every process calls this at the same boundary; returns (new trainer, times).
 
     ``make_trainer(plan)`` builds the trainer of the new role once parallel_state is
     re-initialised; ``comm`` may hold untraced ``all_gather``/``isend``/``irecv`` so the
-    hand-over does not show in the call log as training traffic.
+    hand-over does not show in the call log as training traffic. ``probe``: ``after``
+    must be today's roles; each state still travels (round a ring, then dropped), so
+    the pause measured is what a real switch costs: S3's overhead for the planner.
     """
     from megatron.core import parallel_state as ps
     from torch.distributed import distributed_c10d as c10d
@@ -128,9 +131,14 @@ def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str,
 
     t1 = time.perf_counter()
     comm = comm or {}
-    received = exchange(data, handover_pairs(now, after), me, comm.get("all_gather", dist.all_gather),
+    pairs = [(r, (r + 1) % world) for r in range(world)] if probe and world > 1 else handover_pairs(now, after)
+    if probe and after != now:
+        raise ValueError(f"a probe switch keeps the roles {now}, got {after}")
+    received = exchange(data, pairs, me, comm.get("all_gather", dist.all_gather),
                         comm.get("isend", dist.isend), comm.get("irecv", dist.irecv))
-    times.sent_bytes = len(data) if after[process] != me else 0
+    if probe:
+        received = None
+    times.sent_bytes = len(data) if any(src == me for src, _ in pairs) else 0
     times.transfer_s = time.perf_counter() - t1
 
     t2 = time.perf_counter()

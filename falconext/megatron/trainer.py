@@ -106,6 +106,13 @@ class Trainer:
             )
         self.plan = plan
 
+    def traffic(self) -> tuple[int, int]:
+        """(gradient bytes all-reduced over the DP group per iteration, bytes of one
+        pipeline message): this role's weight on the links S3 chooses between."""
+        grad = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        act = self.opts.micro_batch_size * self.opts.shape.seq_len * self.opts.shape.hidden * 4  # fp32 activations
+        return int(grad), int(act) if self.opts.pp > 1 else 0
+
     def forward_time(self) -> tuple[float, int]:
         """(seconds, forward passes) of the last step."""
         return self.timer.seconds, self.timer.count

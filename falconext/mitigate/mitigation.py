@@ -9,10 +9,13 @@ straggler under S2 has recovered.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from falconext.mitigate.planner import Planner
+from falconext.mitigate.topology import Layout
+from falconext.sim.itertime import JobCosts, iteration_time
 
 
 @dataclass
@@ -26,6 +29,10 @@ class Mitigation:
     solve_s: float = 0.0
     recovered_since: int | None = None  # first iteration of the current healthy streak
     applied: list[dict[str, Any]] = field(default_factory=list)
+    #: what validation measured, for S3's model: {process: slowdown factor} and
+    #: {(node_a, node_b): excess seconds per byte}
+    gpu_factors: dict[int, float] = field(default_factory=dict)
+    link_excess: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,86 @@ def replica_view(beats: Iterable[Any]) -> ReplicaView | None:
         return None
     n = len(times)
     return ReplicaView([times[r] for r in range(n)], [micro[r] for r in range(n)], sum(micro.values()))
+
+
+@dataclass(frozen=True)
+class TopologyInputs:
+    """Everything :func:`falconext.mitigate.topology.plan_topology` takes, as the
+    heartbeats describe the job now."""
+
+    layout: Layout
+    roles: list[int]
+    costs: JobCosts
+
+
+def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[int] = ()) -> TopologyInputs | str:
+    """The job's layout, current roles and healthy costs from the heartbeats, or why not.
+
+    Compute per micro-batch is the median forward time of a stage's processes that are
+    not slow (backward taken as twice that); traffic is what the ranks report (their
+    gradient bytes per iteration, one pipeline message's bytes). What the model does not
+    see (optimizer, data, loss reduction, healthy transfer times) is folded into one
+    constant so the model reproduces the healthy iteration time."""
+    if not beats:
+        return "no heartbeats"
+    world = len(beats)
+    if sorted(beats) != list(range(world)):
+        return f"heartbeats from ranks {sorted(beats)}, not from every rank 0..{world - 1}"
+    first = beats[0]
+    tp, pp = first.tp, first.pp
+    if tp < 1 or pp < 1 or any(b.tp != tp or b.pp != pp for b in beats.values()):
+        return "the ranks have not all reported the same TP and PP sizes"
+    if world % (tp * pp):
+        return f"{world} ranks do not make TP {tp} x PP {pp} replicas"
+    roles = [beats[p].role for p in range(world)]
+    if sorted(roles) != list(range(world)):
+        return f"the reported roles {roles} are not a permutation"
+    per_node = Counter(b.node for b in beats.values())
+    sizes = set(per_node.values())
+    if len(sizes) != 1 or any(beats[p].node != p // next(iter(sizes)) for p in range(world)):
+        return "nodes are not blocks of consecutive ranks of one size"
+    dp = world // (tp * pp)
+    try:
+        layout = Layout(tp, dp, pp, next(iter(sizes)))
+    except ValueError as exc:
+        return str(exc)
+    slow = set(slow)
+    fwd = []
+    for stage in range(pp):
+        mine = [b.mb_s for p, b in beats.items() if b.stage == stage and p not in slow and b.mb_s > 0]
+        mine = mine or [b.mb_s for b in beats.values() if b.stage == stage and b.mb_s > 0]
+        if not mine:
+            return f"no compute time per micro-batch from pipeline stage {stage}"
+        fwd.append(statistics.median(mine))
+    grad = []
+    for stage in range(pp):
+        mine = [b.grad_bytes for b in beats.values() if b.stage == stage]
+        grad.append(float(statistics.median(mine)) if mine else 0.0)
+    plan = [0] * dp
+    for b in beats.values():
+        if not 0 <= b.replica < dp or b.micro <= 0:
+            return "micro-batches per replica not known yet"
+        plan[b.replica] = b.micro
+    act = max(b.act_bytes for b in beats.values())
+    healthy = JobCosts(fwd_s=fwd, plan=plan, act_bytes=float(act), grad_bytes=grad)
+    modelled = iteration_time(layout, roles, healthy)
+    costs = JobCosts(fwd_s=fwd, plan=plan, act_bytes=float(act), grad_bytes=grad,
+                     other_s=max(0.0, healthy_s - modelled))
+    return TopologyInputs(layout, roles, costs)
+
+
+def link_excess(links: Iterable[Iterable[int]], evidence: Mapping[str, Any], nbytes: int) -> dict[tuple[int, int], float]:
+    """Excess seconds per byte of each slow link over the reference link, from the
+    validation evidence (a link's median message time minus the reference, per byte)."""
+    measured = evidence.get("links", {}) if isinstance(evidence, Mapping) else {}
+    ref = evidence.get("reference") if isinstance(evidence, Mapping) else None
+    out: dict[tuple[int, int], float] = {}
+    for link in links:
+        a, b = sorted(int(x) for x in link)
+        t = measured.get(f"{a}-{b}")
+        if isinstance(t, (int, float)) and isinstance(ref, (int, float)) and nbytes > 0:
+            out[(a, b)] = max(0.0, (float(t) - float(ref)) / nbytes)
+    return out
 
 
 def replicas_of(ranks: Iterable[int], beats: Mapping[int, Any]) -> set[int]:
