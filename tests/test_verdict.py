@@ -21,10 +21,19 @@ def test_one_slow_rank_among_two():
     assert slow_ranks({4: 100.0, 9: 50.0}) == [9]
 
 
-def test_two_ranks_cannot_see_a_small_gap():
-    # the median of two is their mean: 0.7 of the other is not below mean / 1.3
-    assert slow_ranks({0: 100.0, 1: 70.0}) == []
+def test_two_ranks_compare_with_the_faster():
+    # the reference is the faster half: 0.7 of the other is below it / 1.3, 0.8 is not
+    assert slow_ranks({0: 100.0, 1: 70.0}) == [1]
+    assert slow_ranks({0: 100.0, 1: 80.0}) == []
     assert slow_ranks({0: 100.0, 1: 70.0, 2: 100.0}) == [1]
+
+
+def test_half_the_ranks_slow_do_not_hide_each_other():
+    # the test bed's consolidation case: GEMMs of two slow ranks among four, measured
+    # concurrently on 2 cores; the plain median (90) would only catch rank 3
+    flops = {0: 66.2, 1: 114.9, 2: 137.0, 3: 58.1}
+    assert slow_ranks(flops, factor=1.5) == [0, 3]
+    assert slow_ranks({0: 50.0, 1: 100.0, 2: 50.0, 3: 100.0, 4: 100.0, 5: 50.0}) == [0, 2, 5]
 
 
 def test_threshold_is_median_over_factor():

@@ -473,11 +473,11 @@ class Controller:
 
     def _topology(self, mit: Mitigation) -> TopologyPlan | str:
         """S3's permutation for the localized faults, or why there is none."""
-        inputs = topology_inputs(self.beats, mit.planner.status()["healthy_s"], mit.gpus)
+        inputs = topology_inputs(self.beats, mit.planner.status()["healthy_s"], mit.gpus, mit.gpu_factors)
         if isinstance(inputs, str):
             return f"no topology model: {inputs}"
         try:
-            plan = plan_topology(inputs.layout, inputs.roles, inputs.costs, mit.gpu_factors, mit.link_excess)
+            plan = plan_topology(inputs.layout, inputs.roles, inputs.costs, inputs.gpu_factors, mit.link_excess)
         except ValueError as exc:
             return f"no topology plan: {exc}"
         if not plan.changed:

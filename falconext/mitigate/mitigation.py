@@ -71,16 +71,23 @@ class TopologyInputs:
     layout: Layout
     roles: list[int]
     costs: JobCosts
+    gpu_factors: dict[int, float]
 
 
-def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[int] = ()) -> TopologyInputs | str:
-    """The job's layout, current roles and healthy costs from the heartbeats, or why not.
+def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[int] = (),
+                    gemm_factors: Mapping[int, float] | None = None) -> TopologyInputs | str:
+    """The job's layout, current roles, healthy costs and the stragglers' slowdown, from
+    the heartbeats, or why not.
 
-    Compute per micro-batch is the median forward time of a stage's processes that are
-    not slow (backward taken as twice that); traffic is what the ranks report (their
-    gradient bytes per iteration, one pipeline message's bytes). What the model does not
-    see (optimizer, data, loss reduction, healthy transfer times) is folded into one
-    constant so the model reproduces the healthy iteration time."""
+    Compute per micro-batch of a stage is the median forward time of its processes that
+    are not slow (backward taken as twice that). A straggler's factor is its own forward
+    time over that (what training sees; the validation GEMM ratio only where no forward
+    time is known). Traffic is what the ranks report (gradient bytes per iteration, one
+    pipeline message's bytes). The model is then fitted to the healthy iteration time:
+    forward times measured during the fail-slow may be inflated by it (shared hosts), so
+    compute is scaled down when the model overshoots, and what it does not see
+    (optimizer, data, loss reduction, healthy transfer times) becomes one constant when
+    it undershoots."""
     if not beats:
         return "no heartbeats"
     world = len(beats)
@@ -112,6 +119,13 @@ def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[i
         if not mine:
             return f"no compute time per micro-batch from pipeline stage {stage}"
         fwd.append(statistics.median(mine))
+    factors: dict[int, float] = {}
+    for p in sorted(slow):
+        b = beats.get(p)
+        if b is not None and b.mb_s > 0 and 0 <= b.stage < pp:
+            factors[p] = max(1.0, b.mb_s / fwd[b.stage])
+        elif gemm_factors and p in gemm_factors:
+            factors[p] = max(1.0, float(gemm_factors[p]))
     grad = []
     for stage in range(pp):
         mine = [b.grad_bytes for b in beats.values() if b.stage == stage]
@@ -121,12 +135,14 @@ def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[i
         if not 0 <= b.replica < dp or b.micro <= 0:
             return "micro-batches per replica not known yet"
         plan[b.replica] = b.micro
-    act = max(b.act_bytes for b in beats.values())
-    healthy = JobCosts(fwd_s=fwd, plan=plan, act_bytes=float(act), grad_bytes=grad)
-    modelled = iteration_time(layout, roles, healthy)
-    costs = JobCosts(fwd_s=fwd, plan=plan, act_bytes=float(act), grad_bytes=grad,
-                     other_s=max(0.0, healthy_s - modelled))
-    return TopologyInputs(layout, roles, costs)
+    act = float(max(b.act_bytes for b in beats.values()))
+    modelled = iteration_time(layout, roles, JobCosts(fwd_s=fwd, plan=plan, act_bytes=act, grad_bytes=grad))
+    if modelled > healthy_s > 0:
+        fwd, other = [f * healthy_s / modelled for f in fwd], 0.0
+    else:
+        other = max(0.0, healthy_s - modelled)
+    costs = JobCosts(fwd_s=fwd, plan=plan, act_bytes=act, grad_bytes=grad, other_s=other)
+    return TopologyInputs(layout, roles, costs, factors)
 
 
 def link_excess(links: Iterable[Iterable[int]], evidence: Mapping[str, Any], nbytes: int) -> dict[tuple[int, int], float]:
