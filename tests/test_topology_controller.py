@@ -1,0 +1,152 @@
+"""S3 in the controller, scripted (no Redis, no clock), and the pure inputs it plans with.
+
+A TP1 x DP2 x PP2 job on four virtual nodes (process p on node p). Heartbeats carry each
+process's role, stage, traffic and the measured pause of a topology switch; a link
+fault between nodes 0 and 1 (stage 0's DP all-reduce) is localized from validation
+passes, and the planner's S3 must move it off the DP path.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from falconext.config import FalconConfig
+from falconext.control.controller import Controller, State
+from falconext.control.messages import Command, FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
+from falconext.mitigate.mitigation import link_excess, topology_inputs
+from test_mitigation_controller import commands, events
+
+CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, mitigation_strategies="S3")
+HEALTHY, SLOW = 0.2, 0.3
+SWITCH_S, PAUSE = 0.4, 0.3
+GRAD, ACT = 480_000, 32_768
+
+
+def beat(p: int, it: int, iter_s: float = SLOW, roles=(0, 1, 2, 3), switch_s: float = SWITCH_S, **kw) -> Heartbeat:
+    role = roles[p]
+    fields = dict(replica=role % 2, mb_s=0.015, micro=4, role=role, stage=role // 2, tp=1, pp=2,
+                  grad_bytes=GRAD, act_bytes=ACT, switch_s=switch_s)
+    fields.update(kw)
+    return Heartbeat(p, p, it, iter_s, 100.0 + it, **fields)
+
+
+def beats(ctl: Controller, it: int, **kw) -> list:
+    out = []
+    for p in (3, 2, 1, 0):  # process 0, the planner's feed, last
+        out += ctl.handle(beat(p, it, **kw), 100.0 + it)
+    return out
+
+
+def localized_link_job() -> tuple[Controller, list]:
+    ctl = Controller(CFG, world=4)
+    beats(ctl, 50)
+    t = 151.0
+    out = ctl.handle(FailSlowReport(0, 45, 50, 1.5, HEALTHY, t, event_id=1), t)
+    assert ctl.state is State.PROFILING
+    for p in range(4):
+        out += ctl.handle(ProfileData(p, ctl.session, {}, {}, {}), t + 0.2)
+    (sus,) = commands(out, "suspend")
+    s = sus.args["session"]
+    for p in range(4):
+        out += ctl.handle(SessionAck(p, s, "held", sus.iteration, t + 0.5), t + 0.5)
+    nbytes = int(sus.args["plan"]["nbytes"])
+    slow_s = 0.001 + 3 * nbytes / 20e6  # the x4 link: 3 x bytes / 20 MB/s more per message
+    links = {(0, 1): slow_s, (1, 0): slow_s, (2, 3): 0.001, (3, 2): 0.001, (0, 2): 0.001, (2, 0): 0.001,
+             (1, 3): 0.001, (3, 1): 0.001}
+    for p in range(4):
+        mine = [[a, b, sec] for (a, b), sec in links.items() if b == p]
+        out += ctl.handle(ValidationResult(p, s, 1e10, mine), t + 1.0)
+    for p in range(4):
+        out += ctl.handle(SessionAck(p, s, "resumed", sus.iteration, t + 1.5, pause_s=PAUSE), t + 1.5)
+    return ctl, out
+
+
+def test_link_on_the_dp_path_is_moved_by_s3():
+    ctl, out = localized_link_job()
+    (loc,) = events(out, "localized")
+    assert loc["links"] == [[0, 1]], loc["evidence"]
+    (started,) = events(out, "planner_started")
+    assert {c["strategy"]: c["state"] for c in started["candidates"]}["S3"] == "remaining"
+    decided = None
+    for it in range(51, 80):
+        got = beats(ctl, it)
+        if commands(got, "suspend"):
+            decided = got
+            break
+    assert decided is not None, "S3 was never decided"
+    (d,) = events(decided, "mitigation_decision")
+    assert d["strategy"] == "S3" and d["impact_s"] >= d["overhead_s"]
+    assert d["overhead_s"] == pytest.approx(SWITCH_S + PAUSE)  # the probe's pause + the last suspension
+    (sus,) = commands(decided, "suspend")
+    action = sus.args["plan"]["action"]
+    assert action["kind"] == "topology" and sorted(action["roles"]) == [0, 1, 2, 3]
+    roles = action["roles"]
+    process_of = {r: p for p, r in enumerate(roles)}
+    dp_groups = [{process_of[0], process_of[1]}, {process_of[2], process_of[3]}]
+    assert {0, 1} not in dp_groups, roles
+    before, after = action["predicted_s"]
+    assert after < before
+
+
+def test_s3_without_role_reports_fails_and_names_why():
+    ctl, out = localized_link_job()
+    failed = []
+    for it in range(51, 80):
+        got = beats(ctl, it, role=-1)
+        failed += events(got, "mitigation_failed")
+        if failed:
+            break
+    assert failed and "no topology model" in failed[0]["reason"], failed
+
+
+def test_operator_s3_checks_the_roles():
+    ctl = Controller(CFG, world=4)
+    beats(ctl, 10)
+    (ign,) = events(ctl.handle(Command("mitigate", 0.0, args={"strategy": "S3", "roles": [0, 1, 1, 3]}), 111.0),
+                    "operator_ignored")
+    assert "must be a permutation of the 4 ranks" in ign["reason"]
+    out = ctl.handle(Command("mitigate", 0.0, args={"strategy": "S3", "roles": [0, 2, 1, 3]}), 111.0)
+    (sus,) = commands(out, "suspend")
+    assert sus.args["plan"]["action"] == {"kind": "topology", "strategy": "S3", "roles": [0, 2, 1, 3],
+                                          "session": sus.args["session"]}
+
+
+# --- pure inputs ------------------------------------------------------------------------
+
+def _beats(**kw):
+    return {p: beat(p, 60, **kw) for p in range(4)}
+
+
+def test_topology_inputs_fit_the_healthy_time_and_read_factors_from_training():
+    bs = _beats()
+    bs[3] = beat(3, 60, mb_s=0.045)  # a 3x straggler, as its own forward times show
+    got = topology_inputs(bs, 0.5, slow=[3], gemm_factors={3: 2.0})
+    assert not isinstance(got, str)
+    assert got.roles == [0, 1, 2, 3] and got.layout.dp == 2 and got.layout.pp == 2
+    assert got.gpu_factors == {3: pytest.approx(3.0)}
+    assert got.costs.grad_bytes == (GRAD, GRAD) and got.costs.act_bytes == ACT
+    from falconext.sim.itertime import iteration_time
+
+    assert iteration_time(got.layout, got.roles, got.costs) == pytest.approx(0.5)
+    # the model overshooting the healthy time scales compute down instead
+    small = topology_inputs(_beats(), 0.05)
+    assert iteration_time(small.layout, small.roles, small.costs) == pytest.approx(0.05)
+    assert small.costs.other_s == 0.0
+
+
+@pytest.mark.parametrize("change, word", [
+    ({"tp": 0}, "TP and PP sizes"),
+    ({"role": 7}, "not a permutation"),
+    ({"micro": 0}, "micro-batches per replica"),
+    ({"mb_s": 0.0}, "no compute time"),
+])
+def test_topology_inputs_say_what_is_missing(change, word):
+    bs = {p: beat(p, 60, **(change if p == 0 or word == "no compute time" else {})) for p in range(4)}
+    got = topology_inputs(bs, 0.3)
+    assert isinstance(got, str) and word in got, got
+
+
+def test_link_excess_per_byte_over_the_reference():
+    ev = {"links": {"0-1": 0.0112, "2-3": 0.001}, "reference": 0.0012}
+    assert link_excess([[1, 0]], ev, 1000) == {(0, 1): pytest.approx(1e-5)}
+    assert link_excess([[2, 3]], {"links": {}, "reference": None}, 1000) == {}
