@@ -208,7 +208,8 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
     Returns the trainer of this process's new role (the old one if the switch was refused)."""
     import dataclasses
 
-    from falconext.megatron.switch import check_roles, check_tp_in_nodes, switch_roles
+    from falconext.megatron.switch import check_roles, switch_roles
+    from falconext.mitigate.topology import check_tp_in_nodes
     from falconext.megatron.trainer import Trainer
 
     from falconext.trace.groups import to_rank

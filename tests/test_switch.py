@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from falconext.config import ConfigError, parse_topology
-from falconext.megatron.switch import check_roles, check_tp_in_nodes, handover_pairs
+from falconext.megatron.switch import check_roles, handover_pairs
+from falconext.mitigate.topology import check_tp_in_nodes
 from falconext.trace import groups
 
 
@@ -34,10 +35,10 @@ def test_handover_pairs():
 
 
 @pytest.mark.parametrize("roles, word", [
-    ([0, 1, 2], "not a permutation of the 4 ranks"),
-    ([0, 1, 1, 3], "not a permutation"),
-    ([0, 1, 2, True], "list of integers"),
-    ("0,1,2,3", "list of integers"),
+    ([0, 1, 2], "has 3 entries, expected world = 4"),
+    ([0, 1, 1, 3], "not a permutation: role 1 is played twice"),
+    ([0, 1, 2, True], r"roles\[3\] = True is not a role"),
+    ("0,1,2,3", "not a string"),
 ])
 def test_bad_roles(roles, word):
     with pytest.raises(ValueError, match=word):

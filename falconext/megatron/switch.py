@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from falconext.mitigate import restart
+from falconext.sim import itertime
 from falconext.trace import groups
 
 #: prefix of the rendezvous keys of re-created world groups (one per switch)
@@ -33,23 +34,7 @@ STORE_PREFIX = "falconext/roles"
 
 def check_roles(roles: Any, world: int, where: str = "roles") -> list[int]:
     """``roles[process]`` = new torch rank; a permutation of range(world), or ValueError."""
-    if not isinstance(roles, (list, tuple)) or any(isinstance(r, bool) or not isinstance(r, int) for r in roles):
-        raise ValueError(f"{where} must be a list of integers, got {roles!r}")
-    if sorted(roles) != list(range(world)):
-        raise ValueError(f"{where} {list(roles)} is not a permutation of the {world} ranks 0..{world - 1}")
-    return [int(r) for r in roles]
-
-
-def check_tp_in_nodes(roles: list[int], tp: int, ranks_per_node: int, where: str = "roles") -> None:
-    """Each TP group (torch ranks tp*k .. tp*k+tp-1) must be played by processes of one
-    node: TP traffic is the heaviest and only intra-node links carry it well."""
-    process_of = {role: proc for proc, role in enumerate(roles)}
-    for start in range(0, len(roles), tp):
-        nodes = {process_of[r] // ranks_per_node for r in range(start, start + tp)}
-        if len(nodes) > 1:
-            members = [process_of[r] for r in range(start, start + tp)]
-            raise ValueError(f"{where}: TP group of ranks {start}..{start + tp - 1} would be played by processes "
-                             f"{members} on nodes {sorted(nodes)}; a TP group must stay inside one node")
+    return list(itertime.check_roles(roles, world, where))
 
 
 def handover_pairs(now: list[int], after: list[int]) -> list[tuple[int, int]]:

@@ -429,6 +429,18 @@ def _reason(
     return "; ".join(parts)
 
 
+def check_tp_in_nodes(roles: Sequence[int], tp: int, ranks_per_node: int, where: str = "roles") -> None:
+    """Each TP group (torch ranks tp*k .. tp*k+tp-1) must be played by processes of one
+    node: TP traffic is the heaviest and only intra-node links carry it well."""
+    process_of = {role: proc for proc, role in enumerate(roles)}
+    for start in range(0, len(roles), tp):
+        members = [process_of[r] for r in range(start, start + tp)]
+        nodes = sorted({p // ranks_per_node for p in members})
+        if len(nodes) > 1:
+            raise ValueError(f"{where}: TP group of ranks {start}..{start + tp - 1} would be played by processes "
+                             f"{members} on nodes {nodes}; a TP group must stay inside one node")
+
+
 def plan_topology(
     layout: Layout,
     current_roles: Sequence[int],
@@ -465,13 +477,7 @@ def plan_topology(
     search = _Search(layout, model, max_evaluations)
     base = search.proc_of(current)
     if base is None:
-        for grp in layout.tp_groups():
-            procs = [p for p in range(layout.world) if current[p] in grp]
-            if len({layout.node_of(p) for p in procs}) > 1:
-                raise ValueError(
-                    f"current_roles puts TP group {grp} on processes {procs} of different "
-                    "nodes; every TP group must stay inside one node"
-                )
+        check_tp_in_nodes(current, layout.tp, layout.ranks_per_node, "current_roles")
     assert base is not None
     before = search.score(base)
 
