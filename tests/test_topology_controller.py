@@ -37,9 +37,11 @@ def beats(ctl: Controller, it: int, **kw) -> list:
     return out
 
 
-def localized_link_job() -> tuple[Controller, list]:
+def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), **beat_fields) -> tuple[Controller, list]:
+    """Fail-slow report -> profile -> validation (the x4 link 0-1 if ``slow_link``; GEMMs
+    at half speed on ``slow_gpus``) -> localized; then the suspension's resumed acks."""
     ctl = Controller(CFG, world=4)
-    beats(ctl, 50)
+    beats(ctl, 50, **beat_fields)
     t = 151.0
     out = ctl.handle(FailSlowReport(0, 45, 50, 1.5, HEALTHY, t, event_id=1), t)
     assert ctl.state is State.PROFILING
@@ -50,19 +52,19 @@ def localized_link_job() -> tuple[Controller, list]:
     for p in range(4):
         out += ctl.handle(SessionAck(p, s, "held", sus.iteration, t + 0.5), t + 0.5)
     nbytes = int(sus.args["plan"]["nbytes"])
-    slow_s = 0.001 + 3 * nbytes / 20e6  # the x4 link: 3 x bytes / 20 MB/s more per message
+    slow_s = 0.001 + 3 * nbytes / 20e6 if slow_link else 0.001  # x4: 3 x bytes / 20 MB/s more per message
     links = {(0, 1): slow_s, (1, 0): slow_s, (2, 3): 0.001, (3, 2): 0.001, (0, 2): 0.001, (2, 0): 0.001,
              (1, 3): 0.001, (3, 1): 0.001}
     for p in range(4):
         mine = [[a, b, sec] for (a, b), sec in links.items() if b == p]
-        out += ctl.handle(ValidationResult(p, s, 1e10, mine), t + 1.0)
+        out += ctl.handle(ValidationResult(p, s, 5e9 if p in slow_gpus else 1e10, mine), t + 1.0)
     for p in range(4):
         out += ctl.handle(SessionAck(p, s, "resumed", sus.iteration, t + 1.5, pause_s=PAUSE), t + 1.5)
     return ctl, out
 
 
 def test_link_on_the_dp_path_is_moved_by_s3():
-    ctl, out = localized_link_job()
+    ctl, out = localized_job()
     (loc,) = events(out, "localized")
     assert loc["links"] == [[0, 1]], loc["evidence"]
     (started,) = events(out, "planner_started")
@@ -89,7 +91,7 @@ def test_link_on_the_dp_path_is_moved_by_s3():
 
 
 def test_s3_without_role_reports_fails_and_names_why():
-    ctl, out = localized_link_job()
+    ctl, out = localized_job()
     failed = []
     for it in range(51, 80):
         got = beats(ctl, it, role=-1)
@@ -97,6 +99,29 @@ def test_s3_without_role_reports_fails_and_names_why():
         if failed:
             break
     assert failed and "no topology model" in failed[0]["reason"], failed
+
+
+def test_two_stragglers_in_different_stages_are_consolidated_by_s3():
+    mb = {0: 0.03, 1: 0.015, 2: 0.015, 3: 0.03}  # processes 0 (stage 0) and 3 (stage 1) 2x slow
+    ctl, out = localized_job(slow_link=False, slow_gpus=(0, 3))
+    (loc,) = events(out, "localized")
+    assert loc["gpus"] == [0, 3] and loc["links"] == [], loc["evidence"]
+    decided = None
+    for it in range(51, 80):
+        got = []
+        for p in (3, 2, 1, 0):
+            got += ctl.handle(beat(p, it, mb_s=mb[p]), 100.0 + it)
+        if commands(got, "suspend"):
+            decided = got
+            break
+    assert decided is not None, "S3 was never decided"
+    (sus,) = commands(decided, "suspend")
+    action = sus.args["plan"]["action"]
+    roles = action["roles"]
+    assert roles[0] // 2 == roles[3] // 2, roles  # one stage (TP1 x DP2: ranks 2s, 2s+1)
+    assert "slow GPUs {0: 2.0, 3: 2.0}" in action["model_inputs"]
+    before, after = action["predicted_s"]
+    assert after < before
 
 
 def test_operator_s3_checks_the_roles():

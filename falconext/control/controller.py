@@ -461,7 +461,8 @@ class Controller:
                 return out + self._action_failed(mit, d, plan_or_why)
             action = {"kind": "topology", "strategy": "S3", "roles": list(plan_or_why.roles),
                       "predicted_s": [round(plan_or_why.predicted_before_s, 4), round(plan_or_why.predicted_after_s, 4)],
-                      "moved": list(plan_or_why.moved_processes), "why": plan_or_why.reason}
+                      "moved": list(plan_or_why.moved_processes), "why": plan_or_why.reason,
+                      "model_inputs": mit.model_inputs}
         elif d.strategy == "S4":
             node_of = {r: b.node for r, b in self.beats.items()}
             nodes = exclude_nodes(mit.gpus, mit.links, node_of)
@@ -476,12 +477,16 @@ class Controller:
         inputs = topology_inputs(self.beats, mit.planner.status()["healthy_s"], mit.gpus, mit.gpu_factors)
         if isinstance(inputs, str):
             return f"no topology model: {inputs}"
+        seen = (f"fwd_s {[round(f, 5) for f in inputs.costs.fwd_s]}, other_s {round(inputs.costs.other_s, 4)}, "
+                f"slow GPUs {({p: round(f, 2) for p, f in inputs.gpu_factors.items()})}, "
+                f"slow links {({f'{a}-{b}': e for (a, b), e in mit.link_excess.items()})} s/byte")
         try:
             plan = plan_topology(inputs.layout, inputs.roles, inputs.costs, inputs.gpu_factors, mit.link_excess)
         except ValueError as exc:
-            return f"no topology plan: {exc}"
+            return f"no topology plan: {exc} (model inputs: {seen})"
         if not plan.changed:
-            return f"no permutation helps: {plan.reason}"
+            return f"no permutation helps: {plan.reason} (model inputs: {seen})"
+        mit.model_inputs = seen
         return plan
 
     def _action_failed(self, mit: Mitigation | None, d: Decision, reason: str) -> list[Output]:

@@ -33,6 +33,7 @@ class Mitigation:
     #: {(node_a, node_b): excess seconds per byte}
     gpu_factors: dict[int, float] = field(default_factory=dict)
     link_excess: dict[tuple[int, int], float] = field(default_factory=dict)
+    model_inputs: str = ""  # what S3's model was given, for the event log
 
 
 @dataclass(frozen=True)
