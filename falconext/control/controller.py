@@ -45,16 +45,14 @@ from falconext.control.messages import (
 )
 from falconext.mitigate.mitigation import (
     Mitigation,
-    exclude_nodes,
+    action_for,
     link_excess,
-    topology_inputs,
     replica_view,
     replicas_of,
     straggler_recovered,
 )
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Decision, Planner
-from falconext.mitigate.topology import TopologyPlan, plan_topology
 from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import validation_plan
 from falconext.validate.verdict import slow_links, slow_ranks
@@ -436,58 +434,14 @@ class Controller:
                       overhead_s=None if d.overhead_s is None else round(d.overhead_s, 4), reason=d.reason)]
         if self.state is not State.TRACKING:
             return out + self._action_failed(mit, d, f"controller busy ({self.state.value})")
-        if d.action == "revert":
-            view = replica_view(self.beats.values())
-            if view is None:
-                return out + self._action_failed(mit, d, "replica layout unknown")
-            n = len(view.plan)
-            action = {"kind": "microbatches", "strategy": "revert", "plan": [view.total // n] * n}
-        elif d.strategy == "S2":
-            view = replica_view(self.beats.values())
-            if view is None:
-                return out + self._action_failed(mit, d, "no compute time per micro-batch from every replica")
-            t0 = time.perf_counter()
-            try:
-                plan = plan_microbatches(view.times, view.total, self.cfg.max_microbatches_per_replica or None)
-            except ValueError as exc:
-                return out + self._action_failed(mit, d, f"no plan: {exc}")
+        t0 = time.perf_counter()
+        action = action_for(mit, d, self.beats, self.cfg.max_microbatches_per_replica or None)
+        if isinstance(action, str):
+            return out + self._action_failed(mit, d, action)
+        if d.strategy == "S2" and d.action == "apply":
             mit.solve_s = time.perf_counter() - t0
-            if plan == view.plan:
-                return out + self._action_failed(mit, d, f"the balanced plan {plan} is the plan in effect")
-            action = {"kind": "microbatches", "strategy": "S2", "plan": plan, "replica_mb_s": view.times}
-        elif d.strategy == "S3":
-            plan_or_why = self._topology(mit)
-            if isinstance(plan_or_why, str):
-                return out + self._action_failed(mit, d, plan_or_why)
-            action = {"kind": "topology", "strategy": "S3", "roles": list(plan_or_why.roles),
-                      "predicted_s": [round(plan_or_why.predicted_before_s, 4), round(plan_or_why.predicted_after_s, 4)],
-                      "moved": list(plan_or_why.moved_processes), "why": plan_or_why.reason,
-                      "model_inputs": mit.model_inputs}
-        elif d.strategy == "S4":
-            node_of = {r: b.node for r, b in self.beats.items()}
-            nodes = exclude_nodes(mit.gpus, mit.links, node_of)
-            action = {"kind": "restart", "strategy": "S4", "exclude_nodes": nodes, "reason": d.reason}
-        else:
-            return out + self._action_failed(mit, d, f"{d.strategy} is not available")
         mit.in_flight = d
         return out + self._start_action(action, now)
-
-    def _topology(self, mit: Mitigation) -> TopologyPlan | str:
-        """S3's permutation for the localized faults, or why there is none."""
-        inputs = topology_inputs(self.beats, mit.planner.status()["healthy_s"], mit.gpus, mit.gpu_factors)
-        if isinstance(inputs, str):
-            return f"no topology model: {inputs}"
-        seen = (f"fwd_s {[round(f, 5) for f in inputs.costs.fwd_s]}, other_s {round(inputs.costs.other_s, 4)}, "
-                f"slow GPUs {({p: round(f, 2) for p, f in inputs.gpu_factors.items()})}, "
-                f"slow links {({f'{a}-{b}': e for (a, b), e in mit.link_excess.items()})} s/byte")
-        try:
-            plan = plan_topology(inputs.layout, inputs.roles, inputs.costs, inputs.gpu_factors, mit.link_excess)
-        except ValueError as exc:
-            return f"no topology plan: {exc} (model inputs: {seen})"
-        if not plan.changed:
-            return f"no permutation helps: {plan.reason} (model inputs: {seen})"
-        mit.model_inputs = seen
-        return plan
 
     def _action_failed(self, mit: Mitigation | None, d: Decision, reason: str) -> list[Output]:
         if mit is not None and d.action == "apply" and mit.planner.pending() == d.strategy:

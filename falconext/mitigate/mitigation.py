@@ -2,7 +2,8 @@
 
 The controller (control/controller.py) owns the I/O and the suspension protocol; this
 module holds the decisions that need no I/O: which replica is how fast (from the
-heartbeats' compute time per micro-batch), which nodes a restart leaves out, and when a
+heartbeats' compute time per micro-batch), what each strategy's action is (the S2 plan,
+the S3 permutation and the model inputs behind it, the nodes S4 leaves out), and when a
 straggler under S2 has recovered.
 """
 
@@ -13,8 +14,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Planner
-from falconext.mitigate.topology import Layout
+from falconext.mitigate.topology import Layout, TopologyPlan, plan_topology
 from falconext.sim.itertime import JobCosts, iteration_time
 
 
@@ -181,3 +183,57 @@ def straggler_recovered(times: list[float], slow: set[int], margin: float) -> bo
     if not others or not mine:
         return False
     return max(mine) <= (1.0 + margin) * statistics.median(others)
+
+
+def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None) -> dict[str, Any] | str:
+    """What every rank must do to apply the planner's decision ``d`` (the suspension's
+    action), or why it cannot be done now."""
+    if d.action == "revert":
+        view = replica_view(beats.values())
+        if view is None:
+            return "replica layout unknown"
+        n = len(view.plan)
+        return {"kind": "microbatches", "strategy": "revert", "plan": [view.total // n] * n}
+    if d.strategy == "S2":
+        view = replica_view(beats.values())
+        if view is None:
+            return "no compute time per micro-batch from every replica"
+        try:
+            plan = plan_microbatches(view.times, view.total, max_per_replica)
+        except ValueError as exc:
+            return f"no plan: {exc}"
+        if plan == view.plan:
+            return f"the balanced plan {plan} is the plan in effect"
+        return {"kind": "microbatches", "strategy": "S2", "plan": plan, "replica_mb_s": view.times}
+    if d.strategy == "S3":
+        plan_or_why = topology_for(mit, beats)
+        if isinstance(plan_or_why, str):
+            return plan_or_why
+        return {"kind": "topology", "strategy": "S3", "roles": list(plan_or_why.roles),
+                "predicted_s": [round(plan_or_why.predicted_before_s, 4), round(plan_or_why.predicted_after_s, 4)],
+                "moved": list(plan_or_why.moved_processes), "why": plan_or_why.reason,
+                "model_inputs": mit.model_inputs}
+    if d.strategy == "S4":
+        node_of = {r: b.node for r, b in beats.items()}
+        return {"kind": "restart", "strategy": "S4", "exclude_nodes": exclude_nodes(mit.gpus, mit.links, node_of),
+                "reason": d.reason}
+    return f"{d.strategy} is not available"
+
+
+def topology_for(mit: Mitigation, beats: Mapping[int, Any]) -> TopologyPlan | str:
+    """S3's permutation for the localized faults, or why there is none (with what the
+    model was given, so a refusal can be checked)."""
+    inputs = topology_inputs(beats, mit.planner.status()["healthy_s"], mit.gpus, mit.gpu_factors)
+    if isinstance(inputs, str):
+        return f"no topology model: {inputs}"
+    seen = (f"fwd_s {[round(f, 5) for f in inputs.costs.fwd_s]}, other_s {round(inputs.costs.other_s, 4)}, "
+            f"slow GPUs {({p: round(f, 2) for p, f in inputs.gpu_factors.items()})}, "
+            f"slow links {({f'{a}-{b}': e for (a, b), e in mit.link_excess.items()})} s/byte")
+    try:
+        plan = plan_topology(inputs.layout, inputs.roles, inputs.costs, inputs.gpu_factors, mit.link_excess)
+    except ValueError as exc:
+        return f"no topology plan: {exc} (model inputs: {seen})"
+    if not plan.changed:
+        return f"no permutation helps: {plan.reason} (model inputs: {seen})"
+    mit.model_inputs = seen
+    return plan
