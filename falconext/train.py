@@ -208,7 +208,7 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
     Returns the trainer of this process's new role (the old one if the switch was refused)."""
     import dataclasses
 
-    from falconext.megatron.switch import check_roles, switch_roles
+    from falconext.megatron.switch import SwitchRefused, check_roles, switch_roles
     from falconext.mitigate.topology import check_tp_in_nodes
     from falconext.megatron.trainer import Trainer
 
@@ -223,12 +223,15 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
         events.emit("control_error", rank=process, error=f"topology not applied: {exc}")
         return trainer
     comm = runtime.untraced() if runtime is not None else None
-    if runtime is not None:
-        runtime.before_switch()
-    new, times = switch_roles(
-        trainer, roles, process, {k: layout[k] for k in ("world", "tp", "pp")}, it, epoch,
-        lambda plan: Trainer(dataclasses.replace(opts, plan=plan)), comm=comm, probe=probe,
-    )
+    try:
+        new, times = switch_roles(
+            trainer, roles, process, {k: layout[k] for k in ("world", "tp", "pp")}, it, epoch,
+            lambda plan: Trainer(dataclasses.replace(opts, plan=plan)), comm=comm, probe=probe,
+            on_teardown=runtime.before_switch if runtime is not None else None,
+        )
+    except SwitchRefused as exc:  # called off on every process alike: training goes on as it was
+        events.emit("control_error", rank=process, error=f"topology not applied: {exc}")
+        return trainer
     if runtime is not None:
         runtime.after_switch(new.replica, times.total_s)
         _tell_role(runtime, new, opts)

@@ -154,3 +154,53 @@ def test_a_split_tp_group_is_refused_before_training(tmp_path):
                  "--falcon-force-topology", "2:0,2,1,3")
     assert proc.returncode == 2
     assert "a TP group must stay inside one node" in proc.stderr
+
+
+# --- a hand-over that goes wrong is called off everywhere --------------------------------
+
+def _refuse_worker(rank: int, port: int, out_dir: str) -> None:
+    import types
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from falconext.megatron.switch import SwitchRefused, switch_roles
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    model = torch.nn.Linear(4, 4)
+    trainer = types.SimpleNamespace(plan=[1, 1], model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def garbling_isend(tensor, dst):  # process 0's state arrives as garbage
+        return dist.isend(torch.full_like(tensor, 7) if rank == 0 else tensor, dst)
+
+    torn_down = []
+    result = "switched"
+    try:
+        switch_roles(trainer, [1, 0], rank, {"world": 2, "tp": 1, "pp": 1}, 5, 1, lambda plan: None,
+                     comm={"isend": garbling_isend}, on_teardown=lambda: torn_down.append(True))
+    except SwitchRefused as exc:
+        result = str(exc)
+    # the old world group still works, with the old ranks
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(
+        {"result": result, "torn_down": bool(torn_down), "rank": dist.get_rank(), "sum": float(t.item())}))
+    dist.destroy_process_group()
+
+
+def test_a_corrupted_hand_over_is_called_off_on_every_process(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_refuse_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert "unreadable state" in got[1]["result"], got  # process 1 received the garbage
+    assert "another process could not take its role over" in got[0]["result"], got
+    assert [g["torn_down"] for g in got] == [False, False]
+    assert [g["rank"] for g in got] == [0, 1] and [g["sum"] for g in got] == [2.0, 2.0]

@@ -146,7 +146,7 @@ class FalconRuntime:
     def untraced(self) -> dict[str, Callable[..., Any]]:
         """torch.distributed below the tracer: a topology switch's state hand-over is not
         training traffic and must not enter the call log."""
-        return {name: self.tracer.original(name) for name in ("all_gather", "isend", "irecv")}
+        return {name: self.tracer.original(name) for name in ("all_gather", "all_reduce", "isend", "irecv")}
 
     def before_switch(self) -> None:
         """The world group is about to be re-created: the validation group dies with it."""

@@ -48,6 +48,11 @@ def handover_pairs(now: list[int], after: list[int]) -> list[tuple[int, int]]:
     return sorted(pairs)
 
 
+class SwitchRefused(RuntimeError):
+    """The switch was called off before anything was torn down: every process keeps its
+    role, its groups and its state."""
+
+
 @dataclass
 class SwitchTimes:
     """Seconds of each phase of one switch, on this process."""
@@ -87,7 +92,7 @@ def exchange(payload: bytes, pairs: list[tuple[int, int]], me: int,
 def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str, int], iteration: int,
                  epoch: int, make_trainer: Callable[[list[int]], Any],
                  comm: dict[str, Callable] | None = None, timeout_s: float = 120.0,
-                 probe: bool = False) -> tuple[Any, SwitchTimes]:
+                 probe: bool = False, on_teardown: Callable[[], None] | None = None) -> tuple[Any, SwitchTimes]:
     """Every process calls this at the same boundary; returns (new trainer, times).
 
     ``make_trainer(plan)`` builds the trainer of the new role once parallel_state is
@@ -95,6 +100,10 @@ def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str,
     hand-over does not show in the call log as training traffic. ``probe``: ``after``
     must be today's roles; each state still travels (round a ring, then dropped), so
     the pause measured is what a real switch costs: S3's overhead for the planner.
+    ``on_teardown`` runs once every process has agreed, just before the groups go.
+
+    Raises :class:`SwitchRefused`, with nothing changed, when any process could not
+    serialise, receive or validate the state of its next role.
     """
     from megatron.core import parallel_state as ps
     from torch.distributed import distributed_c10d as c10d
@@ -109,24 +118,39 @@ def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str,
     if now[process] != me:
         raise RuntimeError(f"process {process} plays torch rank {me}, but the role map says {now[process]}")
 
-    plan = list(trainer.plan)
-    own = restart.state_payload(me, layout, iteration, trainer.model, trainer.optimizer, extra={"plan": plan})
-    data = restart.payload_to_bytes(own)
-    times.serialize_s = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    comm = comm or {}
-    pairs = [(r, (r + 1) % world) for r in range(world)] if probe and world > 1 else handover_pairs(now, after)
     if probe and after != now:
         raise ValueError(f"a probe switch keeps the roles {now}, got {after}")
-    received = exchange(data, pairs, me, comm.get("all_gather", dist.all_gather),
-                        comm.get("isend", dist.isend), comm.get("irecv", dist.irecv))
-    if probe:
-        received = None
-    times.sent_bytes = len(data) if any(src == me for src, _ in pairs) else 0
-    times.transfer_s = time.perf_counter() - t1
+    comm = comm or {}
+    plan = list(trainer.plan)
+    payload: Any = None
+    where = f"process {process}'s own state"
+    problem = ""
+    try:
+        own = restart.state_payload(me, layout, iteration, trainer.model, trainer.optimizer, extra={"plan": plan})
+        data = restart.payload_to_bytes(own)
+        times.serialize_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        pairs = [(r, (r + 1) % world) for r in range(world)] if probe and world > 1 else handover_pairs(now, after)
+        received = exchange(data, pairs, me, comm.get("all_gather", dist.all_gather),
+                            comm.get("isend", dist.isend), comm.get("irecv", dist.irecv))
+        times.sent_bytes = len(data) if any(src == me for src, _ in pairs) else 0
+        times.transfer_s = time.perf_counter() - t1
+        payload = own
+        if received is not None and not probe:
+            where = f"state handed to process {process}"
+            payload = restart.payload_from_bytes(received, where)
+        restart.check_payload(payload, where, after[process], layout, kind="hand-over state", verb="take over")
+    except (restart.CheckpointError, RuntimeError, ValueError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"[:500]
+    # all or nothing: nothing is torn down unless every process holds a valid state
+    verdict = torch.tensor([0 if problem else 1], dtype=torch.int64)
+    comm.get("all_reduce", dist.all_reduce)(verdict, op=dist.ReduceOp.MIN)
+    if int(verdict.item()) == 0:
+        raise SwitchRefused(problem or "another process could not take its role over; roles unchanged")
 
     t2 = time.perf_counter()
+    if on_teardown is not None:
+        on_teardown()
     store = c10d._get_default_store()
     backend = dist.get_backend()
     ps.destroy_model_parallel()
@@ -144,12 +168,6 @@ def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str,
     times.rebuild_s = time.perf_counter() - t3
 
     t4 = time.perf_counter()
-    if received is None:
-        payload: Any = own
-        where = f"process {process}'s own state"
-    else:
-        where = f"state handed to process {process}"
-        payload = restart.payload_from_bytes(received, where)
     restart.restore_payload(payload, where, after[process], layout, new.model, new.optimizer,
                             kind="hand-over state", verb="take over")
     times.load_s = time.perf_counter() - t4

@@ -101,9 +101,9 @@ def state_payload(rank: int, layout: dict[str, int], iteration: int, model: Any,
     }
 
 
-def restore_payload(payload: Any, where: str, rank: int, layout: dict[str, int], model: Any,
-                    optimizer: Any, kind: str = "checkpoint shard", verb: str = "resume") -> dict[str, Any]:
-    """Load a payload made by :func:`state_payload` for ``rank``; returns iteration and extra."""
+def check_payload(payload: Any, where: str, rank: int, layout: dict[str, int], kind: str = "checkpoint shard",
+                  verb: str = "resume") -> None:
+    """CheckpointError unless ``payload`` is a state of this format, for ``rank`` and ``layout``."""
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not a falconext {kind} of format {FORMAT}")
     if payload.get("rank") != rank or payload.get("layout") != dict(layout):
@@ -111,6 +111,12 @@ def restore_payload(payload: Any, where: str, rank: int, layout: dict[str, int],
             f"{where}: saved by rank {payload.get('rank')} with layout {payload.get('layout')}, "
             f"cannot {verb} rank {rank} with layout {dict(layout)}"
         )
+
+
+def restore_payload(payload: Any, where: str, rank: int, layout: dict[str, int], model: Any,
+                    optimizer: Any, kind: str = "checkpoint shard", verb: str = "resume") -> dict[str, Any]:
+    """Load a payload made by :func:`state_payload` for ``rank``; returns iteration and extra."""
+    check_payload(payload, where, rank, layout, kind, verb)
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     set_rng_state(payload["rng"])
