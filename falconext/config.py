@@ -189,13 +189,16 @@ class FalconConfig:
         _check(self.max_microbatches_per_replica >= 0, "max_microbatches_per_replica must be >= 0")
         parse_microbatches(self.force_microbatches)
         parse_topology(self.force_topology)
-        strategies = [x.strip() for x in self.mitigation_strategies.split(",") if x.strip()]
         _check(
-            all(x in ("S2", "S3", "S4") for x in strategies),
+            all(x in ("S2", "S3", "S4") for x in self.strategies()),
             f"mitigation_strategies must name S2, S3 or S4 separated by commas, got {self.mitigation_strategies!r}",
         )
         _check(self.slide_window >= 1, "slide_window must be >= 1")
         _check(self.slide_reference >= 1, "slide_reference must be >= 1")
+
+    def strategies(self) -> set[str]:
+        """The mitigation strategies the planner may use (``mitigation_strategies`` parsed)."""
+        return {x.strip() for x in self.mitigation_strategies.split(",") if x.strip()}
 
     def replace(self, **changes: Any) -> "FalconConfig":
         """A copy with some fields changed; unknown names are an error, not ignored."""

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if runtime is not None:
         _tell_role(runtime, trainer, opts)
-    s3_probe = runtime is not None and cfg.mitigation and "S3" in cfg.mitigation_strategies
+    s3_probe = runtime is not None and cfg.mitigation and "S3" in cfg.strategies()
     measured: list[tuple[int, float, float | None]] = []
     request = None
     forced_topology = parse_topology(cfg.force_topology)

@@ -385,7 +385,7 @@ class Controller:
         out: dict[str, float | None] = {"S3": s3, "S4": s4}
         if root == "computation":
             out["S2"] = s2
-        allowed = {x.strip() for x in self.cfg.mitigation_strategies.split(",")}
+        allowed = self.cfg.strategies()
         # milliseconds: finer is timer jitter, and an unchanged cost is not re-recorded
         return {k: (round(v, 3) if k in allowed and v is not None else None) for k, v in out.items()}
 
