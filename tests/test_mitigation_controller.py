@@ -17,14 +17,13 @@ from falconext.control.messages import (
     Command,
     FailSlowReport,
     Heartbeat,
-    ProfileData,
     SessionAck,
     ValidationResult,
 )
 from falconext.mitigate.microbatch import plan_microbatches
+from test_controller import commands, events, profile
 
 NODES = {0: 0, 1: 0, 2: 1, 3: 1}
-DP = "dp:0,1,2,3"
 HEALTHY = 0.25
 SLOW = 0.5
 PAUSE = 0.9  # the validation suspension's longest pause: S2's overhead (+ solve)
@@ -35,26 +34,6 @@ TOTAL = 16
 
 # settle 2, judge 3: a strategy applied at iteration E is judged at E + 2 + 3
 CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3)
-
-
-# --- small helpers (copied in style from tests/test_controller.py) ---------------------
-
-
-def commands(outs, kind=None):
-    return [o.message for o in outs if o.kind == "command" and (kind is None or o.message.kind == kind)]
-
-
-def events(outs, type_=None):
-    return [o.event for o in outs if o.kind == "event" and (type_ is None or o.event["type"] == type_)]
-
-
-def profile(rank, session, late_rank=1, n=20):
-    rows = []
-    for k in range(n):
-        t0 = 10.0 + k * 0.3 + (0.03 if rank == late_rank else 0.001 * ((rank + k) % 4))
-        t_last = 10.0 + k * 0.3 + (0.03 if late_rank is not None else 0.003)
-        rows.append([k, t0, t_last + 0.002, 4096])
-    return ProfileData(rank, session, {DP: "dp", "pp:0": "pp"}, {DP: [0, 1, 2, 3]}, {DP: rows})
 
 
 class Job:
@@ -97,7 +76,7 @@ class Job:
         outs = ctl.handle(FailSlowReport(1, ONSET, ONSET + 3, 2.0, HEALTHY, self.t, event_id=7), self.t)
         assert ctl.state is State.PROFILING
         for r in NODES:
-            outs += ctl.handle(profile(r, ctl.session), self.t + 0.2)
+            outs += ctl.handle(profile(r, ctl.session, late_rank=1), self.t + 0.2)
         (sus,) = commands(outs, "suspend")
         s = sus.args["session"]
         for r in NODES:
@@ -613,7 +592,7 @@ def test_mitigation_off_starts_no_planner():
     job.beat()
     outs = ctl.handle(FailSlowReport(1, ONSET, ONSET + 3, 2.0, HEALTHY, job.t, event_id=7), job.t)
     for r in NODES:
-        outs += ctl.handle(profile(r, ctl.session), job.t)
+        outs += ctl.handle(profile(r, ctl.session, late_rank=1), job.t)
     (sus,) = commands(outs, "suspend")
     job.hold_all(sus)
     for r in NODES:

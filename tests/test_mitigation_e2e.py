@@ -19,52 +19,15 @@ uninterrupted even-plan run of the same job.
 
 from __future__ import annotations
 
-import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from jobs import assert_same_trajectory, events, launch, losses, train
+
 FAULT_START = 45
 GB = "48"  # 24 micro-batches of 2
-
-
-def train(out: Path, nproc: int, *args: str, faults: list | None = None, timeout: int = 500) -> Path:
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out), *args]
-    if faults is not None:
-        inject = out.parent / f"{out.name}-faults.json"
-        inject.write_text(json.dumps(faults))
-        cmd += ["--inject", str(inject)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (out / "stdout.txt").write_text(proc.stdout)
-    return out
-
-
-def events(out: Path, type_: str) -> list[dict]:
-    evs = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
-    return [e for e in evs if e["type"] == type_]
-
-
-def losses(out: Path) -> dict[int, float]:
-    with open(out / "iterations.csv", newline="") as f:
-        got: dict[int, float] = {}
-        for r in csv.DictReader(f):
-            if r["loss"]:
-                it = int(r["iteration"])
-                assert it not in got or got[it] == float(r["loss"]), f"two losses for iteration {it}"
-                got[it] = float(r["loss"])
-    return got
-
-
-def assert_same_trajectory(a: dict[int, float], b: dict[int, float], iters: int) -> None:
-    assert sorted(a) == sorted(b) == list(range(iters))
-    worst = max(abs(a[i] - b[i]) / abs(b[i]) for i in a)
-    assert worst <= 1e-4, worst
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +35,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("mitigate")
     fault = {"kind": "compute", "rank": 1, "start": FAULT_START}
     return {
-        "s2": train(base / "s2", 2, "--iters", "110", "--global-batch-size", GB,
-                    "--falcon-mitigation-strategies", "S2", faults=[dict(fault, factor=2.0)]),
+        "s2": train(base / "s2", "--iters", "110", "--global-batch-size", GB,
+                    "--falcon-mitigation-strategies", "S2", faults=[dict(fault, factor=2.0)], nproc=2),
         # S3 left out: with one pipeline stage no permutation helps a compute straggler
         # (tests/test_topology_e2e.py has S3's runs)
-        "s4": train(base / "s4", 2, "--iters", "130", "--global-batch-size", GB,
-                    "--falcon-mitigation-strategies", "S2,S4", faults=[dict(fault, factor=3.0)]),
-        "ref": train(base / "ref", 2, "--iters", "130", "--global-batch-size", GB, "--no-falcon"),
+        "s4": train(base / "s4", "--iters", "130", "--global-batch-size", GB,
+                    "--falcon-mitigation-strategies", "S2,S4", faults=[dict(fault, factor=3.0)], nproc=2),
+        "ref": train(base / "ref", "--iters", "130", "--global-batch-size", GB, "--no-falcon", nproc=2),
     }
 
 
@@ -134,14 +97,13 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
 def test_forced_uneven_plan_learns_the_same(tmp_path, layout):
     nproc = 2 if layout[1] == "1" else 4
     common = ["--iters", "20", "--global-batch-size", "16", "--no-falcon", *layout]
-    even = train(tmp_path / "even", nproc, *common)
-    forced = train(tmp_path / "forced", nproc, *common, "--falcon-force-microbatches", "3,5")
+    even = train(tmp_path / "even", *common, nproc=nproc)
+    forced = train(tmp_path / "forced", *common, "--falcon-force-microbatches", "3,5", nproc=nproc)
     assert_same_trajectory(losses(forced), losses(even), 20)
 
 
 def test_forced_plan_must_fit_the_job(tmp_path):
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", "2", "--out", str(tmp_path / "x"),
-           "--global-batch-size", "16", "--falcon-force-microbatches", "3,4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = launch(tmp_path / "x", "--global-batch-size", "16", "--falcon-force-microbatches", "3,4", nproc=2,
+                  timeout=120)
     assert proc.returncode == 2
     assert "--falcon-force-microbatches 3,4 must give 2 DP replicas 8 micro-batches" in proc.stderr

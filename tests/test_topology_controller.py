@@ -14,7 +14,7 @@ from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
 from falconext.control.messages import Command, FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
 from falconext.mitigate.mitigation import link_excess, topology_inputs
-from test_mitigation_controller import commands, events
+from test_controller import commands, events
 
 CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, mitigation_strategies="S3")
 HEALTHY, SLOW = 0.2, 0.3

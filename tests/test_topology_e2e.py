@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from test_mitigation_e2e import assert_same_trajectory, events, losses, train
+from jobs import assert_same_trajectory, events, losses, train
 
 FAULT_START = 45
 ITERS = 130
@@ -35,8 +35,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     # x8: about 0.17 s more per iteration on a 0.2 s one, well above this host's noise
     link = {"kind": "link", "nodes": [0, 1], "factor": 8.0, "start": FAULT_START}
     return {
-        "s3": train(base / "s3", 4, *JOB, "--falcon-mitigation-strategies", "S3", faults=[link]),
-        "ref": train(base / "ref", 4, *JOB, "--no-falcon"),
+        "s3": train(base / "s3", *JOB, "--falcon-mitigation-strategies", "S3", faults=[link]),
+        "ref": train(base / "ref", *JOB, "--no-falcon"),
     }
 
 

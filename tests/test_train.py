@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,31 +17,15 @@ import pytest
 
 from falconext.detect.tracking import RankTracking
 from falconext.trace.logfile import read_call_log
+from jobs import events, train
 
 FAULT_START = 45
 ITERS = 80
 
 
-def train(out: Path, *args: str, faults: list | None = None, timeout: int = 400, nproc: int = 4) -> Path:
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out), *args]
-    if faults is not None:
-        inject = out.parent / f"{out.name}-faults.json"
-        inject.write_text(json.dumps(faults))
-        cmd += ["--inject", str(inject)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
 def rows(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-def events(out: Path, type_: str | None = None) -> list[dict]:
-    evs = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
-    return [e for e in evs if type_ is None or e["type"] == type_]
 
 
 @pytest.fixture(scope="module")
