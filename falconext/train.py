@@ -208,16 +208,16 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
     Returns the trainer of this process's new role (the old one if the switch was refused)."""
     import dataclasses
 
-    from falconext.megatron.switch import SwitchRefused, check_roles, switch_roles
-    from falconext.mitigate.topology import check_tp_in_nodes
+    from falconext.megatron.switch import SwitchRefused, switch_roles
     from falconext.megatron.trainer import Trainer
-
+    from falconext.mitigate.topology import check_tp_in_nodes
+    from falconext.sim.itertime import check_roles
     from falconext.trace.groups import to_rank
 
     world = layout["world"]
     probe = bool(action.get("probe"))
     try:
-        roles = [to_rank(p) for p in range(world)] if probe else check_roles(action.get("roles"), world)
+        roles = [to_rank(p) for p in range(world)] if probe else list(check_roles(action.get("roles"), world))
         check_tp_in_nodes(roles, layout["tp"], layout["ranks_per_node"])
     except ValueError as exc:  # agreed but impossible: every process refuses alike
         events.emit("control_error", rank=process, error=f"topology not applied: {exc}")

@@ -4,19 +4,17 @@ without the switch learns."""
 
 from __future__ import annotations
 
-import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from falconext.config import ConfigError, parse_topology
-from falconext.megatron.switch import check_roles, handover_pairs
+from falconext.megatron.switch import handover_pairs
 from falconext.mitigate.topology import check_tp_in_nodes
+from falconext.sim.itertime import check_roles
 from falconext.trace import groups
+from jobs import assert_same_trajectory, events, launch, losses, losses_by_rank, train
 
 
 # --- pure ------------------------------------------------------------------------------
@@ -72,58 +70,23 @@ def test_role_map_translates_both_ways():
 
 # --- real training ----------------------------------------------------------------------
 
-def train(out: Path, *args: str, nproc: int = 4) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-
-
-def losses(out: Path) -> dict[int, dict[int, float]]:
-    """iteration -> {process: loss} (last-stage processes report the global-batch loss)."""
-    found: dict[int, dict[int, float]] = {}
-    with open(out / "iterations.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            if row["loss"]:
-                found.setdefault(int(row["iteration"]), {})[int(row["rank"])] = float(row["loss"])
-    return found
-
-
-def events(out: Path, kind: str) -> list[dict]:
-    lines = (out / "events.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, filter(None, lines)) if e["type"] == kind]
-
-
-def assert_same_learning(run: Path, ref: Path, iters: int) -> float:
-    a, b = losses(run), losses(ref)
-    assert sorted(a) == sorted(b) == list(range(iters))
-    worst = 0.0
-    for it in range(iters):
-        ref_loss = next(iter(b[it].values()))
-        for loss in a[it].values():
-            worst = max(worst, abs(loss - ref_loss) / abs(ref_loss))
-    assert worst <= 1e-4, worst
-    return worst
-
-
 @pytest.fixture(scope="module")
 def dp2pp2(tmp_path_factory):
     base = tmp_path_factory.mktemp("switch")
     common = ["--pp", "2", "--iters", "20", "--global-batch-size", "16", "--ranks-per-node", "1"]
     ref = train(base / "ref", *common, "--no-falcon")
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     # a 4-cycle: every process hands its role on; falconext traces and tracks throughout
     run = train(base / "run", *common, "--falcon-force-topology", "10:1,2,3,0", "--falcon-mitigation", "false")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return base / "run", base / "ref"
+    return run, ref
 
 
 def test_switch_keeps_what_the_model_learns(dp2pp2):
     run, ref = dp2pp2
-    worst = assert_same_learning(run, ref, 20)
+    worst = assert_same_trajectory(losses(run), losses(ref), 20)
     print(f"worst relative loss difference {worst:.2e}")
     # before the switch processes 2 and 3 play the last stage; after it, the processes
     # now playing torch ranks 2 and 3 (processes 1 and 2) do
-    after = losses(run)
+    after = losses_by_rank(run)
     assert set(after[9]) == {2, 3} and set(after[10]) == {1, 2}
 
 
@@ -143,15 +106,13 @@ def test_switch_is_reported_on_every_process(dp2pp2):
 def test_tensor_parallel_blocks_move_between_nodes(tmp_path):
     common = ["--tp", "2", "--pp", "2", "--iters", "10", "--ranks-per-node", "2", "--no-falcon"]
     ref = train(tmp_path / "ref", *common)
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     run = train(tmp_path / "run", *common, "--falcon-force-topology", "5:2,3,0,1")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert_same_learning(tmp_path / "run", tmp_path / "ref", 10)
+    assert_same_trajectory(losses(run), losses(ref), 10)
 
 
 def test_a_split_tp_group_is_refused_before_training(tmp_path):
-    proc = train(tmp_path / "bad", "--tp", "2", "--pp", "2", "--iters", "4", "--ranks-per-node", "2", "--no-falcon",
-                 "--falcon-force-topology", "2:0,2,1,3")
+    proc = launch(tmp_path / "bad", "--tp", "2", "--pp", "2", "--iters", "4", "--ranks-per-node", "2", "--no-falcon",
+                  "--falcon-force-topology", "2:0,2,1,3")
     assert proc.returncode == 2
     assert "a TP group must stay inside one node" in proc.stderr
 

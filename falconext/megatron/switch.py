@@ -32,11 +32,6 @@ from falconext.trace import groups
 STORE_PREFIX = "falconext/roles"
 
 
-def check_roles(roles: Any, world: int, where: str = "roles") -> list[int]:
-    """``roles[process]`` = new torch rank; a permutation of range(world), or ValueError."""
-    return list(itertime.check_roles(roles, world, where))
-
-
 def handover_pairs(now: list[int], after: list[int]) -> list[tuple[int, int]]:
     """(from torch rank, to torch rank) in today's numbering: the state of role r sits at
     torch rank r and goes to the process that plays r next (pure; skips stay-at-home
@@ -112,7 +107,7 @@ def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str,
     t0 = time.perf_counter()
     times = SwitchTimes()
     world = dist.get_world_size()
-    after = check_roles(after, world)
+    after = list(itertime.check_roles(after, world))
     me = dist.get_rank()
     now = [groups.to_rank(p) for p in range(world)]
     if now[process] != me:

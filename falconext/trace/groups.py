@@ -59,18 +59,20 @@ CP_FREE_ROLES = {"dp_cp": "dp", "tp_dp_cp": "tp_dp", "dp_cp_gloo": "dp_gloo"}
 #: record, profile and verdict speaks of processes: a process stays on its node and its
 #: GPU, which is what a fault belongs to, whatever role it plays.
 _PROCESS_OF: tuple[int, ...] | None = None
+#: and its inverse: the torch rank each process plays
+_RANK_OF: tuple[int, ...] | None = None
 
 
 def set_roles(roles: list[int] | None) -> None:
     """``roles[process]`` = the torch rank that process now has (None: launch ranks)."""
-    global _PROCESS_OF
+    global _PROCESS_OF, _RANK_OF
     if roles is None or list(roles) == list(range(len(roles))):
-        _PROCESS_OF = None
+        _PROCESS_OF = _RANK_OF = None
         return
     inverse = [0] * len(roles)
     for proc, role in enumerate(roles):
         inverse[role] = proc
-    _PROCESS_OF = tuple(inverse)
+    _PROCESS_OF, _RANK_OF = tuple(inverse), tuple(roles)
 
 
 def to_process(rank: int) -> int:
@@ -81,8 +83,8 @@ def to_process(rank: int) -> int:
 
 def to_rank(process: int) -> int:
     """The torch rank process ``process`` plays now."""
-    table = _PROCESS_OF
-    return process if table is None else table.index(process)
+    table = _RANK_OF
+    return process if table is None or not 0 <= process < len(table) else table[process]
 
 
 class GroupInfo:
