@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from statistics import median
 
 import pytest
 
@@ -94,8 +95,21 @@ def test_estimates_match_the_loop(runs):
 
 
 def test_no_fault_no_event(runs):
-    assert events(runs["pp2"], "fail_slow") == []
+    """Nothing injected, nothing raised, unless the host itself slowed the loop down.
+
+    This shared 2-core VM drifts: in one CI run the healthy PP2 loop went from 0.24 s to
+    0.32 s per iteration for its last 25 iterations, and all four ranks reported it. That
+    is a real fail-slow (CPU contention), so an event is allowed only where the loop's
+    own measured times show it: at least 10% slower over the 15 iterations from the
+    onset than over the 20 before."""
     assert events(runs["tp2"], "fail_slow") == []
+    loop = {int(r["iteration"]): float(r["iter_time_s"]) for r in rows(runs["pp2"] / "iterations.csv")
+            if r["rank"] == "0"}
+    for e in events(runs["pp2"], "fail_slow"):
+        onset = e["onset"]
+        before = [loop[i] for i in range(max(0, onset - 20), onset) if i in loop]
+        after = [loop[i] for i in range(onset, onset + 15) if i in loop]
+        assert before and after and median(after) >= 1.1 * median(before), (e, before, after)
 
 
 @pytest.mark.parametrize("name", ["compute", "link"])
@@ -159,6 +173,9 @@ def test_fault_is_localized_in_job(runs, name, gpus, links):
 
 
 def test_no_fault_localizes_nothing(runs):
-    assert events(runs["pp2"], "localized") == []
+    # a host slowdown may open an episode (see test_no_fault_no_event); validation must
+    # still name no GPU and no link
+    for loc in events(runs["pp2"], "localized"):
+        assert loc["gpus"] == [] and loc["links"] == [], loc["evidence"]
     assert events(runs["pp2"], "controller_started")  # the control plane was there
     assert events(runs["pp2"], "control_lost") == []
