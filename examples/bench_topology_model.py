@@ -19,6 +19,10 @@ import sys
 from pathlib import Path
 
 CASES = {
+    "links 0-1 x8 (DP path) and 0-2 x3 (PP path)": [
+        {"kind": "link", "nodes": [0, 1], "factor": 8.0, "start": 45},
+        {"kind": "link", "nodes": [0, 2], "factor": 3.0, "start": 45},
+    ],
     "link 0-1 x4 on stage 0's DP all-reduce": [{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": 45}],
     "compute x2 on processes 0 and 3 (stages 0 and 1)": [
         {"kind": "compute", "rank": r, "factor": 2.0, "start": 45} for r in (0, 3)

@@ -102,11 +102,12 @@ class FalconConfig:
     #: ranks that run their GEMM at the same time (0: all at once, right for GPUs; the
     #: CPU test bed's launcher sets 1, because its "GPUs" share the host's cores)
     gemm_concurrency: int = 0
-    #: times every validated rank runs its GEMM (in turn, all ranks between two of its
-    #: runs) and keeps its best: a neighbour that happened to share the core (or its
-    #: hyperthread sibling) during one short run made a healthy CPU-bed rank read 1.5x
-    #: slow in CI; it is unlikely to do so in two runs far apart, and a slow GPU stays slow
-    gemm_sweeps: int = 2
+    #: times validation runs each benchmark (every GEMM in turn, then every pass, then all
+    #: again) and keeps each rank's and pair's best: a neighbour that shared the core (or
+    #: its hyperthread sibling) during one short run made a healthy CPU-bed rank read 1.5x
+    #: slow in CI, and a healthy loopback link 20x; that rarely happens twice, a slow GPU
+    #: or a congested link is slow both times
+    validation_sweeps: int = 2
     #: P2P pairs of one pass that run at the same time (0: all; the CPU test bed: 1)
     p2p_concurrency: int = 0
     #: P2P benchmark: message bytes and messages per pair
@@ -177,7 +178,7 @@ class FalconConfig:
         _check(self.profile_timeout_s > 0, "profile_timeout_s must be > 0")
         _check(self.profile_min_bytes >= 0, "profile_min_bytes must be >= 0")
         _check(self.gemm_concurrency >= 0, "gemm_concurrency must be >= 0")
-        _check(self.gemm_sweeps >= 1, "gemm_sweeps must be >= 1")
+        _check(self.validation_sweeps >= 1, "validation_sweeps must be >= 1")
         _check(self.p2p_concurrency >= 0, "p2p_concurrency must be >= 0")
         _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
         _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")

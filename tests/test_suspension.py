@@ -70,14 +70,22 @@ def test_a_rank_outside_the_gemm_still_joins_every_round():
     assert calls.count(("barrier",)) == 3 and not any(c[0] == "gemm" for c in calls)
 
 
-def test_gemm_sweeps_run_every_round_again_and_keep_the_best():
+def test_validation_sweeps_run_every_round_again_and_keep_the_best():
     readings = iter([0.7e9, 1.2e9, 0.9e9])  # a neighbour shared the core during the first
-    sus, posted, _, calls = make(rank=1, plan={**PLAN, "gemm_sweeps": 3}, gemm=lambda: next(readings))
+    sus, posted, _, calls = make(rank=1, plan={**PLAN, "validation_sweeps": 3}, gemm=lambda: next(readings))
     sus.signal("go")
     sus.run(time.monotonic() + 5.0)
     assert calls.count(("barrier",)) == 9 and calls.count(("gemm", 64, 2)) == 3
     (result,) = [m for m in posted if isinstance(m, ValidationResult)]
     assert result.gemm_flops == 1.2e9
+    # the passes ran three times too, and each pair kept its fastest message time
+    readings = iter([[(0, 1, 0.05)], [(0, 1, 0.002)], [(0, 1, 0.04)]])
+    sus, posted, _, calls = make(rank=1, plan={**PLAN, "validation_sweeps": 3}, passes=lambda: next(readings))
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    assert calls.count(("passes", 2)) == 3
+    (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+    assert result.links == [[0, 1, 0.002]]
 
 
 def test_a_failing_benchmark_is_reported_not_raised():

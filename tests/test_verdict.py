@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import random
 
 import pytest
@@ -76,16 +77,26 @@ def test_slow_link_among_node_ring():
     slow, ev = slow_links(pairs, node_of)
     assert slow == [(2, 3)]
     assert ev["reference_from"] == "inter-node links"
-    assert ev["reference"] == pytest.approx((1.0e-3 + 1.1e-3) / 2)
+    assert ev["reference"] == pytest.approx((1.0e-3 + 0.95e-3) / 2)  # the faster half
     assert ev["links"] == {"0-1": 1.0e-3, "1-2": 1.1e-3, "2-3": 3.0e-3, "0-3": 0.95e-3}
     assert ev["slow"] == ["2-3"] and ev["factor"] == 1.3
     json.dumps(ev)  # JSON-friendly
 
 
+def test_two_congested_links_do_not_hide_each_other():
+    """A 4x and a 2.5x link among four: the plain median (1.75 ms) sits between the
+    2.5x link and the healthy ones and would let it pass; the faster half would not."""
+    node_of = {r: r for r in range(4)}
+    pairs = [(0, 1, 4.0e-3), (0, 2, 2.5e-3), (1, 3, 1.0e-3), (2, 3, 1.05e-3)]
+    slow, ev = slow_links(pairs, node_of, 1.5)
+    assert slow == [(0, 1), (0, 2)] and ev["reference"] == pytest.approx(1.025e-3)
+    assert not 2.5e-3 > 1.5 * statistics.median(t for _, _, t in pairs)
+
+
 def test_a_slow_link_must_also_lose_real_time():
     """2.9x of a 1 ms message is scheduling noise on a shared host; 40 ms is congestion."""
     node_of = {r: r for r in range(4)}
-    noisy = [(0, 1, 1.0e-3), (1, 2, 1.1e-3), (2, 3, 3.0e-3), (3, 0, 0.95e-3)]
+    noisy = [(0, 1, 1.0e-3), (1, 2, 1.1e-3), (2, 3, 2.9e-3), (3, 0, 0.95e-3)]
     assert slow_links(noisy, node_of, 1.5, min_excess_s=0.002)[0] == []
     congested = [(0, 1, 1.0e-3), (1, 2, 1.1e-3), (2, 3, 40e-3), (3, 0, 0.95e-3)]
     slow, ev = slow_links(congested, node_of, 1.5, min_excess_s=0.002)

@@ -223,7 +223,7 @@ class Controller:
                 gemm_n=self.cfg.gemm_size,
                 gemm_repeats=self.cfg.gemm_repeats,
                 gemm_concurrency=self.cfg.gemm_concurrency,
-                gemm_sweeps=self.cfg.gemm_sweeps,
+                validation_sweeps=self.cfg.validation_sweeps,
                 p2p_concurrency=self.cfg.p2p_concurrency,
                 p2p_bytes=self.cfg.p2p_bytes,
                 p2p_repeats=self.cfg.p2p_repeats,

@@ -14,6 +14,7 @@ dedicated process group whose timeout bounds a pass that loses its peer.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -113,9 +114,10 @@ class Suspension:
         links: list[list[float]] = []
         error = ""
         try:
+            sweeps = int(plan.get("validation_sweeps", 1))
             gemm = sorted(int(r) for r in plan.get("gemm", []))
             conc = int(plan.get("gemm_concurrency", 0)) or len(gemm) or 1
-            for _ in range(int(plan.get("gemm_sweeps", 1))):  # the best sweep counts
+            for _ in range(sweeps):  # each rank keeps its best sweep
                 for start in range(0, len(gemm), conc):  # rounds: every rank takes part in each barrier
                     if conc < len(gemm):
                         self.bench.barrier()
@@ -123,10 +125,12 @@ class Suspension:
                         got = float(self.bench.gemm(int(plan["gemm_n"]), int(plan["gemm_repeats"])))
                         flops = got if flops is None else max(flops, got)
             passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
-            if passes:
+            best: dict[tuple[int, int], float] = {}
+            for _ in range(sweeps if passes else 0):  # each pair keeps its best sweep
                 conc = int(plan.get("p2p_concurrency", 0))
                 for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"]), conc):
-                    links.append([src, dst, float(sec)])
+                    best[(src, dst)] = min(float(sec), best.get((src, dst), math.inf))
+            links = [[src, dst, sec] for (src, dst), sec in best.items()]
         except Exception as exc:  # a broken benchmark must not take training down
             error = f"{type(exc).__name__}: {exc}"[:500]
         return ValidationResult(self.rank, self.session, flops, links, error)
