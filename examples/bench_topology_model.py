@@ -1,6 +1,6 @@
 """How well S3's iteration-time model (falconext/sim/itertime.py) predicts the test bed.
 
-Runs the two S3 acceptance jobs (TP1 x DP2 x PP2, four virtual nodes, S3 only) and
+Runs the S3 acceptance jobs (TP1 x DP2 x PP2, four virtual nodes, S3 only) and
 prints, for each, the model's prediction before and after the topology switch (as the
 controller computed it when it decided) against the measured median iteration times in
 the fail-slow before and after the switch (``slow_iter_s``/``mitigated_iter_s`` of the
