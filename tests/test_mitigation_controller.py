@@ -21,6 +21,7 @@ from falconext.control.messages import (
     ValidationResult,
 )
 from falconext.mitigate.microbatch import plan_microbatches
+from falconext.mitigate.mitigation import cap_by_gemm
 from test_controller import commands, events, profile
 
 NODES = {0: 0, 1: 0, 2: 1, 3: 1}
@@ -139,6 +140,24 @@ def decisions(outs):
 
 
 # --- 1. compute straggler: S2 ----------------------------------------------------------
+
+
+def test_s2_caps_an_inflated_forward_time_by_the_validated_gemm_slowdown():
+    """Rank 1 is 2x slow by its GEMM, but its forwards read 2.6x (a shared host stretches
+    them twice): S2 plans for 2x, and records what was measured."""
+    job = Job(mb=[FAST_MB, 2.6 * FAST_MB, FAST_MB, FAST_MB])
+    out, sus = s2_decided(job)
+    action = sus.args["plan"]["action"]
+    assert action["measured_mb_s"] == [FAST_MB, 2.6 * FAST_MB, FAST_MB, FAST_MB]
+    assert action["replica_mb_s"] == pytest.approx([FAST_MB, 2 * FAST_MB, FAST_MB, FAST_MB])
+    assert action["plan"] == plan_microbatches([FAST_MB, 2 * FAST_MB, FAST_MB, FAST_MB], TOTAL)
+    assert action["plan"] != plan_microbatches([FAST_MB, 2.6 * FAST_MB, FAST_MB, FAST_MB], TOTAL)
+
+
+def test_cap_by_gemm_keeps_the_smaller_reading():
+    assert cap_by_gemm([1.0, 3.0, 1.2], {1: 2.0}) == [1.0, 2.2, 1.2]  # healthy median 1.1
+    assert cap_by_gemm([1.0, 1.5, 1.0], {1: 2.0}) == [1.0, 1.5, 1.0]  # suffers less than the GEMM
+    assert cap_by_gemm([2.0, 3.0], {0: 2.0, 1: 2.0}) == [2.0, 3.0]  # no healthy replica to scale
 
 
 def test_s2_is_decided_when_impact_crosses_the_overhead_and_applied_at_the_next_iteration():
