@@ -4,8 +4,11 @@ Two ranks, one per core of the CPU test bed, so each "GPU" computes on its own: 
 four ranks on two cores the replicas share the cores, and moving micro-batches between
 them moves no work off the machine. Each job is 24 micro-batches per global batch.
 
-* ``s2``: rank 1 computes 2x slower from iteration 45 on; only S2 is allowed. It must be
-  detected, localized and rebalanced automatically, removing most of the slowdown.
+* ``s2``: rank 1 computes 3x slower from iteration 45 on; only S2 is allowed. It must be
+  detected, localized and rebalanced automatically, removing most of the slowdown. (At
+  2x the best plan, [16, 8], removes at most 0.67 on independent devices, and a CI host
+  that drifted by 0.1 s per iteration pushed that under the test's 0.5; at 3x [18, 6]
+  removes 0.75.)
 * ``s4``: rank 1 computes 3x slower from 45 on; S2 and S4. S2 cannot be enough
   (the best plan leaves 1.5x), so once the fail-slow has cost as much as the job's
   measured restart, the planner escalates: checkpoint, restart without node 0's faulty
@@ -36,7 +39,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     fault = {"kind": "compute", "rank": 1, "start": FAULT_START}
     return {
         "s2": train(base / "s2", "--iters", "110", "--global-batch-size", GB,
-                    "--falcon-mitigation-strategies", "S2", faults=[dict(fault, factor=2.0)], nproc=2),
+                    "--falcon-mitigation-strategies", "S2", faults=[dict(fault, factor=3.0)], nproc=2),
         # S3 left out: with one pipeline stage no permutation helps a compute straggler
         # (tests/test_topology_e2e.py has S3's runs)
         "s4": train(base / "s4", "--iters", "130", "--global-batch-size", GB,

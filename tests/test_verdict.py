@@ -62,6 +62,13 @@ def test_bad_flops_name_the_rank(bad):
         slow_ranks({7: bad})  # checked even when there is nothing to compare
 
 
+def test_a_suspect_must_stand_out_from_the_unsuspected_ranks():
+    flops = {0: 177.1, 1: 177.9, 2: 118.8, 3: 121.2}  # measured in CI, link fault, suspect 3
+    assert slow_ranks(flops, 1.5, suspects=[3]) == []
+    flops[2] = 175.0  # now only the suspect reads slow
+    assert slow_ranks(flops, 1.5, suspects=[3]) == [3]
+
+
 @pytest.mark.parametrize("factor", [0.9, math.nan, -1.0])
 def test_bad_factor(factor):
     with pytest.raises(ValueError, match="factor"):

@@ -45,7 +45,10 @@ def slow_ranks(
 
     A profiled compute suspect (the rank the others waited for) needs less to be
     confirmed: below the same reference over the *other* ranks / ``confirm_factor``
-    (default halfway between 1 and ``factor``): two independent measurements agree on it.
+    (default halfway between 1 and ``factor``), and below every unsuspected rank that is
+    not slow by that same margin: two independent measurements agree on it. (In CI a
+    link-fault job's last arriver read 121 GFLOP/s against 177 and 178, with an
+    unsuspected rank at 119: noise, not a straggler.)
 
     Fewer than two ranks give no verdict: a lone rank has nothing to be compared with,
     and there is no nominal speed to fall back on.
@@ -60,10 +63,14 @@ def slow_ranks(
     _check_factor(confirm, "slow_ranks (confirm_factor)")
     reference = _upper_median(flops.values())
     slow = {rank for rank, value in flops.items() if value * factor < reference}
+    # the GEMM must also single the suspect out: if a rank nobody suspected reads as slow
+    # (a shared host's noise), the suspect's reading tells nothing apart
+    unsuspected = [v for r, v in flops.items() if r not in suspects and r not in slow]
+    floor = min(unsuspected) if unsuspected else math.inf
     for rank in suspects:
         if rank in flops:
             others = _upper_median(v for r, v in flops.items() if r != rank)
-            if flops[rank] * confirm < others:
+            if flops[rank] * confirm < min(others, floor):
                 slow.add(rank)
     return sorted(slow)
 
