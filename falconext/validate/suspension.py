@@ -126,8 +126,8 @@ class Suspension:
                         flops = got if flops is None else max(flops, got)
             passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
             best: dict[tuple[int, int], float] = {}
+            conc = int(plan.get("p2p_concurrency", 0))
             for _ in range(sweeps if passes else 0):  # each pair keeps its best sweep
-                conc = int(plan.get("p2p_concurrency", 0))
                 for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"]), conc):
                     best[(src, dst)] = min(float(sec), best.get((src, dst), math.inf))
             links = [[src, dst, sec] for (src, dst), sec in best.items()]

@@ -46,7 +46,8 @@ def slow_ranks(
     A profiled compute suspect (the rank the others waited for) needs less to be
     confirmed: below the same reference over the *other* ranks / ``confirm_factor``
     (default halfway between 1 and ``factor``), and below every unsuspected rank that is
-    not slow by that same margin: two independent measurements agree on it. (In CI a
+    not itself slow (by ``factor``) by that same margin: two independent measurements
+    agree on it. (In CI a
     link-fault job's last arriver read 121 GFLOP/s against 177 and 178, with an
     unsuspected rank at 119: noise, not a straggler.)
 
