@@ -24,8 +24,8 @@ CASES = {
         {"kind": "link", "nodes": [0, 2], "factor": 3.0, "start": 45},
     ],
     "link 0-1 x4 on stage 0's DP all-reduce": [{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": 45}],
-    "compute x2 on processes 0 and 3 (stages 0 and 1)": [
-        {"kind": "compute", "rank": r, "factor": 2.0, "start": 45} for r in (0, 3)
+    "compute x3 on processes 0 and 3 (stages 0 and 1)": [
+        {"kind": "compute", "rank": r, "factor": 3.0, "start": 45} for r in (0, 3)
     ],
 }
 

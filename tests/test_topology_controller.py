@@ -13,7 +13,7 @@ import pytest
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
 from falconext.control.messages import Command, FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
-from falconext.mitigate.mitigation import link_excess, topology_inputs
+from falconext.mitigate.mitigation import healthy_mb_s, link_excess, topology_inputs
 from test_controller import commands, events
 
 CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, mitigation_strategies="S3")
@@ -37,10 +37,15 @@ def beats(ctl: Controller, it: int, **kw) -> list:
     return out
 
 
-def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), **beat_fields) -> tuple[Controller, list]:
+def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), healthy_beat: int | None = None,
+                  **beat_fields) -> tuple[Controller, list]:
     """Fail-slow report -> profile -> validation (the x4 link 0-1 if ``slow_link``; GEMMs
-    at half speed on ``slow_gpus``) -> localized; then the suspension's resumed acks."""
+    at half speed on ``slow_gpus``) -> localized; then the suspension's resumed acks.
+    ``healthy_beat``: an iteration before the onset (45) at which every process first
+    reports the default compute time."""
     ctl = Controller(CFG, world=4)
+    if healthy_beat is not None:
+        beats(ctl, healthy_beat)
     beats(ctl, 50, **beat_fields)
     t = 151.0
     out = ctl.handle(FailSlowReport(0, 45, 50, 1.5, HEALTHY, t, event_id=1), t)
@@ -101,9 +106,15 @@ def test_s3_without_role_reports_fails_and_names_why():
     assert failed and "no topology model" in failed[0]["reason"], failed
 
 
-def test_two_stragglers_in_different_stages_are_consolidated_by_s3():
-    mb = {0: 0.03, 1: 0.015, 2: 0.015, 3: 0.03}  # processes 0 (stage 0) and 3 (stage 1) 2x slow
-    ctl, out = localized_job(slow_link=False, slow_gpus=(0, 3))
+@pytest.mark.parametrize("case", ["peers healthy", "peer stretched"])
+def test_two_stragglers_in_different_stages_are_consolidated_by_s3(case):
+    # processes 0 (stage 0) and 3 (stage 1) 2x slow; "peer stretched": as on the 2-core
+    # test bed, the straggler's busy core also stretched its stage peer's forward, so
+    # only the processes' own times from before the onset show the 2x
+    mb = {0: 0.03, 1: 0.015, 2: 0.015, 3: 0.03}
+    if case == "peer stretched":
+        mb[2] = 0.028
+    ctl, out = localized_job(slow_link=False, slow_gpus=(0, 3), healthy_beat=40 if case == "peer stretched" else None)
     (loc,) = events(out, "localized")
     assert loc["gpus"] == [0, 3] and loc["links"] == [], loc["evidence"]
     decided = None
@@ -169,6 +180,29 @@ def test_topology_inputs_say_what_is_missing(change, word):
     bs = {p: beat(p, 60, **(change if p == 0 or word == "no compute time" else {})) for p in range(4)}
     got = topology_inputs(bs, 0.3)
     assert isinstance(got, str) and word in got, got
+
+
+def test_topology_inputs_read_a_straggler_against_its_own_time_before_the_onset():
+    bs = _beats()
+    bs[2] = beat(2, 60, mb_s=0.042)  # the healthy peer, stretched by the straggler's host
+    bs[3] = beat(3, 60, mb_s=0.045)  # 3x its own 0.015 before the onset
+    peers = topology_inputs(bs, 0.5, slow=[3])
+    assert peers.gpu_factors == {3: pytest.approx(0.045 / 0.042)}  # what the peer hides
+    before = {p: 0.015 for p in range(4)}
+    own = topology_inputs(bs, 0.5, slow=[3], before=before)
+    assert own.gpu_factors == {3: pytest.approx(3.0)}
+    # a process without a time before the onset: fall back to the peers
+    assert topology_inputs(bs, 0.5, slow=[3], before={0: 0.015}).gpu_factors == peers.gpu_factors
+
+
+def test_healthy_mb_s_is_the_last_beat_before_the_onset_in_the_current_role():
+    history = {
+        0: [beat(0, 30, mb_s=0.010), beat(0, 44, mb_s=0.012), beat(0, 46, mb_s=0.030)],
+        1: [beat(1, 46, mb_s=0.030)],  # nothing from before the onset
+        2: [beat(2, 40, mb_s=0.015), beat(2, 50, roles=(0, 1, 3, 2), mb_s=0.02)],  # switched role since
+        3: [beat(3, 40, mb_s=0.0), beat(3, 45, mb_s=0.014)],  # 0: not measured yet
+    }
+    assert healthy_mb_s(history, onset=45) == {0: 0.012, 3: 0.014}
 
 
 def test_link_excess_per_byte_over_the_reference():

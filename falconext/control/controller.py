@@ -26,6 +26,7 @@ it has reported its end, and only then can a new one start.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from falconext.control.messages import (
 from falconext.mitigate.mitigation import (
     Mitigation,
     action_for,
+    healthy_mb_s,
     link_excess,
     replica_view,
     replicas_of,
@@ -61,6 +63,9 @@ from falconext.validate.verdict import slow_links, slow_ranks
 MAX_SUSPEND_TRIES = 3
 #: extra seconds the controller gives ranks beyond their own deadlines
 SLACK_S = 2.0
+#: heartbeats kept per rank: at one per 0.5 s, about 30 s, longer than detection takes
+#: from a fail-slow's onset to planning
+HISTORY_BEATS = 64
 
 
 class State(str, Enum):
@@ -98,6 +103,8 @@ class Controller:
         self.state = State.TRACKING
         self.session = 0
         self.beats: dict[int, Heartbeat] = {}
+        #: recent heartbeats per rank: S3 reads each process's compute before the onset
+        self.history: dict[int, collections.deque[Heartbeat]] = {}
         self.episode: _Episode | None = None
         self._profiles: dict[int, ProfileData] = {}
         self._findings: Findings | None = None
@@ -123,6 +130,7 @@ class Controller:
     def handle(self, msg: Any, now: float) -> list[Output]:
         if isinstance(msg, Heartbeat):
             self.beats[msg.rank] = msg
+            self.history.setdefault(msg.rank, collections.deque(maxlen=HISTORY_BEATS)).append(msg)
             return self._observe(msg, now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
@@ -354,6 +362,7 @@ class Controller:
         )
         ep.mitigation = Mitigation(planner, root, list(loc.gpus), [list(x) for x in loc.links],
                                    slow_replicas=replicas_of(loc.gpus, self.beats))
+        ep.mitigation.healthy_mb_s = healthy_mb_s(self.history, min(ep.onsets))
         ep.mitigation.link_excess = link_excess(loc.links, loc.evidence.get("links", {}),
                                                 int((self._plan or {}).get("nbytes", 0) or 0))
         flops = {int(r): float(g) for r, g in loc.evidence.get("gemm_gflops", {}).items()}

@@ -58,6 +58,16 @@ def falcon_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+#: validation settings for the CPU test bed, unless given on the command line: its
+#: ranks share the host's cores (one benchmark at a time), and its loopback messages
+#: pick up milliseconds of scheduling noise (see FalconConfig)
+CPU_TESTBED = {
+    "falcon_gemm_concurrency": 1,
+    "falcon_p2p_concurrency": 1,
+    "falcon_validation_min_link_excess_s": 0.005,
+}
+
+
 def launch_training(args: argparse.Namespace) -> int:
     from falconext.megatron.faults import read_faults
     from falconext.megatron.options import check_train_arguments
@@ -70,10 +80,10 @@ def launch_training(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     if args.inject:
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
-    if args.device == "cpu":  # test-bed ranks share the host's cores: one benchmark at a time
-        for knob in ("falcon_gemm_concurrency", "falcon_p2p_concurrency"):
+    if args.device == "cpu":
+        for knob, value in CPU_TESTBED.items():
             if getattr(args, knob, None) is None:
-                setattr(args, knob, 1)
+                setattr(args, knob, value)
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -35,6 +35,9 @@ class Mitigation:
     #: {(node_a, node_b): excess seconds per byte}
     gpu_factors: dict[int, float] = field(default_factory=dict)
     link_excess: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: each process's compute seconds per micro-batch before the onset, in the role it
+    #: plays now (see :func:`healthy_mb_s`)
+    healthy_mb_s: dict[int, float] = field(default_factory=dict)
     model_inputs: str = ""  # what S3's model was given, for the event log
 
 
@@ -83,6 +86,26 @@ def cap_by_gemm(times: list[float], factors: Mapping[int, float]) -> list[float]
     return [min(t, ref * factors[r]) if r in factors and factors[r] >= 1.0 else t for r, t in enumerate(times)]
 
 
+def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int) -> dict[int, float]:
+    """Each process's compute seconds per micro-batch from its last heartbeat sent
+    before the fail-slow's onset iteration, in the role its latest heartbeat names.
+
+    A heartbeat's figure is a median over the iterations just before it, so one sent
+    before the onset saw none of the fault. Processes without such a heartbeat (the job
+    had just started, or switched roles since) are left out.
+    """
+    out: dict[int, float] = {}
+    for p, beats in history.items():
+        beats = list(beats)
+        if not beats:
+            continue
+        role = beats[-1].role
+        clean = [b for b in beats if b.iteration <= onset and b.role == role and b.mb_s > 0]
+        if clean:
+            out[p] = float(clean[-1].mb_s)
+    return out
+
+
 @dataclass(frozen=True)
 class TopologyInputs:
     """Everything :func:`falconext.mitigate.topology.plan_topology` takes, as the
@@ -95,14 +118,21 @@ class TopologyInputs:
 
 
 def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[int] = (),
-                    gemm_factors: Mapping[int, float] | None = None) -> TopologyInputs | str:
+                    gemm_factors: Mapping[int, float] | None = None,
+                    before: Mapping[int, float] | None = None) -> TopologyInputs | str:
     """The job's layout, current roles, healthy costs and the stragglers' slowdown, from
     the heartbeats, or why not.
 
-    Compute per micro-batch of a stage is the median forward time of its processes that
-    are not slow (backward taken as twice that). A straggler's factor is its own forward
-    time over that (what training sees; the validation GEMM ratio only where no forward
-    time is known). Traffic is what the ranks report (gradient bytes per iteration, one
+    With ``before`` (each process's forward time per micro-batch before the onset, see
+    :func:`healthy_mb_s`) covering every process, a stage's compute per micro-batch is
+    the median of its processes' times before the onset, and a straggler's factor is
+    its forward time now over its own before: a slowdown relative to itself. Peers'
+    times taken during the fail-slow are not a reference: on the 2-core test bed a
+    straggler's busy core stretched its stage peer's forward too, and the ratio to the
+    peer read 1.12 for a 3x straggler, which hid the consolidation. Without it, a
+    stage's compute is the median forward time of its processes that are not slow
+    (backward taken as twice that), and a straggler's factor its own forward time over
+    that (the validation GEMM ratio where no forward time is known). Traffic is what the ranks report (gradient bytes per iteration, one
     pipeline message's bytes). The model is then fitted to the healthy iteration time:
     forward times measured during the fail-slow may be inflated by it (shared hosts), so
     compute is scaled down when the model overshoots, and what it does not see
@@ -132,17 +162,23 @@ def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[i
     except ValueError as exc:
         return str(exc)
     slow = set(slow)
+    own = dict(before) if before and all(before.get(p, 0) > 0 for p in beats) else {}
     fwd = []
     for stage in range(pp):
-        mine = [b.mb_s for p, b in beats.items() if b.stage == stage and p not in slow and b.mb_s > 0]
-        mine = mine or [b.mb_s for b in beats.values() if b.stage == stage and b.mb_s > 0]
+        if own:
+            mine = [own[p] for p, b in beats.items() if b.stage == stage]
+        else:
+            mine = [b.mb_s for p, b in beats.items() if b.stage == stage and p not in slow and b.mb_s > 0]
+            mine = mine or [b.mb_s for b in beats.values() if b.stage == stage and b.mb_s > 0]
         if not mine:
             return f"no compute time per micro-batch from pipeline stage {stage}"
         fwd.append(statistics.median(mine))
     factors: dict[int, float] = {}
     for p in sorted(slow):
         b = beats.get(p)
-        if b is not None and b.mb_s > 0 and 0 <= b.stage < pp:
+        if own and b is not None and b.mb_s > 0:
+            factors[p] = max(1.0, b.mb_s / own[p])
+        elif b is not None and b.mb_s > 0 and 0 <= b.stage < pp:
             factors[p] = max(1.0, b.mb_s / fwd[b.stage])
         elif gemm_factors and p in gemm_factors:
             factors[p] = max(1.0, float(gemm_factors[p]))
@@ -249,7 +285,8 @@ def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replic
 def topology_for(mit: Mitigation, beats: Mapping[int, Any]) -> TopologyPlan | str:
     """S3's permutation for the localized faults, or why there is none (with what the
     model was given, so a refusal can be checked)."""
-    inputs = topology_inputs(beats, mit.planner.status()["healthy_s"], mit.gpus, mit.gpu_factors)
+    inputs = topology_inputs(beats, mit.planner.status()["healthy_s"], mit.gpus, mit.gpu_factors,
+                             mit.healthy_mb_s)
     if isinstance(inputs, str):
         return f"no topology model: {inputs}"
     seen = (f"fwd_s {[round(f, 5) for f in inputs.costs.fwd_s]}, other_s {round(inputs.costs.other_s, 4)}, "
