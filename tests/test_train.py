@@ -160,6 +160,8 @@ def test_fault_is_localized_in_job(runs, name, gpus, links):
     assert len(found) == 1, found
     assert found[0]["gpus"] == gpus and found[0]["links"] == links, found[0]["evidence"]
     assert found[0]["evidence"]["trigger"] == "fail_slow"
+    if name == "link":  # the CPU test bed's floor, set by the launcher (CPU_TESTBED)
+        assert found[0]["evidence"]["links"]["min_excess_s"] == 0.005
     held = events(runs[name], "suspension")
     world = json.loads((runs[name] / "run.json").read_text())["topology"]["world"]
     assert sorted(e["rank"] for e in held) == list(range(world))
