@@ -17,12 +17,17 @@ an undisturbed run of the same job learns.
   slower (at 2x, host noise once made a straggler's validation GEMM read only 1.46x
   below its peers, under the 1.5x line). Both must be localized, S3 must put them into
   one pipeline stage, and the iteration time must drop by at least half of what the
-  planner predicted.
+  planner predicted. The vocabulary is 4096 (``ref_vocab`` is its undisturbed run), so
+  the last stage, with the output layer, computes about 1.7x what stage 0 does.
 
-On this 2-core host a straggler's busy core also slows its neighbours, so the gain of
-consolidation varies between runs; in two 3x runs the planner predicted drops of 0.10
-and 0.15 s per iteration and the runs measured 0.105 and 0.108
-(examples/bench_topology_model.py prints model against measured).
+Why the heavier last stage: on independent devices, a replica is as slow as its slowest
+stage, so with two equal stages moving a straggler from one stage to the other gains
+nothing; the gain of consolidation is that both go to the lighter stage. With the small
+vocabulary the stages were near equal: whether the planner predicted a gain then hung on
+measurement noise (a CI run read the stragglers as 3.02x and 3.62x, predicted nothing
+and rightly refused). With 4096, two runs predicted drops of 0.19 and 0.28 s per
+iteration and measured 0.13 and 0.20 (examples/bench_topology_model.py prints model
+against measured).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from jobs import assert_same_trajectory, events, losses, train
 FAULT_START = 45
 ITERS = 130
 JOB = ["--pp", "2", "--iters", str(ITERS), "--global-batch-size", "16", "--ranks-per-node", "1"]
+VOCAB = ["--vocab", "4096"]  # the consolidation run's: a heavier last stage (see above)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +55,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     slow_gpus = [{"kind": "compute", "rank": r, "factor": 3.0, "start": FAULT_START} for r in (0, 3)]
     return {
         "s3": train(base / "s3", *JOB, "--falcon-mitigation-strategies", "S3", faults=links),
-        "consolidate": train(base / "consolidate", *JOB, "--falcon-mitigation-strategies", "S3", faults=slow_gpus),
+        "consolidate": train(base / "consolidate", *JOB, *VOCAB, "--falcon-mitigation-strategies", "S3",
+                             faults=slow_gpus),
         "ref": train(base / "ref", *JOB, "--no-falcon"),
+        "ref_vocab": train(base / "ref_vocab", *JOB, *VOCAB, "--no-falcon"),
     }
 
 
@@ -116,6 +124,6 @@ def test_two_stragglers_are_consolidated_into_one_stage(runs):
     assert mitigated < slow and slow - mitigated >= 0.5 * (before - after), summary
 
 
-@pytest.mark.parametrize("run", ["s3", "consolidate"])
-def test_s3_keeps_what_the_model_learns(runs, run):
-    assert_same_trajectory(losses(runs[run]), losses(runs["ref"]), ITERS)
+@pytest.mark.parametrize("run, ref", [("s3", "ref"), ("consolidate", "ref_vocab")])
+def test_s3_keeps_what_the_model_learns(runs, run, ref):
+    assert_same_trajectory(losses(runs[run]), losses(runs[ref]), ITERS)
