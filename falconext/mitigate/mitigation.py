@@ -132,12 +132,12 @@ def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[i
     peer read 1.12 for a 3x straggler, which hid the consolidation. Without it, a
     stage's compute is the median forward time of its processes that are not slow
     (backward taken as twice that), and a straggler's factor its own forward time over
-    that (the validation GEMM ratio where no forward time is known). Traffic is what the ranks report (gradient bytes per iteration, one
-    pipeline message's bytes). The model is then fitted to the healthy iteration time:
-    forward times measured during the fail-slow may be inflated by it (shared hosts), so
-    compute is scaled down when the model overshoots, and what it does not see
-    (optimizer, data, loss reduction, healthy transfer times) becomes one constant when
-    it undershoots."""
+    that (the validation GEMM ratio where no forward time is known). Traffic is what
+    the ranks report (gradient bytes per iteration, one pipeline message's bytes). The
+    model is then fitted to the healthy iteration time: forward times measured during
+    the fail-slow may be inflated by it (shared hosts), so compute is scaled down when
+    the model overshoots, and what it does not see (optimizer, data, loss reduction,
+    healthy transfer times) becomes one constant when it undershoots."""
     if not beats:
         return "no heartbeats"
     world = len(beats)
