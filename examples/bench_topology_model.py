@@ -18,19 +18,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-CASES = {
-    "links 0-1 x8 (DP path) and 0-2 x3 (PP path)": [
+#: case -> (faults, extra job arguments). Consolidation gains only where one stage is
+#: lighter (tests/test_topology_e2e.py), so that job has the heavier output layer.
+CASES: dict[str, tuple[list, list[str]]] = {
+    "links 0-1 x8 (DP path) and 0-2 x3 (PP path)": ([
         {"kind": "link", "nodes": [0, 1], "factor": 8.0, "start": 45},
         {"kind": "link", "nodes": [0, 2], "factor": 3.0, "start": 45},
-    ],
-    "link 0-1 x4 on stage 0's DP all-reduce": [{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": 45}],
-    "compute x3 on processes 0 and 3 (stages 0 and 1), vocab 4096": [
-        {"kind": "compute", "rank": r, "factor": 3.0, "start": 45} for r in (0, 3)
-    ],
+    ], []),
+    "link 0-1 x4 on stage 0's DP all-reduce": ([{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": 45}], []),
+    "compute x3 on processes 0 and 3 (stages 0 and 1), vocab 4096": (
+        [{"kind": "compute", "rank": r, "factor": 3.0, "start": 45} for r in (0, 3)], ["--vocab", "4096"]),
 }
-#: extra job arguments per case: consolidation gains only where one stage is lighter
-#: (tests/test_topology_e2e.py), so that job has the heavier output layer
-EXTRA = {"compute x3 on processes 0 and 3 (stages 0 and 1), vocab 4096": ["--vocab", "4096"]}
 
 
 def run(out: Path, faults: list, iters: int, extra: list[str]) -> dict:
@@ -54,8 +52,8 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=130)
     args = parser.parse_args()
     print(f"{'case':52} {'predicted (s/iter)':>20} {'measured (s/iter)':>20} {'error':>14}")
-    for k, (name, faults) in enumerate(CASES.items()):
-        got = run(Path(args.out) / f"case{k}", faults, args.iters, EXTRA.get(name, []))
+    for k, (name, (faults, extra)) in enumerate(CASES.items()):
+        got = run(Path(args.out) / f"case{k}", faults, args.iters, extra)
         s, s3 = got["summary"], got["s3"]
         if s3 is None or s.get("mitigated_iter_s") is None:
             print(f"{name:52} S3 was not applied: {s['mitigation']['failed']}")

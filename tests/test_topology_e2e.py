@@ -25,9 +25,9 @@ stage, so with two equal stages moving a straggler from one stage to the other g
 nothing; the gain of consolidation is that both go to the lighter stage. With the small
 vocabulary the stages were near equal: whether the planner predicted a gain then hung on
 measurement noise (a CI run read the stragglers as 3.02x and 3.62x, predicted nothing
-and rightly refused). With 4096, two runs predicted drops of 0.19 and 0.28 s per
-iteration and measured 0.13 and 0.20 (examples/bench_topology_model.py prints model
-against measured).
+and rightly refused). With 4096, three runs predicted drops of 0.19, 0.28 and 0.18 s
+per iteration and measured 0.13, 0.20 and 0.16 (examples/bench_topology_model.py prints
+model against measured).
 """
 
 from __future__ import annotations

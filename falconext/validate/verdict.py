@@ -47,9 +47,8 @@ def slow_ranks(
     confirmed: below the same reference over the *other* ranks / ``confirm_factor``
     (default halfway between 1 and ``factor``), and below every unsuspected rank that is
     not itself slow (by ``factor``) by that same margin: two independent measurements
-    agree on it. (In CI a
-    link-fault job's last arriver read 121 GFLOP/s against 177 and 178, with an
-    unsuspected rank at 119: noise, not a straggler.)
+    agree on it. (In CI a link-fault job's last arriver read 121 GFLOP/s against 177
+    and 178, with an unsuspected rank at 119: noise, not a straggler.)
 
     Fewer than two ranks give no verdict: a lone rank has nothing to be compared with,
     and there is no nominal speed to fall back on.
