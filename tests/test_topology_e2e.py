@@ -16,8 +16,8 @@ an undisturbed run of the same job learns.
 * ``consolidate``: from iteration 45 processes 0 (stage 0) and 3 (stage 1) compute 3x
   slower (at 2x, host noise once made a straggler's validation GEMM read only 1.46x
   below its peers, under the 1.5x line). Both must be localized, S3 must put them into
-  one pipeline stage, and the iteration time must drop by at least half of what the
-  planner predicted. The vocabulary is 4096 (``ref_vocab`` is its undisturbed run), so
+  one pipeline stage, and the iteration time must drop by at least half the fraction
+  the planner predicted. The vocabulary is 4096 (``ref_vocab`` is its undisturbed run), so
   the last stage, with the output layer, computes about 1.7x what stage 0 does.
 
 Why the heavier last stage: on independent devices, a replica is as slow as its slowest
@@ -121,7 +121,11 @@ def test_two_stragglers_are_consolidated_into_one_stage(runs):
     before, after = applied[0]["predicted_s"]
     slow, mitigated = summary["slow_iter_s"], summary["mitigated_iter_s"]
     print(f"consolidation: predicted {before} -> {after} s/iter, measured {slow} -> {mitigated}")
-    assert mitigated < slow and slow - mitigated >= 0.5 * (before - after), summary
+    # relative drops: the model's absolute times carry the stragglers' factors as read
+    # during the fail-slow, which a shared host inflates (a CI run read a 3x straggler as
+    # 4.89x and predicted 0.70 s for a measured 0.43 s), while the planner's claim is
+    # the fraction it saves
+    assert mitigated < slow and (slow - mitigated) / slow >= 0.5 * (before - after) / before, summary
 
 
 @pytest.mark.parametrize("run, ref", [("s3", "ref"), ("consolidate", "ref_vocab")])
