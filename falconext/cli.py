@@ -20,7 +20,7 @@ from falconext.detect.evaluate import TraceScore, score_trace, summarize
 from falconext.detect.itertime import iteration_times_by_rank
 from falconext.detect.series_io import read_series
 from falconext.inputs import InputError
-from falconext.megatron.options import add_train_arguments
+from falconext.testbed.options import add_train_arguments
 from falconext.trace.logfile import read_call_log
 from falconext.trace.records import RecordError
 
@@ -181,7 +181,7 @@ def _cmd_gen_traces(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from falconext.megatron.launch import launch_training
+    from falconext.testbed.launch import launch_training
 
     return launch_training(args)
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from falconext.config import config_from_args, parse_microbatches, parse_topology
-from falconext.megatron.options import add_train_arguments, check_train_arguments
+from falconext.testbed.options import add_train_arguments, check_train_arguments
 from falconext.mitigate import restart
 
 _STARTED = time.time()  # this process's start, near enough: the module runs as __main__
@@ -60,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args)
 
     from falconext.control.client import JOB_ENV
-    from falconext.megatron import faults as faults_mod
-    from falconext.megatron import report
-    from falconext.megatron.model import ModelShape
-    from falconext.megatron.monitor import EventLog
-    from falconext.megatron.trainer import Trainer, TrainOptions, init_distributed
+    from falconext.testbed import faults as faults_mod
+    from falconext.testbed import report
+    from falconext.testbed.model import ModelShape
+    from falconext.control.eventlog import EventLog
+    from falconext.testbed.trainer import Trainer, TrainOptions, init_distributed
 
     opts = TrainOptions(
         tp=args.tp,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime = None
     if args.falcon:
-        from falconext.megatron.runtime import FalconRuntime
+        from falconext.runtime.runtime import FalconRuntime
 
         runtime = FalconRuntime(
             cfg, rank, rank // args.ranks_per_node, out, events, loop_starts,
@@ -208,8 +208,8 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
     Returns the trainer of this process's new role (the old one if the switch was refused)."""
     import dataclasses
 
-    from falconext.megatron.switch import SwitchRefused, switch_roles
-    from falconext.megatron.trainer import Trainer
+    from falconext.runtime.switch import SwitchRefused, switch_roles
+    from falconext.testbed.trainer import Trainer
     from falconext.mitigate.topology import check_tp_in_nodes
     from falconext.sim.itertime import check_roles
     from falconext.trace.groups import to_rank

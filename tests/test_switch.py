@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from falconext.config import ConfigError, parse_topology
-from falconext.megatron.switch import handover_pairs
+from falconext.runtime.switch import handover_pairs
 from falconext.mitigate.topology import check_tp_in_nodes
 from falconext.sim.itertime import check_roles
 from falconext.trace import groups
@@ -126,7 +126,7 @@ def _refuse_worker(rank: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from falconext.megatron.switch import SwitchRefused, switch_roles
+    from falconext.runtime.switch import SwitchRefused, switch_roles
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))

@@ -10,8 +10,8 @@ import torch
 
 from falconext.cli import main
 from falconext.inputs import InputError
-from falconext.megatron import data
-from falconext.megatron.faults import crossing_senders, link_bytes, parse_faults
+from falconext.testbed import data
+from falconext.testbed.faults import crossing_senders, link_bytes, parse_faults
 
 
 def test_samples_depend_only_on_seed_batch_and_index():

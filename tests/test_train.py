@@ -139,7 +139,7 @@ def test_detection_needs_nothing_but_the_calls(runs):
     # the detector's modules never import the injector
     code = (
         "import sys, falconext.detect, falconext.detect.tracking, falconext.trace.hooks, "
-        "falconext.megatron.monitor; print('falconext.megatron.faults' in sys.modules)"
+        "falconext.runtime.monitor; print('falconext.testbed.faults' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

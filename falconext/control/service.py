@@ -18,7 +18,7 @@ from falconext.config import add_config_arguments, config_from_args
 from falconext.control.bus import Bus
 from falconext.control.client import CMD_STREAM, CONTROLLER_KEY, CTL_STREAM, LOCALIZED_STREAM, REDIS_URL_ENV
 from falconext.control.controller import Controller
-from falconext.megatron.monitor import EventLog
+from falconext.control.eventlog import EventLog
 
 
 def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool]) -> None:

@@ -3,7 +3,7 @@
 This is Falcon-Detect's tracking analysis for one rank, as plain data: the streaming
 iteration tracker recovers iteration times from the call stream and BOCD+V watches
 them. It knows nothing about the training loop; what a "loop iteration" is gets mapped
-on at the edge (``falconext/megatron``), which needs only the times carried here.
+on at the edge (``falconext/runtime``), which needs only the times carried here.
 
 Early on, a tracker can lock onto a unit repeated inside the iteration (a layer, a
 micro-batch) and emit sub-iteration spans until it has seen enough history; when it

@@ -69,8 +69,8 @@ CPU_TESTBED = {
 
 
 def launch_training(args: argparse.Namespace) -> int:
-    from falconext.megatron.faults import read_faults
-    from falconext.megatron.options import check_train_arguments
+    from falconext.testbed.faults import read_faults
+    from falconext.testbed.options import check_train_arguments
 
     if args.nproc < 1:
         raise InputError("--nproc must be >= 1")

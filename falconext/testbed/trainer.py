@@ -15,8 +15,8 @@ from typing import Iterator
 
 import torch
 
-from falconext.megatron import data
-from falconext.megatron.model import ModelShape, build
+from falconext.testbed import data
+from falconext.testbed.model import ModelShape, build
 
 
 @dataclass
@@ -149,7 +149,7 @@ def init_distributed(opts: TrainOptions) -> None:
     from megatron.core import parallel_state as ps
 
     if opts.device == "cpu":
-        from falconext.megatron import cpu_compat
+        from falconext.testbed import cpu_compat
 
         cpu_compat.enable()
         backend = "gloo"

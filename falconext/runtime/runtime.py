@@ -29,7 +29,8 @@ import torch
 from falconext.config import FalconConfig
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
 from falconext.control.messages import Command, FailSlowReport, SessionAck
-from falconext.megatron.monitor import EventLog, RankMonitor
+from falconext.control.eventlog import EventLog
+from falconext.runtime.monitor import RankMonitor
 from falconext.validate.gemm import gemm_benchmark
 from falconext.validate.p2p import run_passes
 from falconext.validate.suspension import Bench, Suspension
