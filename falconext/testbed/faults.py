@@ -110,6 +110,29 @@ def read_faults(path: str, world_size: int, ranks_per_node: int) -> list[Fault]:
     return parse_faults(loads_strict(read_text(path), path), world_size, ranks_per_node, path)
 
 
+# -- factors in force (pure) ---------------------------------------------------------------
+def compute_factor(faults: list[Fault], process: int, iteration: int) -> float:
+    """The factor by which process ``process``'s device is slow at ``iteration``
+    (product of its active compute faults; 1.0 when healthy)."""
+    f = 1.0
+    for fault in faults:
+        if fault.kind == "compute" and fault.rank == process and fault.active(iteration):
+            f *= fault.factor
+    return f
+
+
+def link_factor(faults: list[Fault], node_a: int, node_b: int, iteration: int) -> float:
+    """The factor by which the link between virtual nodes ``node_a`` and ``node_b`` is
+    slow at ``iteration`` (1.0 when healthy, and always within a node)."""
+    f = 1.0
+    if node_a == node_b:
+        return f
+    for fault in faults:
+        if fault.kind == "link" and fault.active(iteration) and set(fault.nodes or ()) == {node_a, node_b}:
+            f *= fault.factor
+    return f
+
+
 # -- the link model (pure) ----------------------------------------------------------------
 def crossing_senders(members: list[int], ranks_per_node: int, link: tuple[int, int]) -> list[int]:
     """Ranks of a ring (members in rank order) whose send to the next member crosses ``link``."""
@@ -217,11 +240,7 @@ class FaultInjector:
 
     # compute -------------------------------------------------------------------------
     def _compute_factor(self) -> float:
-        f = 1.0
-        for fault in self.faults:
-            if fault.kind == "compute" and fault.rank == self.rank and fault.active(self.iteration):
-                f *= fault.factor
-        return f
+        return compute_factor(self.faults, self.rank, self.iteration)
 
     def attach_model(self, module: torch.nn.Module) -> None:
         if not any(f.kind == "compute" and f.rank == self.rank for f in self.faults):

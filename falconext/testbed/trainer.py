@@ -113,6 +113,15 @@ class Trainer:
         act = self.opts.micro_batch_size * self.opts.shape.seq_len * self.opts.shape.hidden * 4  # fp32 activations
         return int(grad), int(act) if self.opts.pp > 1 else 0
 
+    def forward_flops(self) -> float:
+        """Forward FLOPs of one micro-batch of this rank's pipeline stage (the emulated
+        device's work; see falconext.testbed.device)."""
+        from falconext.testbed.device import gpt_forward_flops
+
+        sh = self.opts.shape
+        return gpt_forward_flops(sh.layers // self.opts.pp, sh.hidden, sh.seq_len, self.opts.micro_batch_size,
+                                 sh.vocab, self.opts.tp, self.last_stage)
+
     def forward_time(self) -> tuple[float, int]:
         """(seconds, forward passes) of the last step."""
         return self.timer.seconds, self.timer.count
@@ -148,7 +157,7 @@ class Trainer:
 def init_distributed(opts: TrainOptions) -> None:
     from megatron.core import parallel_state as ps
 
-    if opts.device == "cpu":
+    if opts.device in ("cpu", "emulated"):
         from falconext.testbed import cpu_compat
 
         cpu_compat.enable()
