@@ -57,7 +57,7 @@ class FalconConfig:
     #: a change below this relative size is jitter (paper: 10%)
     min_slowdown: float = 0.10
     #: a slowdown must hold for this many iterations before it is an event
-    min_duration: int = 15
+    min_duration: int = 13
     #: healthy iterations before a change point used as the baseline
     baseline_window: int = 100
     #: fewest healthy iterations a baseline may be computed from

@@ -90,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
 
     faults = faults_mod.read_faults(args.inject, world, args.ranks_per_node) if args.inject else []
     injector = None
-    if faults:
+    device = None
+    if args.device == "emulated":
+        # the emulated accelerator takes the faults itself: they multiply device time
+        from falconext.testbed.emulator import EmulatedDevice
+
+        device = EmulatedDevice(device_model(args), rank, args.ranks_per_node, faults, real_links=args.net == "netns")
+        device.install()  # below the tracer: the tracer sees device-timed transfers
+    elif faults:
         bw = args.link_bandwidth or faults_mod.DEFAULT_LINK_BANDWIDTH
         injector = faults_mod.FaultInjector(faults, rank, args.ranks_per_node, bw)
         injector.install()  # below the tracer: injected delays look like slow transfers
@@ -99,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(opts)
     if injector is not None:
         injector.attach_model(trainer.model.module)
+    if device is not None:
+        device.attach_model(trainer.model.module, trainer.forward_flops())
     topology = _topology(world, args.tp, args.pp, args.ranks_per_node)
     layout = {"world": world, "tp": args.tp, "pp": args.pp}
     switch_layout = dict(layout, ranks_per_node=args.ranks_per_node)
@@ -129,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         runtime = FalconRuntime(
             cfg, rank, rank // args.ranks_per_node, out, events, loop_starts,
             redis_url=args.falcon_redis_url,
-            matmul=injector.stretch_compute(torch.matmul) if injector is not None else torch.matmul,
-            device=args.device,
+            matmul=device.matmul if device is not None else (
+                injector.stretch_compute(torch.matmul) if injector is not None else torch.matmul),
+            device="cuda" if args.device == "cuda" else "cpu",
             replica=trainer.replica,
             calls_suffix=suffix,
             first_iteration=first_it,
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             loop_starts.append(t_prev)
             if injector is not None:
                 injector.iteration = it
+            if device is not None:
+                device.iteration = it
             if it == first_it and restarted is not None and rank == 0:
                 events.emit("restarted", iteration=it, attempt=args.attempt, load_s=round(restarted["load_s"], 4),
                             downtime_s=round(time.time() - float(restarted.get("requested_at", time.time())), 3))
@@ -158,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 action = {"kind": "topology", "roles": forced_topology[1], "strategy": "S3", "forced": True}
             if action is not None and action.get("kind") == "topology":
                 switches += 1
-                trainer = _switch(action, it, trainer, opts, switches, events, rank, switch_layout, runtime, injector)
+                trainer = _switch(action, it, trainer, opts, switches, events, rank, switch_layout, runtime, injector,
+                                  device)
             elif action is not None:
                 request = _apply(action, it, trainer, events, rank, out, layout, args)
                 if request is not None:
@@ -174,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 # ring and dropped, groups re-created, model rebuilt and reloaded)
                 switches += 1
                 trainer = _switch({"kind": "topology", "roles": None, "probe": True}, it, trainer, opts, switches,
-                                  events, rank, switch_layout, runtime, injector)
+                                  events, rank, switch_layout, runtime, injector, device)
             loss = trainer.step(it)
             if runtime is not None:
                 runtime.after_step(trainer.plan[trainer.replica], trainer.forward_time()[0])
@@ -186,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             runtime.close()
         if injector is not None:
             injector.uninstall()
+        if device is not None:
+            device.uninstall()
+            with open(os.path.join(out, "ranks", f"device{suffix}-rank{rank}.json"), "w") as f:
+                json.dump(device.record(), f)
 
     report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, suffix)
     torch.distributed.barrier()
@@ -203,7 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: int, layout: dict, runtime, injector):
+def device_model(args: argparse.Namespace):
+    """The emulated device of ``--device emulated`` from the command line."""
+    from falconext.testbed.device import DEFAULT_GFLOPS, DEFAULT_INTER_BANDWIDTH, DeviceModel
+
+    return DeviceModel(gflops=DEFAULT_GFLOPS if args.device_gflops is None else args.device_gflops,
+                       inter_bandwidth=DEFAULT_INTER_BANDWIDTH if args.link_bandwidth is None else args.link_bandwidth)
+
+
+def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: int, layout: dict, runtime, injector,
+            device=None):
     """S3 at this boundary (every process does, at the same one): new roles, same state.
     Returns the trainer of this process's new role (the old one if the switch was refused)."""
     import dataclasses
@@ -237,6 +263,8 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
         _tell_role(runtime, new, opts)
     if injector is not None:
         injector.attach_model(new.model.module)
+    if device is not None:
+        device.attach_model(new.model.module, new.forward_flops())
     events.emit(
         "topology_switch", rank=process, iteration=it, roles=roles, role=roles[process], epoch=epoch,
         strategy=action.get("strategy", "S3"), forced=bool(action.get("forced", False)), probe=probe,

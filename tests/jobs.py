@@ -16,9 +16,11 @@ from pathlib import Path
 
 
 def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
-           timeout: int = 500) -> subprocess.CompletedProcess:
-    """Run one job; the caller judges the exit status."""
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out), *args]
+           timeout: int = 500, device: str = "cpu") -> subprocess.CompletedProcess:
+    """Run one job; the caller judges the exit status. ``device``: the test bed's
+    ``--device`` (the tests not yet moved to the emulated device keep the CPU bed)."""
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out),
+           "--device", device, *args]
     if faults is not None:
         inject = out.parent / f"{out.name}-faults.json"
         inject.write_text(json.dumps(faults))
@@ -27,9 +29,10 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def train(out: Path, *args: str, nproc: int = 4, faults: list | None = None, timeout: int = 500) -> Path:
+def train(out: Path, *args: str, nproc: int = 4, faults: list | None = None, timeout: int = 500,
+          device: str = "cpu") -> Path:
     """Run one job that must succeed; its output is kept in ``stdout.txt``."""
-    proc = launch(out, *args, nproc=nproc, faults=faults, timeout=timeout)
+    proc = launch(out, *args, nproc=nproc, faults=faults, timeout=timeout, device=device)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (out / "stdout.txt").write_text(proc.stdout)
     return out

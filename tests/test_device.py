@@ -215,3 +215,17 @@ def test_transfers_take_the_link_model_time_and_a_link_fault_slows_them():
         assert 0.02 <= out["p2p0"] < 0.045 and 0.08 <= out["p2p1"] < 0.11, out
         assert 0.02 <= out["batch0"] < 0.045 and 0.08 <= out["batch1"] < 0.11, out
         assert out["link_s"] == pytest.approx(0.24, rel=0.01)
+
+
+def test_s2_ceiling_is_the_optimal_integer_plan_on_true_times():
+    from falconext.testbed.ceiling import s2_ceiling
+
+    # one 2x replica of four, 16 micro-batches each: the best plan leaves 19 of 16 -> 32
+    got = s2_ceiling([1.0] * 4, [1.0, 2.0, 1.0, 1.0], 64)
+    assert got["plan"][1] == 9 and sorted(got["plan"]) == [9, 18, 18, 19]
+    assert got["removed_max"] == pytest.approx(13 / 16)
+    # two replicas, one 2x: f / (f + 1) of the slowdown at best
+    assert s2_ceiling([1.0, 1.0], [1.0, 2.0], 24)["removed_max"] == pytest.approx(2 / 3)
+    assert s2_ceiling([1.0, 1.0], [1.0, 1.0], 24) is None
+    with pytest.raises(ValueError):
+        s2_ceiling([1.0], [1.0, 2.0], 4)

@@ -97,4 +97,6 @@ def test_train_rejects_bad_layouts_and_fault_files_before_starting(tmp_path: Pat
     assert "rank" in _fails(capsys, "train", "--nproc", "4", "--inject", str(bad), "--out", out)
     bad.write_text("[{")
     assert "malformed JSON" in _fails(capsys, "train", "--nproc", "4", "--inject", str(bad), "--out", out)
+    for flag, value in (("--device-gflops", "0"), ("--device-gflops", "-2"), ("--link-bandwidth", "nan")):
+        assert flag in _fails(capsys, "train", "--nproc", "4", flag, value, "--out", out)
     assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing was started

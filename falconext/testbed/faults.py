@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from falconext.inputs import InputError, loads_strict, read_text
+from falconext.testbed.device import ring_hop_bytes
 from falconext.trace.groups import to_process
 from falconext.trace.hooks import P2PWrapper
 
@@ -146,15 +147,9 @@ def crossing_senders(members: list[int], ranks_per_node: int, link: tuple[int, i
     return out
 
 
-def link_bytes(op: str, nbytes: int, n: int) -> float:
-    """Bytes one ring link carries for a collective of ``nbytes`` over ``n`` ranks."""
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n * nbytes
-    if op in ("reduce_scatter", "all_gather"):
-        return (n - 1) / n * nbytes
-    return float(nbytes)
+#: bytes one ring link carries for a collective (one model for the injector and the
+#: emulated device)
+link_bytes = ring_hop_bytes
 
 
 # -- the injector (I/O edge) ---------------------------------------------------------------

@@ -4,6 +4,7 @@ starts torchrun) and ``python -m falconext.train`` (what each torchrun process r
 from __future__ import annotations
 
 import argparse
+import math
 
 from falconext.config import ConfigError, add_config_arguments, parse_microbatches, parse_topology
 
@@ -21,7 +22,16 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--device", choices=["emulated", "cpu", "cuda"], default="emulated",
+        help="emulated: real training on CPU, device time from a device model (default); cpu: real CPU "
+        "time; cuda: GPUs with NCCL",
+    )
+    p.add_argument("--device-gflops", type=float, default=None,
+                   help="emulated device throughput, GFLOP/s (default: see falconext.testbed.device)")
+    p.add_argument("--net", choices=["emulated", "netns"], default="emulated",
+                   help="virtual links: emulated (a link model sets each transfer's time) or netns (one "
+                   "network namespace per virtual node, real rate-limited veth links; needs root)")
     p.add_argument("--out", default="runs/latest", help="output directory")
     p.add_argument("--seed", type=int, default=1234)
     falcon = p.add_mutually_exclusive_group()
@@ -29,7 +39,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     falcon.add_argument("--no-falcon", dest="falcon", action="store_false", help="train without falconext")
     p.add_argument("--inject", default=None, help="JSON list of faults (experiment tool)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per virtual node (link faults)")
-    p.add_argument("--link-bandwidth", type=float, default=None, help="nominal virtual-link bytes/s (link faults)")
+    p.add_argument("--link-bandwidth", type=float, default=None,
+                   help="inter-node link bytes/s (default: see falconext.testbed.device)")
     p.add_argument(
         "--falcon-redis-url", default=None,
         help="control-plane Redis (redis://:PASSWORD@HOST:PORT/0); default: $FALCON_REDIS_URL, "
@@ -74,6 +85,10 @@ def check_train_arguments(args: argparse.Namespace, world: int) -> None:
 
         roles = check_roles(topo[1], world, "--falcon-force-topology roles")
         check_tp_in_nodes(roles, args.tp, args.ranks_per_node, "--falcon-force-topology")
+    for name in ("device_gflops", "link_bandwidth"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r}")
     if args.layers % args.pp:
         raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
     if args.hidden % args.heads or args.heads % args.tp:

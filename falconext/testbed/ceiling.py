@@ -1,0 +1,71 @@
+"""What S2 could at best remove, from the emulated device's true times (the summary's
+``slowdown_removed_max``).
+
+The emulator knows each rank's device time per micro-batch and the factors it applied;
+the best any micro-batch plan can do is the optimal integer plan on those true times
+(:func:`falconext.mitigate.microbatch.plan_microbatches`, exact). Comparing the measured
+``slowdown_removed`` with this ceiling makes every S2 figure comparable to what is
+possible: with one 2x replica among four and 16 micro-batches each, the best plan
+[9, 19, 18, 18] leaves the slowest replica at 19 units against 16 healthy and 32 slow,
+so at most 0.81 of the slowdown can go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from falconext.mitigate.microbatch import plan_microbatches
+
+
+def s2_ceiling(healthy_mb_s: list[float], slow_mb_s: list[float], total: int) -> dict[str, Any] | None:
+    """The iteration compute time (max over replicas of micro-batches x time per
+    micro-batch) healthy, slow under the even plan, and under the optimal plan, and the
+    share of the slowdown the optimal plan removes. None when nothing is slow."""
+    d = len(healthy_mb_s)
+    if d == 0 or len(slow_mb_s) != d or total < d:
+        raise ValueError(f"s2_ceiling: {d} healthy times, {len(slow_mb_s)} slow times, {total} micro-batches")
+    even = [total // d + (1 if i < total % d else 0) for i in range(d)]
+    slow_t = list(slow_mb_s)
+    healthy = max(m * t for m, t in zip(even, healthy_mb_s))
+    slow = max(m * t for m, t in zip(even, slow_t))
+    if slow <= healthy * (1 + 1e-9):
+        return None
+    plan = plan_microbatches(slow_t, total)
+    best = max(m * t for m, t in zip(plan, slow_t))
+    return {"plan": plan, "healthy_s": healthy, "slow_s": slow, "best_s": best,
+            "removed_max": (slow - best) / (slow - healthy)}
+
+
+def ceiling_from_run(out: str, run: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`s2_ceiling` for a finished emulated run: each replica's time per
+    micro-batch is its slowest rank's (device files under ``ranks/``), slowed by the
+    compute faults in force at the first fault's start. None without device records or
+    without a compute fault."""
+    from falconext.testbed.faults import compute_factor, parse_faults
+
+    topo = run.get("topology") or {}
+    ranks = topo.get("ranks") or []
+    raw = run.get("faults") or []
+    if not ranks or not any(f.get("kind") == "compute" for f in raw):
+        return None
+    world = int(topo["world"])
+    faults = parse_faults(raw, world, int(topo.get("ranks_per_node", 1)), "run.json")
+    start = min(f.start for f in faults if f.kind == "compute")
+    mb_s: dict[int, float] = {}
+    for r in range(world):
+        path = os.path.join(out, "ranks", f"device-rank{r}.json")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            mb_s[r] = float(json.load(f)["microbatch_s"])
+    dp = int(topo["dp"])
+    healthy, slow = [0.0] * dp, [0.0] * dp
+    for info in ranks:  # a replica is as slow as its slowest stage
+        r, rep = int(info["rank"]), int(info["dp_rank"])
+        healthy[rep] = max(healthy[rep], mb_s[r])
+        slow[rep] = max(slow[rep], mb_s[r] * compute_factor(faults, r, start))
+    args = run.get("args") or {}
+    total = int(args.get("global_batch_size", 0)) // max(1, int(args.get("micro_batch_size", 1)))
+    return s2_ceiling(healthy, slow, total)
