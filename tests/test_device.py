@@ -218,7 +218,7 @@ def test_transfers_take_the_link_model_time_and_a_link_fault_slows_them():
 
 
 def test_s2_ceiling_is_the_optimal_integer_plan_on_true_times():
-    from falconext.testbed.ceiling import s2_ceiling
+    from falconext.testbed.device_report import s2_ceiling
 
     # one 2x replica of four, 16 micro-batches each: the best plan leaves 19 of 16 -> 32
     got = s2_ceiling([1.0] * 4, [1.0, 2.0, 1.0, 1.0], 64)

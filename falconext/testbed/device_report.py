@@ -1,5 +1,5 @@
-"""What S2 could at best remove, from the emulated device's true times (the summary's
-``slowdown_removed_max``).
+"""What the emulated device knows and the summary reports: what S2 could at best remove
+(``slowdown_removed_max``), and how well the host kept up with the device (overruns).
 
 The emulator knows each rank's device time per micro-batch and the factors it applied;
 the best any micro-batch plan can do is the optimal integer plan on those true times
@@ -69,3 +69,33 @@ def ceiling_from_run(out: str, run: dict[str, Any]) -> dict[str, Any] | None:
     args = run.get("args") or {}
     total = int(args.get("global_batch_size", 0)) // max(1, int(args.get("micro_batch_size", 1)))
     return s2_ceiling(healthy, slow, total)
+
+
+def device_figures(out: str, world: int) -> dict[str, Any] | None:
+    """The device records of all ranks, summed: device windows, overruns (real CPU work
+    that outlasted its device time) and their share, worst rank. None when the run had no
+    emulated device."""
+    windows = overruns = 0
+    overrun_s = compute_s = 0.0
+    worst: tuple[float, int] = (0.0, -1)
+    for r in range(world):
+        path = os.path.join(out, "ranks", f"device-rank{r}.json")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            rec = json.load(f)
+        windows += int(rec["windows"])
+        overruns += int(rec["overruns"])
+        overrun_s += float(rec["overrun_s"])
+        rank_compute = sum(float(i["compute_s"]) for i in rec["iterations"].values())
+        compute_s += rank_compute
+        share = float(rec["overrun_s"]) / rank_compute if rank_compute > 0 else 0.0
+        worst = max(worst, (share, r))
+    return {
+        "windows": windows,
+        "overruns": overruns,
+        "overrun_s": round(overrun_s, 4),
+        "overrun_share": round(overrun_s / compute_s, 5) if compute_s > 0 else 0.0,
+        "worst_rank": worst[1],
+        "worst_rank_overrun_share": round(worst[0], 5),
+    }

@@ -1,0 +1,53 @@
+"""Load generator: CPU-bound processes beside a training job, to check that the emulated
+test bed keeps its figures on a loaded host.
+
+    python3 examples/cpu_hog.py --procs 2 --seconds 600 &
+
+Each process spins on pure-Python arithmetic (one core's worth of demand each) until
+``--seconds`` have passed, then exits by itself; Ctrl-C or SIGTERM stops all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import signal
+import sys
+import time
+
+
+def spin(seconds: float) -> None:
+    """Keep one core busy for ``seconds`` (wall clock), then return."""
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        for i in range(10_000):
+            x = (x * 31 + i) % 1_000_003
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--procs", type=int, default=2, help="CPU-bound processes (default 2)")
+    p.add_argument("--seconds", type=float, default=600.0, help="how long they run (default 600)")
+    args = p.parse_args(argv)
+    if args.procs < 1 or not 0 < args.seconds <= 24 * 3600:
+        print("cpu_hog: --procs must be >= 1 and --seconds in (0, 86400]", file=sys.stderr)
+        return 2
+    procs = [mp.Process(target=spin, args=(args.seconds,), daemon=True) for _ in range(args.procs)]
+    for proc in procs:
+        proc.start()
+
+    def stop(*_: object) -> None:
+        for proc in procs:
+            proc.terminate()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for proc in procs:
+        proc.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
