@@ -1,7 +1,9 @@
 """Start and supervise a job's control plane: Redis, the controller, one agent per node.
 
 Used by the launcher (``falconext train``). Redis is private to the job unless a URL is
-given: loopback only, a fresh password, nothing persisted. The controller and agents
+given: a fresh password, nothing persisted, and bound to loopback only; with ``--net
+netns`` also to the node bridge's address (``redis_bind``: its first address is the one
+the URL names, so ranks inside the node namespaces reach it). The controller and agents
 are child processes that get the URL through the environment; a supervisor thread
 restarts whichever dies (the ranks log the loss and keep training meanwhile), so a
 crash costs seconds of control, never the job. ``control.json`` in the run directory
@@ -35,6 +37,7 @@ class ControlPlane:
         falcon_argv: list[str],
         redis_url: str | None = None,
         job: str | None = None,
+        redis_bind: str = "127.0.0.1",
     ) -> None:
         self.out = out
         self.world = world
@@ -43,6 +46,7 @@ class ControlPlane:
         self.job = job or os.environ.get(JOB_ENV) or secrets.token_hex(4)
         self.redis: RedisServer | None = None
         self.url = redis_url
+        self.redis_bind = redis_bind
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
         self._stop = threading.Event()
@@ -55,7 +59,7 @@ class ControlPlane:
 
     def start(self) -> "ControlPlane":
         if self.url is None:
-            self.redis = start_redis()
+            self.redis = start_redis(bind=self.redis_bind)
             self.url = self.redis.url
         self._spawn("controller")
         for n in range(self.nodes):

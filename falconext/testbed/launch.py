@@ -3,6 +3,11 @@
 Checks the layout and the fault file before any process starts (a typo should not cost
 a torchrun start-up), picks a free loopback port, runs ``-m falconext.train`` on every
 rank, and returns its exit status. What the ranks write lands in ``--out``.
+
+With ``--net netns`` (root) each virtual node gets a network namespace with a shaped veth
+(:mod:`falconext.testbed.netns`) and its own torchrun inside it; the ranks meet over the
+veths, the private Redis also listens on the bridge address, and the namespaces are
+removed however the job ends.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ def launch_training(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     if args.inject:
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
+    if getattr(args, "net", "emulated") == "netns":
+        _check_netns(args)
     for knob, value in TESTBED_KNOBS.get(args.device, {}).items():
         if getattr(args, knob, None) is None:
             setattr(args, knob, value)
@@ -99,23 +106,10 @@ def launch_training(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
+    if getattr(args, "net", "emulated") == "netns":
+        return _launch_netns(args, env)
     cmd = torchrun_command(args, rank_argv(args), free_port())
-    plane = None
-    if args.falcon and config_from_args(args).control_plane:
-        from falconext.control.client import REDIS_URL_ENV
-        from falconext.control.plane import ControlPlane
-        from falconext.control.redis_server import RedisUnavailable
-
-        events = os.path.join(args.out, "events.jsonl")
-        if os.path.exists(events):  # the controller appends from the start
-            os.remove(events)
-        nodes = -(-args.nproc // args.ranks_per_node)
-        plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args), redis_url=args.falcon_redis_url or env.get(REDIS_URL_ENV))
-        try:
-            plane.start()
-        except RedisUnavailable as exc:
-            raise InputError(str(exc)) from None
-        env.update(plane.env())
+    plane = _start_plane(args, env)
     from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
     env[LAUNCH_TIME_ENV] = repr(time.time())
@@ -135,6 +129,29 @@ def launch_training(args: argparse.Namespace) -> int:
     finally:
         if plane is not None:
             plane.stop()
+
+
+def _start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str = "127.0.0.1"):
+    """Start the control plane when the job runs falconext with one (its variables go into
+    ``env``); None otherwise. ``redis_bind``: the private Redis's addresses, first in the URL."""
+    plane = None
+    if args.falcon and config_from_args(args).control_plane:
+        from falconext.control.client import REDIS_URL_ENV
+        from falconext.control.plane import ControlPlane
+        from falconext.control.redis_server import RedisUnavailable
+
+        events = os.path.join(args.out, "events.jsonl")
+        if os.path.exists(events):  # the controller appends from the start
+            os.remove(events)
+        nodes = -(-args.nproc // args.ranks_per_node)
+        plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args),
+                             redis_url=args.falcon_redis_url or env.get(REDIS_URL_ENV), redis_bind=redis_bind)
+        try:
+            plane.start()
+        except RedisUnavailable as exc:
+            raise InputError(str(exc)) from None
+        env.update(plane.env())
+    return plane
 
 
 #: S4 restarts one job may ask for before the launcher gives up
@@ -173,3 +190,184 @@ def _prepare_restart(args: argparse.Namespace, req) -> None:
     args.attempt = req.attempt
     print(f"falconext: restart {req.attempt} from iteration {req.iteration} without nodes {req.exclude_nodes} "
           f"(checkpoint {req.checkpoint})", flush=True)
+
+
+# -- --net netns: one namespace and one torchrun per virtual node -----------------------------
+#: TCP port of the rendezvous store in node 0's namespace (fresh per run, so free); attempt
+#: a uses MASTER_PORT_BASE + a, so a restart never meets its predecessor's sockets
+MASTER_PORT_BASE = 29500
+#: once one node's torchrun failed, how long the others get to exit on their own, seconds
+FAIL_GRACE_S = 20.0
+#: how long a torchrun gets to exit after SIGTERM before SIGKILL, seconds
+STOP_GRACE_S = 10.0
+
+
+def _check_netns(args: argparse.Namespace) -> None:
+    """Refuse what ``--net netns`` cannot do (one-line InputError), or fall back to the
+    emulated link model, with a one-line notice, where this machine has no namespaces."""
+    from urllib.parse import urlparse
+
+    from falconext.testbed import netns
+
+    if os.geteuid() != 0:
+        raise InputError("--net netns needs root (it creates network namespaces, veths and tc qdiscs); "
+                         "run as root or use --net emulated")
+    if args.nproc % args.ranks_per_node:
+        raise InputError(f"--net netns needs --ranks-per-node ({args.ranks_per_node}) to divide --nproc "
+                         f"({args.nproc}): every node namespace runs the same number of ranks")
+    url = args.falcon_redis_url or os.environ.get("FALCON_REDIS_URL")
+    if args.falcon and url and (urlparse(url).hostname or "") in ("127.0.0.1", "localhost", "::1"):
+        raise InputError("--net netns: a control-plane Redis on loopback is unreachable from the node namespaces; "
+                         "give one on another address, or no URL (the job then starts its own)")
+    reason = netns.available()
+    if reason is not None:
+        print(f"falconext: --net netns not available ({reason}); using the emulated link model", flush=True)
+        args.net = "emulated"
+
+
+def node_torchrun_command(args: argparse.Namespace, argv_tail: list[str], nodes: int, node: int,
+                          master_addr: str, port: int) -> list[str]:
+    """Node ``node``'s torchrun (run inside its namespace): ranks_per_node local ranks of an
+    ``nodes``-node job whose rendezvous store is at ``master_addr:port``."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(nodes),
+        "--node_rank", str(node),
+        "--nproc_per_node", str(args.ranks_per_node),
+        "--master_addr", master_addr,
+        "--master_port", str(port),
+        "-m", "falconext.train", *argv_tail,
+    ]
+
+
+def fold_exit_codes(codes: list[int | None]) -> tuple[int, int | None]:
+    """One exit status for the job from its nodes' (None: still running or killed by us
+    after another failed): the first failing node's status and that node, or (0, None)."""
+    for node, code in enumerate(codes):
+        if code not in (0, None):
+            return code, node
+    return 0, None
+
+
+def _launch_netns(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """The ``--net netns`` job: namespaces up, control plane on the bridge address, one
+    torchrun per node, the S4 restart loop, and everything removed however it ends."""
+    from falconext.mitigate.restart import LAUNCH_TIME_ENV
+    from falconext.testbed import netns
+    from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
+
+    removed = netns.cleanup_stale()
+    if removed:
+        print(f"falconext: removed {len(removed)} leftover(s) of killed netns runs: {' '.join(removed)}", flush=True)
+    nodes = args.nproc // args.ranks_per_node
+    rate = DEFAULT_INTER_BANDWIDTH if args.link_bandwidth is None else args.link_bandwidth
+    network = plane = None
+    with _signals_raise():
+        try:
+            try:
+                network = netns.Network.create(nodes, rate)
+            except (netns.NetnsError, ValueError) as exc:
+                raise InputError(f"--net netns: could not set up the node namespaces: {exc}") from None
+            plane = _start_plane(args, env, redis_bind=f"{network.layout.bridge_ip} 127.0.0.1")
+            env[LAUNCH_TIME_ENV] = repr(time.time())
+            attempt = 0
+            while True:
+                code, node = _run_nodes(args, env, network, MASTER_PORT_BASE + attempt)
+                if code != 0:
+                    raise InputError(f"training failed (node {node}'s torchrun exit status {code}); "
+                                     "see the messages above")
+                req = _take_restart_request(args.out)
+                if req is None:
+                    return 0
+                if req.attempt > MAX_RESTARTS:
+                    raise InputError(f"the job asked for restart number {req.attempt}; at most {MAX_RESTARTS} "
+                                     "are allowed")
+                _prepare_restart(args, req)
+                network.reshape()  # every link back to the base rate
+                attempt += 1
+                env[LAUNCH_TIME_ENV] = repr(req.requested_at)
+        finally:
+            if plane is not None:
+                plane.stop()
+            if network is not None:
+                network.close()
+
+
+def _run_nodes(args: argparse.Namespace, env: dict[str, str], network, port: int) -> tuple[int, int | None]:
+    """Start every node's torchrun in its namespace, wait for all, fold their statuses.
+    A node that fails gives the others FAIL_GRACE_S to exit before they are stopped."""
+    layout = network.layout
+    tail = rank_argv(args)
+    procs: list[subprocess.Popen] = []
+    try:
+        for k in range(layout.nodes):
+            argv = network.exec_argv(k, node_torchrun_command(args, tail, layout.nodes, k, layout.node_ip(0), port))
+            procs.append(subprocess.Popen(argv, env=dict(env, **layout.node_env(k, network.rate)),
+                                          start_new_session=True))
+        failed_at = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                return fold_exit_codes(codes)
+            if failed_at is None and any(c not in (0, None) for c in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
+                _stop_groups(procs)
+                return fold_exit_codes(codes)
+            time.sleep(0.2)
+    finally:
+        _stop_groups(procs)
+
+
+def _stop_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each still-running torchrun's process group, SIGKILL what is left after
+    STOP_GRACE_S; returns once all have been reaped (or after the kill's own 5 s)."""
+    import signal
+
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class _signals_raise:
+    """While active (main thread only), SIGTERM raises SystemExit(143) like SIGINT raises
+    KeyboardInterrupt, so the launcher's finally blocks stop the torchruns and remove the
+    namespaces. The previous handlers come back on exit."""
+
+    def __enter__(self) -> "_signals_raise":
+        import signal
+        import threading
+
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum: int, frame) -> None:
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
