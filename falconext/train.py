@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 events.emit("restarted", iteration=it, attempt=args.attempt, load_s=round(restarted["load_s"], 4),
                             downtime_s=round(time.time() - float(restarted.get("requested_at", time.time())), 3))
             action = runtime.before_iteration(it) if runtime is not None else None
+            if runtime is not None and args.bench_falcon_toggle:  # benchmark: off N, on N, ...
+                runtime.set_enabled((it // args.bench_falcon_toggle) % 2 == 1)
             if forced_topology is not None and it == forced_topology[0]:
                 action = {"kind": "topology", "roles": forced_topology[1], "strategy": "S3", "forced": True}
             if action is not None and action.get("kind") == "topology":
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(out, "ranks", f"device{suffix}-rank{rank}.json"), "w") as f:
                 json.dump(device.record(), f)
 
-    report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, suffix)
+    report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, suffix,
+                            overhead=runtime.overhead() if runtime else None)
     torch.distributed.barrier()
     if request is not None:
         if rank == 0:

@@ -176,22 +176,36 @@ def test_operator_validation_of_a_healthy_job_localizes_nothing_and_tests_every_
     assert ctl.episode is None  # an operator episode ends with its verdict
 
 
-def test_a_slow_link_is_named_by_its_nodes():
+def _validate_links(nodes, slow):
+    """A validation session on a job whose ranks sit on ``nodes``; each rank reports the
+    DP-ring link into it, 50 ms on the ``slow`` rank pairs and 10 ms elsewhere."""
     ctl = Controller(CFG, world=4)
-    beats(ctl)
+    for r, n in nodes.items():
+        ctl.handle(Heartbeat(r, n, 50, 0.3, 100.0), 100.0)
     ctl.handle(Command("validate", 0.0), 101.0)
-    for r in NODES:
+    for r in nodes:
         ctl.handle(profile(r, ctl.session, None), 101.2)
     s, it = ctl.session, ctl._iteration
-    for r in NODES:
+    for r in nodes:
         ctl.handle(SessionAck(r, s, "held", it, 102.0), 102.0)
-    slow = {(1, 2), (3, 0)}  # the ring links that cross nodes 0-1
     outs = []
-    for r in NODES:
+    for r in nodes:
         links = [[(r - 1) % 4, r, 0.05 if ((r - 1) % 4, r) in slow else 0.01]]  # the DP ring
         outs += ctl.handle(ValidationResult(r, s, 1e10, links), 102.5)
     (loc,) = events(outs, "localized")
-    assert loc["links"] == [[0, 1]] and loc["gpus"] == []
+    return loc
+
+
+def test_a_slow_link_is_named_by_its_nodes():
+    loc = _validate_links({0: 0, 1: 1, 2: 2, 3: 3}, slow={(1, 2)})  # one rank per node
+    assert loc["links"] == [[1, 2]] and loc["gpus"] == []
+
+
+def test_a_lone_inter_node_link_has_no_peer_to_be_compared_with():
+    """Two nodes: the ring links that cross them are one node link, and intra-node links
+    (NVLink-class) are no reference for it, so it is not named."""
+    loc = _validate_links(NODES, slow={(1, 2), (3, 0)})
+    assert loc["links"] == [] and loc["gpus"] == []
 
 
 def test_messages_of_other_sessions_and_states_are_ignored():

@@ -6,6 +6,9 @@ reads the controller's commands. Everything on the network side is fail-open: wh
 Redis or the controller is gone the rank logs ``control_lost`` once, keeps training at
 full speed, and logs ``control_restored`` when they are back. Commands are decoded
 strictly by the bus; a command that makes no sense here is logged and dropped.
+
+The thread reads its own CPU clock after each round (:meth:`RankClient.cpu_seconds`): what
+the control link costs the rank.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class RankClient:
         self.commands = 0
         self._dropped_seen = 0
         self.dropped_out = 0
+        self._cpu_s = 0.0  # the thread's CPU clock, as it last read it
 
     def start(self) -> None:
         self._thread.start()
@@ -68,6 +72,10 @@ class RankClient:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def cpu_seconds(self) -> float:
+        """Thread CPU seconds the client's thread has used, up to its latest round."""
+        return self._cpu_s
 
     def post(self, msg: Any) -> None:
         """Queue a message for the controller; never blocks the caller."""
@@ -115,8 +123,10 @@ class RankClient:
                 self._report_drops(bus)
                 if not bus.connected:
                     self._stop.wait(0.1)
+                self._cpu_s = time.thread_time()
         finally:
             bus.close()
+            self._cpu_s = time.thread_time()
 
     def _report_drops(self, bus: Bus) -> None:
         """Malformed or unexpected messages were dropped by the bus: say so, once each."""

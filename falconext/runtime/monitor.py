@@ -6,6 +6,10 @@ verified fail-slows. The detector sees nothing but the calls; this module only
 translates its indices into the training loop's iteration numbers for reporting, using
 the times at which the loop started each iteration (an estimated iteration is the span
 between two anchor calls, and belongs to the loop iteration its first anchor fell in).
+
+Its own cost is kept as thread CPU time (:meth:`RankMonitor.cpu_seconds`): the thread
+reads its CPU clock after each round, and the final drain in :meth:`RankMonitor.stop`,
+which runs on the stopping thread, is timed there.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import bisect
 import json
 import threading
+import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig
@@ -56,6 +61,10 @@ class RankMonitor:
         self.on_event = on_event
         self._recent = RecentCollectives()
         self._recent_lock = threading.Lock()
+        #: paused: the thread wakes up but neither drains nor analyses (falcon off)
+        self._paused = False
+        self._thread_cpu_s = 0.0  # the thread's own CPU clock, as it last read it
+        self._stop_cpu_s = 0.0  # the final drain in stop(), on the stopping thread
 
     def start(self) -> None:
         self._thread.start()
@@ -64,13 +73,29 @@ class RankMonitor:
         """Stop the thread after a final drain (called once training has ended)."""
         self._stop.set()
         self._thread.join(timeout=30)
+        cpu0 = time.thread_time()
         self._process()
+        self._stop_cpu_s += time.thread_time() - cpu0
         if self._calls:
             self._calls.close()
 
+    def pause(self, paused: bool) -> None:
+        """Stop (True) or resume (False) draining and analysing; records wait in the ring."""
+        self._paused = bool(paused)
+
+    def cpu_seconds(self) -> float:
+        """Thread CPU seconds this monitor has used: its thread's, up to its latest round,
+        plus the final drain's."""
+        return self._thread_cpu_s + self._stop_cpu_s
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._process()
+        try:
+            while not self._stop.wait(self.interval):
+                if not self._paused:
+                    self._process()
+                self._thread_cpu_s = time.thread_time()
+        finally:
+            self._thread_cpu_s = time.thread_time()
 
     def _loop_iteration(self, t_begin: float, t_end: float) -> int | None:
         """The loop iteration an anchor-to-anchor span overlaps most.

@@ -12,6 +12,11 @@ Everything else runs off the training thread. A suspension traps the first colle
 of the agreed iteration; validation traffic uses a dedicated gloo group created at
 start-up (before the tracer, on every rank, so creating it cannot deadlock later) and
 the torch.distributed functions found below the tracer.
+
+What falconext costs the rank is kept as CPU time by component
+(:meth:`FalconRuntime.cpu_seconds`, :meth:`FalconRuntime.overhead`), and
+:meth:`FalconRuntime.set_enabled` turns it off and on at iteration boundaries, so a
+benchmark can compare iterations with and without it in one run.
 """
 
 from __future__ import annotations
@@ -80,6 +85,13 @@ class FalconRuntime:
         self._mb_s: collections.deque[float] = collections.deque(maxlen=8)
         self._action: tuple[int, dict[str, Any]] | None = None
         self._micro = 0
+        self._enabled = True
+        #: loop iterations run with falconext on (the denominator of the per-iteration cost)
+        self.iterations_on = 0
+        #: (iteration, on) at each set_enabled change; falconext is on before the first
+        self.toggles: list[tuple[int, bool]] = []
+        self._off_cpu: dict[str, float] = {}  # CPU seconds by component spent while off
+        self._off_mark: dict[str, float] = {}  # cpu_seconds() when falconext was last turned off
 
         url = redis_url or os.environ.get(REDIS_URL_ENV) or None
         self.control = bool(config.control_plane and url)
@@ -111,6 +123,7 @@ class FalconRuntime:
     def before_iteration(self, it: int) -> dict[str, Any] | None:
         """Arms a scheduled suspension; returns the action committed for this iteration."""
         self._iteration = it
+        self.iterations_on += self._enabled
         action = None
         if self._action is not None and self._action[0] <= it:
             action, self._action = self._action[1], None
@@ -130,14 +143,116 @@ class FalconRuntime:
             pend, self._pending = self._pending, None
         if pend is None:
             return
-        if it == pend.iteration:
+        if it == pend.iteration and self._enabled:
             self._active = pend
             self.suspensions.append(pend)
             self.tracer.trap.arm(self.cfg.suspend_deadline_s, on_hold=pend.run)
-        elif it > pend.iteration and self.client is not None:  # the command came too late
-            self.client.post(SessionAck(self.rank, pend.session, "missed", it, time.time()))
+        elif it >= pend.iteration or not self._enabled:  # too late, or no trap while off
+            self._missed(pend.session, it)
         else:
             self._pending = pend  # not yet
+
+    def _missed(self, session: int, it: int) -> None:
+        """Tell the controller this rank will not hold for ``session``."""
+        if self.client is not None:
+            self.client.post(SessionAck(self.rank, session, "missed", it, time.time()))
+
+    # --- falconext on and off (benchmarks) ----------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def set_enabled(self, on: bool) -> None:
+        """Turn falconext off or back on from this iteration; idempotent.
+
+        Only at an iteration boundary, on the training thread, right after
+        :meth:`before_iteration` (every rank at the same iteration). Off: a suspension
+        armed or pending is dropped and answered "missed" (none is scheduled while off),
+        the tracer is uninstalled (training calls torch.distributed directly), the
+        monitor stops draining and analysing, and heartbeats stop (:meth:`iter_s` reads
+        0). On: the tracer is installed again, at a boundary as at start, and the
+        monitor and heartbeats resume. The iteration counts toward ``iterations_on``
+        in the state it is left in.
+        """
+        on = bool(on)
+        if on == self._enabled:
+            return
+        with self._lock:
+            self._enabled = on
+        if on:
+            self._off_cpu = self._cpu_while_off()
+            self.tracer.install()
+            self.monitor.pause(False)
+        else:
+            self._drop_suspensions()
+            self.tracer.uninstall()
+            self.monitor.pause(True)
+            self._off_mark = self.cpu_seconds()
+        if self._iteration >= 0:
+            self.iterations_on += 1 if on else -1
+        self.toggles.append((self._iteration, on))
+
+    def _drop_suspensions(self) -> None:
+        """Disarm the trap and forget the pending suspension, answering "missed"."""
+        trap = self.tracer.trap
+        if trap.armed:
+            trap.release()
+            if self._active is not None and not trap.held:
+                self._missed(self._active.session, self._iteration)
+                self._active = None
+        with self._lock:
+            pend, self._pending = self._pending, None
+        if pend is not None:
+            self._missed(pend.session, self._iteration)
+
+    # --- what falconext costs this rank ----------------------------------------------------------
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """falconext's CPU seconds on this rank so far, by component.
+
+        ``hooks``: the training thread inside the tracer's wrappers, the wrapped calls
+        excluded (sampled estimate, :class:`falconext.trace.hooks.HookCost`);
+        ``suspension``: the training thread while trapped (validation work);
+        ``monitor`` and ``client``: their threads' CPU clocks; ``total``: the sum. Thread
+        CPU clocks count time on a core only, never waiting or sleeping.
+        """
+        parts = {
+            "hooks": self.tracer.cost.seconds(),
+            "suspension": self.tracer.trap.cpu_s,
+            "monitor": self.monitor.cpu_seconds(),
+            "client": self.client.cpu_seconds() if self.client is not None else 0.0,
+        }
+        parts["total"] = sum(parts.values())
+        return parts
+
+    def _cpu_while_off(self) -> dict[str, float]:
+        """CPU seconds by component spent while falconext was off (idle threads polling),
+        the current off phase included. The threads' clocks are as of their latest round
+        (monitor 50 ms, client ~0.1 s), so a phase's share is that coarse."""
+        off = dict(self._off_cpu)
+        if not self._enabled:
+            for k, v in self.cpu_seconds().items():
+                off[k] = off.get(k, 0.0) + v - self._off_mark.get(k, 0.0)
+        return off
+
+    def overhead(self) -> dict[str, Any]:
+        """What :func:`falconext.testbed.report.write_rank_files` keeps of this rank's
+        cost: CPU seconds by component while falconext was on (``cpu_s``, what the
+        per-iteration cost divides) and while it was off (``cpu_off_s``: idle threads
+        polling), the iterations run with falconext on, the hook estimator's counts, and
+        the on/off toggles ([iteration, on])."""
+        total = self.cpu_seconds()
+        off = self._cpu_while_off()
+        return {
+            "rank": self.rank,
+            "cpu_s": {k: round(v - off.get(k, 0.0), 6) for k, v in total.items()},
+            "cpu_off_s": {k: round(off.get(k, 0.0), 6) for k in total},
+            "iterations": self.iterations_on,
+            "hook_calls": self.tracer.cost.calls,
+            "hook_samples": self.tracer.cost.samples,
+            "toggles": [[it, on] for it, on in self.toggles],
+        }
 
     def set_role(self, role: int, stage: int, tp: int, pp: int, grad_bytes: int, act_bytes: int) -> None:
         """What S3 needs to know about this process's role; set at start and after a switch."""
@@ -187,6 +302,9 @@ class FalconRuntime:
         }
 
     def iter_s(self) -> float:
+        """Median recent loop iteration time; 0 (no heartbeat) while falconext is off."""
+        if not self._enabled:
+            return 0.0
         starts = self.loop_starts[-12:]
         if len(starts) < 3:
             return 0.0
@@ -202,7 +320,7 @@ class FalconRuntime:
         if cmd.iteration is None or not isinstance(plan, dict):
             self.events.emit("control_error", rank=self.rank, error="suspend without iteration or plan")
             return None
-        if self._iteration >= cmd.iteration:
+        if self._iteration >= cmd.iteration or not self._enabled:
             return self._iteration
         sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
                          commit=self._commit)

@@ -48,6 +48,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     )
     p.add_argument("--resume", default=None, help="resume from this falconext checkpoint directory (S4 restarts)")
     p.add_argument("--attempt", type=int, default=0, help="restart count of this job (set by the launcher)")
+    p.add_argument("--bench-falcon-toggle", type=int, default=None, metavar="N",
+                   help="benchmark: falconext off for N iterations, on for N, and so on (examples/bench_overhead.py)")
     add_config_arguments(p)
 
 

@@ -4,6 +4,10 @@ Each rank writes its own measured and estimated iteration times; rank 0 merges t
 ``iterations.csv`` / ``estimates.csv`` (columns ``rank,iteration,iter_time_s,loss``) and
 computes ``summary.json``. The summary scores detection against the injected faults of
 ``run.json``; that is evaluation after the fact, the detector never saw them.
+
+With falconext on, each rank also leaves ``ranks/overhead-<rank>.json`` (what falconext
+cost it in CPU seconds, from ``FalconRuntime.overhead()``); the summary's ``overhead``
+object turns these into CPU seconds per iteration and a share of the iteration time.
 """
 
 from __future__ import annotations
@@ -18,10 +22,19 @@ from typing import Any
 HEADER = ["rank", "iteration", "iter_time_s", "loss"]
 
 
+#: components of falconext's CPU time, as FalconRuntime.cpu_seconds() names them
+OVERHEAD_PARTS = ("hooks", "monitor", "client", "suspension", "total")
+
+
 def write_rank_files(
-    out: str, rank: int, measured: list[tuple[int, float, float | None]], estimates: dict[int, float], suffix: str = ""
+    out: str, rank: int, measured: list[tuple[int, float, float | None]], estimates: dict[int, float], suffix: str = "",
+    overhead: dict[str, Any] | None = None,
 ) -> None:
-    """``suffix`` names a restarted attempt's files, so they add to the first attempt's."""
+    """``suffix`` names a restarted attempt's files, so they add to the first attempt's;
+    ``overhead`` (``FalconRuntime.overhead()``) goes to ``overhead-<rank><suffix>.json``."""
+    if overhead is not None:
+        with open(os.path.join(out, "ranks", f"overhead-{rank}{suffix}.json"), "w") as f:
+            json.dump(dict(overhead, rank=rank), f)
     with open(os.path.join(out, "ranks", f"iterations-{rank}{suffix}.csv"), "w", newline="") as f:
         w = csv.writer(f)
         for it, secs, loss in measured:
@@ -53,19 +66,126 @@ def read_events(out: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_overheads(out: str) -> dict[int, dict[str, Any]]:
+    """Each rank's overhead files, a restarted job's attempts added up: CPU seconds by
+    component, iterations, hook calls and samples summed; every attempt's toggles."""
+    merged: dict[int, dict[str, Any]] = {}
+    for path in sorted(glob.glob(os.path.join(out, "ranks", "overhead-*.json"))):
+        with open(path) as f:
+            part = json.load(f)
+        rank = int(part["rank"])
+        into = merged.setdefault(rank, {"rank": rank, "cpu_s": {}, "cpu_off_s": {}, "iterations": 0,
+                                        "hook_calls": 0, "hook_samples": 0, "toggles": []})
+        for key in ("cpu_s", "cpu_off_s"):
+            for k, v in part.get(key, {}).items():
+                into[key][k] = into[key].get(k, 0.0) + float(v)
+        for k in ("iterations", "hook_calls", "hook_samples"):
+            into[k] += int(part.get(k, 0))
+        into["toggles"].extend(part.get("toggles", []))
+    return merged
+
+
+def toggle_split(
+    times: dict[int, float], toggles: list, skip: int = 1, first: int = 0
+) -> tuple[list[float], list[float]]:
+    """Iteration times with falconext on and with it off, in iteration order.
+
+    ``toggles``: ``[iteration, on]`` as ``FalconRuntime.set_enabled`` recorded them
+    (falconext is on before the first). Left out: iterations before ``first`` (warm-up)
+    and the first ``skip`` of each phase after a toggle (a toggle's own iteration pays
+    for installing or removing the tracer, which is no part of either state's cost).
+    """
+    changes = sorted((int(it), bool(on)) for it, on in toggles)
+    on_times: list[float] = []
+    off_times: list[float] = []
+    for it in sorted(times):
+        if it < first:
+            continue
+        state, since = True, None
+        for t_it, t_on in changes:
+            if t_it > it:
+                break
+            state, since = t_on, t_it
+        if since is not None and it < since + skip:
+            continue
+        (on_times if state else off_times).append(times[it])
+    return on_times, off_times
+
+
+def overhead_figures(per_rank: dict[int, dict[str, Any]], steady: dict[int, float]) -> dict[str, Any] | None:
+    """falconext's CPU seconds per iteration (with falconext on) by component, per rank
+    and mean/max over ranks, and ``cpu_share``: the total per iteration over the median
+    iteration time with falconext on (None where no rank ran an iteration with it on).
+    Per rank also ``off_total_s``: CPU seconds its idle threads used while it was off.
+
+    ``steady``: median measured seconds per loop iteration over ranks. When the run
+    toggled falconext (``--bench-falcon-toggle``), ``toggle`` holds the median
+    iteration time on and off (first iteration of each phase left out) and their ratio.
+    """
+    ranks = {r: o for r, o in sorted(per_rank.items()) if o.get("iterations", 0) > 0}
+    if not ranks:
+        return None
+    per_iter = {
+        r: {k: o["cpu_s"].get(k, 0.0) / o["iterations"] for k in OVERHEAD_PARTS} for r, o in ranks.items()
+    }
+    toggles = next(iter(ranks.values())).get("toggles") or []
+    on_times, off_times = toggle_split(steady, toggles)
+    iter_s = median(on_times) if on_times else None
+    mean_total = sum(p["total"] for p in per_iter.values()) / len(per_iter)
+    max_total = max(p["total"] for p in per_iter.values())
+    figures: dict[str, Any] = {
+        "per_iteration_s": {
+            k: {"mean": round(sum(p[k] for p in per_iter.values()) / len(per_iter), 9),
+                "max": round(max(p[k] for p in per_iter.values()), 9)}
+            for k in OVERHEAD_PARTS
+        },
+        "ranks": {
+            str(r): dict({k: round(v, 9) for k, v in per_iter[r].items()}, iterations=o["iterations"],
+                         hook_calls=o.get("hook_calls", 0), hook_samples=o.get("hook_samples", 0),
+                         off_total_s=round(o.get("cpu_off_s", {}).get("total", 0.0), 6))
+            for r, o in ranks.items()
+        },
+        "iter_s": round(iter_s, 6) if iter_s else None,
+        "cpu_share": {"mean": round(mean_total / iter_s, 6), "max": round(max_total / iter_s, 6)} if iter_s else None,
+        "toggle": None,
+    }
+    if toggles:
+        off_s = median(off_times) if off_times else None
+        figures["toggle"] = {
+            "on_iter_s": figures["iter_s"], "off_iter_s": round(off_s, 6) if off_s else None,
+            "on_off_ratio": round(iter_s / off_s, 4) if iter_s and off_s else None,
+            "on_iterations": len(on_times), "off_iterations": len(off_times),
+        }
+    return figures
+
+
 def finalize(out: str) -> dict[str, Any]:
     measured = _merge(out, "iterations")
     estimated = _merge(out, "estimates")
     with open(os.path.join(out, "run.json")) as f:
         run = json.load(f)
-    summary = summarize(measured, estimated, read_events(out), run)
+    summary = summarize(measured, estimated, read_events(out), run, overheads=read_overheads(out))
+    _add_device_figures(out, run, summary)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
 
 
-def summarize(measured: list[list[str]], estimated: list[list[str]], events: list[dict], run: dict) -> dict[str, Any]:
-    """The run's key figures from its rows, events and configuration."""
+def _add_device_figures(out: str, run: dict, summary: dict[str, Any]) -> None:
+    """With the emulated device: its accounting, and S2's ceiling beside the measured share."""
+    from falconext.testbed.device_report import ceiling_from_run, device_figures
+
+    world = int((run.get("topology") or {}).get("world", 0))
+    summary["device"] = device_figures(out, world) if world else None
+    ceiling = ceiling_from_run(out, run) if summary["device"] is not None else None
+    summary["slowdown_removed_max"] = None if ceiling is None else round(ceiling["removed_max"], 4)
+    summary["s2_best_plan"] = None if ceiling is None else ceiling["plan"]
+
+
+def summarize(measured: list[list[str]], estimated: list[list[str]], events: list[dict], run: dict,
+              overheads: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The run's key figures from its rows, events and configuration; ``overhead`` from
+    the ranks' overhead files (:func:`read_overheads`), None without them."""
     by_iter: dict[int, list[float]] = {}
     meas: dict[tuple[int, int], float] = {}
     for rank, it, secs, _loss in measured:
@@ -113,6 +233,7 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
         removed = slowdown_removed(median(healthy), median(slow), median(mitigated))
         summary["slowdown_removed"] = None if removed is None else round(removed, 4)
     summary["mitigation"] = mitigation_figures(events, steady)
+    summary["overhead"] = overhead_figures(overheads, steady) if overheads else None
     return summary
 
 
@@ -271,9 +392,47 @@ def format_summary(s: dict[str, Any]) -> str:
                 if w.get("shorter_than_disk") else ""
             lines.append(f"topology {'probe' if w['probe'] else 'switch'} at iteration {w['iteration']}: "
                          f"paused {w['pause_s']} s{vs}")
+        if s.get("overhead"):
+            lines.append(format_overhead(s["overhead"]))
         if s.get("mitigated_iter_s") is not None:
             lines.append(
                 f"healthy {s['healthy_iter_s']} s/iter, slow {s['slow_iter_s']}, mitigated {s['mitigated_iter_s']}: "
                 f"slowdown removed {s['slowdown_removed']} (target >= 0.70 for S2, >= 0.50 for S3)"
+                + (f"; the best S2 plan on the true device times, {s['s2_best_plan']}, removes "
+                   f"{s['slowdown_removed_max']}" if s.get("slowdown_removed_max") is not None else "")
+            )
+    dev = s.get("device")
+    if dev:
+        lines.append(f"emulated device: {dev['windows']} device windows, {dev['overruns']} overran "
+                     f"({100 * dev['overrun_share']:.2f}% of device time)")
+        if dev["worst_rank_overrun_share"] > OVERRUN_WARN_SHARE:
+            lines.append(
+                f"WARNING: rank {dev['worst_rank']}'s real CPU work overran its device time by "
+                f"{100 * dev['worst_rank_overrun_share']:.1f}%: the host is too loaded for the emulated device's "
+                "speed, so its timings are not a GPU's (lower --device-gflops or use fewer ranks)"
             )
     return "\n".join(lines)
+
+
+#: a rank whose overruns exceed this share of its device time gets a warning
+OVERRUN_WARN_SHARE = 0.02
+
+
+def format_overhead(o: dict[str, Any]) -> str:
+    """One line: falconext's CPU per iteration (mean, max over ranks, by component) and
+    its share of the iteration time."""
+    per = o["per_iteration_s"]
+
+    def ms(k: str, stat: str = "mean") -> str:
+        return f"{1e3 * per[k][stat]:.3f}"
+
+    share = o.get("cpu_share")
+    line = (f"falconext CPU per iteration: {ms('total')} ms mean, {ms('total', 'max')} ms max over ranks "
+            f"(hooks {ms('hooks')}, monitor {ms('monitor')}, client {ms('client')} ms mean)")
+    if share:
+        line += (f" = {100 * share['mean']:.2f}% mean, {100 * share['max']:.2f}% max of {o['iter_s']} s/iter "
+                 f"(paper: 0.39% mean, 1.1% max)")
+    t = o.get("toggle")
+    if t and t.get("on_off_ratio"):
+        line += f"; on/off iteration time {t['on_iter_s']} / {t['off_iter_s']} s = {t['on_off_ratio']}"
+    return line

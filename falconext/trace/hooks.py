@@ -40,6 +40,10 @@ drained with ``t_end=None`` so it cannot hold up the records behind it for long.
 The :class:`Trap` is the suspension point of the validation phase: armed from another
 thread, it holds the next intercepted call in a wait loop until released or until its
 deadline, so training pauses at a collective with no checkpoint and no restart.
+
+What the wrappers cost the training thread in CPU time is estimated by sampling with the
+thread CPU clock (:class:`HookCost`, ``tracer.cost``); what a held call spends (validation
+work run on the training thread) is counted apart, in ``trap.cpu_s``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import contextlib
 import functools
 import itertools
 import math
+import random
 import sys
 import threading
 import time
@@ -58,7 +63,7 @@ from typing import Any, Callable, NamedTuple
 from falconext.trace.groups import GroupInfo, describe_group, megatron_roles, to_process
 from falconext.trace.records import CallRecord
 
-__all__ = ["CallTracer", "Trap", "megatron_roles"]
+__all__ = ["CallTracer", "HookCost", "Trap", "megatron_roles"]
 
 #: an async record whose completion is still unknown this long after issue is drained
 #: with t_end None (its handle was dropped or never waited on)
@@ -67,6 +72,10 @@ PENDING_TIMEOUT_S = 2.0
 ALIAS_MODULE_PREFIXES = ("megatron",)
 #: the trap's wait loop wakes up this often (keeps signals and Ctrl-C responsive)
 TRAP_SLICE_S = 0.05
+#: one wrapper entry in this many, on average, is timed with the thread CPU clock
+HOOK_SAMPLE_EVERY = 64
+#: empty timings taken at start-up to learn what the timing itself adds to a sample
+HOOK_CALIBRATION_RUNS = 101
 
 # entry layout: a plain list is the cheapest thing the training thread can build
 _SEQ, _OP, _INFO, _BYTES, _PEER, _T_ISSUE, _T_START, _T_END, _DONE, _EV0, _EV1 = range(11)
@@ -110,6 +119,145 @@ _install_lock = threading.Lock()
 _active: "CallTracer | None" = None
 
 
+class HookCost:
+    """CPU time the tracer's wrappers cost the calling thread, the wrapped calls excluded.
+
+    Reading a thread CPU clock is a system call (~0.5 us here, half a wrapper's own
+    cost), so only a sample of wrapper entries is timed. The estimator:
+
+    * every entry (a traced call, a proxy handle's ``wait``, a traced
+      ``_coalescing_manager``) decrements ``left``; the entry that takes it to 0 is timed:
+      the thread CPU time of the whole wrapper minus that of the wrapped call(s) inside
+      it (:meth:`run` with :meth:`timed` around the original), or, for the coalescing
+      manager, its own code before and after the manager it wraps (:meth:`add_sample`);
+    * the next countdown is drawn uniformly from 1 .. 2n-1 (mean n = ``every``): random,
+      so that sampling cannot lock onto one position of a training loop's periodic call
+      sequence; the timed entries are then a uniform ~1/n subset of all entries;
+    * what the timing itself adds to a sample (the clock reads and the extra call frame)
+      is measured at construction: the median of ``calibration`` timings of an empty
+      wrapped call (``bias_s``);
+    * estimated seconds = ``calls`` x (mean sample - ``bias_s``), never below 0: the
+      count of entries is exact, the mean per entry comes from the samples.
+
+    Not counted: attribute forwarding and ``is_completed`` on proxy handles, and the
+    ``contextlib`` machinery around the coalescing manager. Entries from several threads
+    are counted alike; the timing is of whichever thread runs the sampled entry. A
+    sampled entry that nests another entry (a wrapper below ours calling ours) times the
+    outer one only. ``clock`` is injectable for tests (default: this thread's CPU clock).
+    """
+
+    __slots__ = ("left", "every", "samples", "sampled_s", "bias_s", "_gap", "_passed", "_inner_s", "_busy",
+                 "_rng", "_clock")
+
+    def __init__(
+        self,
+        every: int = HOOK_SAMPLE_EVERY,
+        clock: Callable[[], float] = time.thread_time,
+        calibration: int = HOOK_CALIBRATION_RUNS,
+        seed: int = 0,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = int(every)
+        self._clock = clock
+        self._rng = random.Random(seed)
+        #: entries until the next timed one (decremented by the wrappers)
+        self.left = 0
+        self._gap = 0
+        self._passed = 0
+        #: entries timed, and their summed seconds (bias included)
+        self.samples = 0
+        self.sampled_s = 0.0
+        self._inner_s = 0.0
+        self._busy = False
+        #: seconds the timing adds to one sample (see the class docstring)
+        self.bias_s = self._calibrate(calibration) if calibration > 0 else 0.0
+        self._next_gap()
+
+    @property
+    def calls(self) -> int:
+        """Wrapper entries so far (exact)."""
+        return self._passed + self._gap - self.left
+
+    def seconds(self) -> float:
+        """Estimated CPU seconds spent in the wrappers so far (see the class docstring)."""
+        if not self.samples:
+            return 0.0
+        return max(0.0, self.calls * (self.sampled_s / self.samples - self.bias_s))
+
+    def per_call_s(self) -> float:
+        """Estimated CPU seconds per wrapper entry (0 before the first sample)."""
+        calls = self.calls
+        return self.seconds() / calls if calls else 0.0
+
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its thread CPU time kept out of the sample it runs in."""
+        clock = self._clock
+
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inner_s += clock() - t
+
+        return inner
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Call ``fn(*args, **kwargs)`` as a timed entry; its :meth:`timed` parts excluded."""
+        if self._busy:  # nested in a timed entry: the outer one is the sample
+            return fn(*args, **kwargs)
+        self._busy = True
+        self._inner_s = 0.0
+        clock = self._clock
+        t = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent = clock() - t - self._inner_s
+            self._busy = False
+            self.add_sample(spent)
+            self.restart()
+
+    def add_sample(self, seconds: float) -> None:
+        """Record the seconds of one timed entry (one that took ``left`` to 0)."""
+        self.samples += 1
+        self.sampled_s += seconds
+
+    def restart(self) -> None:
+        """Start the next countdown (once per timed entry, when it ends or, for an entry
+        that lets other entries run inside it, when it begins)."""
+        self._next_gap()
+
+    def _next_gap(self) -> None:
+        self._passed += self._gap - self.left  # left < 0: entries nested in a timed one
+        self._gap = self.left = self._rng.randint(1, 2 * self.every - 1)
+
+    def _calibrate(self, runs: int) -> float:
+        """Median seconds a timed entry reads when the wrapper does nothing but call
+        through (a twin frame and the timed original, as a sampled wrapper has): the
+        timing's own cost. Leaves the counters as they were."""
+        inner = self.timed(_empty_call)
+
+        def twin(*args: Any, **kwargs: Any) -> Any:
+            return inner(*args, **kwargs)
+
+        readings = []
+        for _ in range(runs):
+            before = self.sampled_s
+            self.run(twin, (None,), {"group": None})
+            readings.append(self.sampled_s - before)
+        self.left = self._gap = self._passed = self.samples = 0
+        self.sampled_s = 0.0
+        readings.sort()
+        return readings[len(readings) // 2]
+
+
+def _empty_call(*args: Any, **kwargs: Any) -> None:
+    """Stands in for a torch.distributed call in :meth:`HookCost._calibrate`."""
+    return None
+
+
 class Trap:
     """Holds the next intercepted call until :meth:`release` or the deadline.
 
@@ -134,6 +282,8 @@ class Trap:
         self._on_hold: Callable[[float], None] | None = None
         #: exceptions raised by an on_hold callback (swallowed)
         self.errors = 0
+        #: thread CPU seconds the held threads spent in holds (validation work included)
+        self.cpu_s = 0.0
         self._released = threading.Event()
         self._claim = threading.Lock()
 
@@ -170,6 +320,7 @@ class Trap:
             if not self.armed:
                 return
             self.armed = False  # one call per arming
+            cpu0 = time.thread_time()
             start = time.monotonic()
             end = start + self._deadline_s
             self.held = True
@@ -188,6 +339,7 @@ class Trap:
                     self._released.wait(min(left, TRAP_SLICE_S))
             finally:
                 self.last_pause_s = time.monotonic() - start
+                self.cpu_s += time.thread_time() - cpu0
                 self.holds += 1
                 self.held = False
         finally:
@@ -203,7 +355,8 @@ class CallTracer:
     records waiting for :meth:`drain`; beyond it new calls are not recorded and counted
     in ``dropped`` (their ``seq`` numbers are still used, so a consumer sees the gap).
     ``cuda_events`` and ``completion_futures`` choose how completion is timed (module
-    docstring).
+    docstring). ``cost`` estimates the wrappers' CPU time on the training thread, timing
+    one entry in ``sample_every`` on average (:class:`HookCost`).
     """
 
     def __init__(
@@ -215,11 +368,14 @@ class CallTracer:
         cuda_events: bool = False,
         *,
         completion_futures: bool = False,
+        sample_every: int = HOOK_SAMPLE_EVERY,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.rank = int(rank)
         self.trap = Trap()
+        #: the wrappers' own CPU time on the calling thread (sampled estimate)
+        self.cost = HookCost(sample_every)
         #: records lost because the ring was full (the consumer is too slow)
         self.dropped = 0
         #: bookkeeping failures swallowed so that a tracer bug cannot fail a training call
@@ -546,7 +702,20 @@ class _TimedWork:
         self._tracer = tracer
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        cost = self._tracer.cost
+        cost.left -= 1
+        if cost.left <= 0:
+            return cost.run(self._sampled_wait, (cost.timed(self._work.wait), args, kwargs), {})
         result = self._work.wait(*args, **kwargs)
+        entries = self._entries
+        if entries is not None:
+            self._entries = None
+            self._tracer._finish(entries)
+        return result
+
+    def _sampled_wait(self, wait: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """:meth:`wait` on a timed entry: ``wait`` is the handle's own, timed apart."""
+        result = wait(*args, **kwargs)
         entries = self._entries
         if entries is not None:
             self._entries = None
@@ -618,13 +787,26 @@ def _reaches(fn: Any, target: Any) -> bool:
 def _collective_wrapper(
     tracer: CallTracer, spec: _OpSpec, orig: Callable[..., Any]
 ) -> Callable[..., Any]:
-    trap, clock, track, cuda = tracer.trap, tracer._clock, tracer._track, tracer._cuda
+    """The traced ``orig``; its twin that runs on sampled entries times ``orig`` apart."""
+    sampled = _collective_traced(tracer, spec, tracer.cost.timed(orig), None)
+    return _collective_traced(tracer, spec, orig, sampled)
+
+
+def _collective_traced(tracer: CallTracer, spec: _OpSpec, orig: Callable[..., Any],
+                       sampled: Callable[..., Any] | None) -> Callable[..., Any]:
+    """Records one call; ``sampled``: the twin a timed entry runs (None: this is it)."""
+    trap, clock, track, cuda, cost = tracer.trap, tracer._clock, tracer._track, tracer._cuda, tracer.cost
+    run = cost.run
     op, tpos, tkw, many = spec.op, spec.tensor_pos, spec.tensor_kw, spec.many
     gpos, apos = spec.group_pos, spec.async_pos
 
     def traced(*args: Any, **kwargs: Any) -> Any:
         if trap.armed:
             trap._hold()
+        if sampled is not None:
+            cost.left -= 1
+            if cost.left <= 0:
+                return run(sampled, args, kwargs)
         ev0 = cuda.record() if cuda is not None else None
         t_issue = clock()
         out = orig(*args, **kwargs)
@@ -649,7 +831,16 @@ def _collective_wrapper(
 
 def _p2p_wrapper(tracer: CallTracer, name: str, op: str, peer_kw: str, gpeer_kw: str,
                  is_async: bool, orig: Callable[..., Any]) -> Callable[..., Any]:
-    trap, clock, track, cuda = tracer.trap, tracer._clock, tracer._track, tracer._cuda
+    """The traced ``orig``; its twin that runs on sampled entries times ``orig`` apart."""
+    sampled = _p2p_traced(tracer, name, op, peer_kw, gpeer_kw, is_async, tracer.cost.timed(orig), None)
+    return _p2p_traced(tracer, name, op, peer_kw, gpeer_kw, is_async, orig, sampled)
+
+
+def _p2p_traced(tracer: CallTracer, name: str, op: str, peer_kw: str, gpeer_kw: str, is_async: bool,
+                orig: Callable[..., Any], sampled: Callable[..., Any] | None) -> Callable[..., Any]:
+    """Records one call; ``sampled``: the twin a timed entry runs (None: this is it)."""
+    trap, clock, track, cuda, cost = tracer.trap, tracer._clock, tracer._track, tracer._cuda, tracer.cost
+    run = cost.run
     # c10d's own batch_isend_irecv, handed a P2POp holding this wrapper, mistakes the send
     # for a receive and passes ``group_src``: translate instead of failing
     fix_src = name == "isend"
@@ -658,6 +849,10 @@ def _p2p_wrapper(tracer: CallTracer, name: str, op: str, peer_kw: str, gpeer_kw:
     def traced(*args: Any, **kwargs: Any) -> Any:
         if trap.armed:
             trap._hold()
+        if sampled is not None:
+            cost.left -= 1
+            if cost.left <= 0:
+                return run(sampled, args, kwargs)
         if fix_src and "group_src" in kwargs:
             kwargs["group_dst"] = kwargs.pop("group_src")
         ev0 = cuda.record() if cuda is not None else None
@@ -682,11 +877,24 @@ def _p2p_wrapper(tracer: CallTracer, name: str, op: str, peer_kw: str, gpeer_kw:
 
 
 def _batch_wrapper(tracer: CallTracer, orig: Callable[..., Any]) -> Callable[..., Any]:
-    trap, clock, cuda = tracer.trap, tracer._clock, tracer._cuda
+    """The traced ``orig``; its twin that runs on sampled entries times ``orig`` apart."""
+    sampled = _batch_traced(tracer, tracer.cost.timed(orig), None)
+    return _batch_traced(tracer, orig, sampled)
+
+
+def _batch_traced(tracer: CallTracer, orig: Callable[..., Any],
+                  sampled: Callable[..., Any] | None) -> Callable[..., Any]:
+    """Records one batch; ``sampled``: the twin a timed entry runs (None: this is it)."""
+    trap, clock, cuda, cost = tracer.trap, tracer._clock, tracer._cuda, tracer.cost
+    run = cost.run
 
     def traced(p2p_op_list: Any) -> Any:
         if trap.armed:
             trap._hold()
+        if sampled is not None:
+            cost.left -= 1
+            if cost.left <= 0:
+                return run(sampled, (p2p_op_list,), {})
         evs = None
         try:
             for p in p2p_op_list:
@@ -713,23 +921,35 @@ def _batch_wrapper(tracer: CallTracer, orig: Callable[..., Any]) -> Callable[...
 def _coalescing_wrapper(tracer: CallTracer, orig: Callable[..., Any]) -> Callable[..., Any]:
     """``_coalescing_manager`` that tells the tracer when its queued calls really ran."""
 
+    cost = tracer.cost
+    cpu = time.thread_time
+
     @contextlib.contextmanager
     def traced(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
         from torch.distributed import distributed_c10d as c10d
 
+        cost.left -= 1
+        timed = cost.left <= 0 and not cost._busy  # sampled: our code before and after, timed
+        if timed:
+            cost.restart()  # the calls queued inside are entries of their own
+        t0 = cpu() if timed else 0.0
         pg = group if group is not None else c10d._get_default_group()
         entries: list[list] = []
         tracer._open_batches[pg] = entries
+        spent = cpu() - t0 if timed else 0.0
         try:
             with orig(group, device, async_ops) as cm:
                 yield cm
         finally:
+            t1 = cpu() if timed else 0.0
             tracer._open_batches.pop(pg, None)
         if entries:
             try:
                 tracer._close_batch(entries, cm, async_ops)
             except Exception:
                 tracer._fail()
+        if timed:
+            cost.add_sample(spent + cpu() - t1)
 
     functools.update_wrapper(traced, orig)
     return traced
