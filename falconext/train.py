@@ -97,9 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 
         device = EmulatedDevice(device_model(args), rank, args.ranks_per_node, faults, real_links=args.net == "netns")
         device.install()  # below the tracer: the tracer sees device-timed transfers
-    elif faults:
+    shaper = None
+    if args.net == "netns":
+        # real links: a link fault is the kernel's rate limit on this node's veth
+        from falconext.testbed.netns import LinkShaper
+
+        shaper = LinkShaper.from_env(faults)
+    if device is None and faults:
         bw = args.link_bandwidth or faults_mod.DEFAULT_LINK_BANDWIDTH
-        injector = faults_mod.FaultInjector(faults, rank, args.ranks_per_node, bw)
+        injected = [f for f in faults if f.kind != "link"] if shaper is not None else faults
+        injector = faults_mod.FaultInjector(injected, rank, args.ranks_per_node, bw)
         injector.install()  # below the tracer: injected delays look like slow transfers
 
     loop_starts: list[float] = []
@@ -162,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 injector.iteration = it
             if device is not None:
                 device.iteration = it
+            if shaper is not None:
+                shaper.set_iteration(it)
             if it == first_it and restarted is not None and rank == 0:
                 events.emit("restarted", iteration=it, attempt=args.attempt, load_s=round(restarted["load_s"], 4),
                             downtime_s=round(time.time() - float(restarted.get("requested_at", time.time())), 3))
@@ -201,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             runtime.close()
         if injector is not None:
             injector.uninstall()
+        if shaper is not None:
+            shaper.close()
         if device is not None:
             device.uninstall()
             with open(os.path.join(out, "ranks", f"device{suffix}-rank{rank}.json"), "w") as f:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from falconext.control.redis_server import RedisServer, start_redis
+from jobs import JobCache
 
 
 @pytest.fixture
@@ -17,3 +18,9 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> JobCache:
+    """Training jobs shared across test modules (tests/jobs.py)."""
+    return JobCache(tmp_path_factory.mktemp("jobs"))

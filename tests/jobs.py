@@ -3,6 +3,11 @@
 One place for the test modules that train real jobs (test_train, test_mitigation_e2e,
 test_topology_e2e, test_switch): the command line, the environment (one thread per
 rank, on the 2-core test host), the fault file, and the readers of events and losses.
+
+Jobs that several modules need (a faulty DP4 run that S2 mitigates, an undisturbed
+reference) are run once per session through :class:`JobCache` (the ``jobs`` fixture of
+conftest.py): the same arguments give the same run. A reference may be longer than the
+run it is compared with; the constant learning rate makes its first iterations the same.
 """
 
 from __future__ import annotations
@@ -63,8 +68,70 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def assert_same_trajectory(a: dict[int, float], b: dict[int, float], iters: int) -> float:
-    """Every iteration's loss within 1e-4 (relative); returns the worst difference."""
-    assert sorted(a) == sorted(b) == list(range(iters))
-    worst = max(abs(a[i] - b[i]) / abs(b[i]) for i in a)
+    """Iterations 0..iters-1 of run ``a`` and reference ``b`` (which may have run longer),
+    every loss within 1e-4 (relative); returns the worst difference."""
+    assert sorted(a) == list(range(iters)) and set(range(iters)) <= set(b), (sorted(a), sorted(b))
+    worst = max(abs(a[i] - b[i]) / abs(b[i]) for i in range(iters))
     assert worst <= 1e-4, worst
     return worst
+
+
+class JobCache:
+    """Jobs run at most once per session: the same arguments return the same run."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self._runs: dict[str, Path] = {}
+
+    def train(self, *args: str, nproc: int = 4, faults: list | None = None, device: str = "cpu") -> Path:
+        key = json.dumps([list(args), nproc, faults, device])
+        if key not in self._runs:
+            self._runs[key] = train(self.base / f"job{len(self._runs)}", *args, nproc=nproc, faults=faults,
+                                    device=device)
+        return self._runs[key]
+
+
+# --- jobs shared by several modules -----------------------------------------------------------
+
+#: the S2 job's fault: tracking leaves out 20 warm-up iterations and BOCD wants a
+#: baseline before the onset, so it starts at 45
+S2_FAULT_START = 45
+S2_ITERS = 100
+S2_JOB = ("--iters", str(S2_ITERS), "--global-batch-size", "32", "--micro-batch-size", "1")
+
+
+def s2_job(jobs: JobCache) -> Path:
+    """Emulated DP4, 8 micro-batches per replica, rank 1 computing 2x slower from
+    iteration 45 on; only S2 allowed (test_mitigation_e2e's S2 run, test_train's
+    detection and localization of a compute fault)."""
+    return jobs.train(*S2_JOB, "--falcon-mitigation-strategies", "S2",
+                      faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": S2_FAULT_START}],
+                      device="emulated")
+
+
+def s2_reference(jobs: JobCache) -> Path:
+    """What the S2 job learns undisturbed: the same job without falconext, on the CPU bed
+    (device time changes no number, and the CPU bed runs it in a third of the time)."""
+    return jobs.train(*S2_JOB, "--no-falcon")
+
+
+#: TP1 x DP2 x PP2 on four one-rank nodes, 16 samples per global batch
+PP2_JOB = ("--pp", "2", "--global-batch-size", "16", "--ranks-per-node", "1")
+PP2_REFERENCE_ITERS = 130
+
+
+def pp2_reference(jobs: JobCache) -> Path:
+    """PP2_JOB undisturbed for 130 iterations on the CPU bed: the reference of the S3
+    runs, of forced topology switches and of forced uneven micro-batch plans."""
+    return jobs.train(*PP2_JOB, "--iters", str(PP2_REFERENCE_ITERS), "--no-falcon")
+
+
+#: TP2 x DP1 x PP2 on two nodes of two ranks (a TP group within a node)
+TP2_PP2_JOB = ("--tp", "2", "--pp", "2", "--ranks-per-node", "2")
+TP2_PP2_REFERENCE_ITERS = 10
+
+
+def tp2_pp2_reference(jobs: JobCache) -> Path:
+    """TP2_PP2_JOB undisturbed for 10 iterations, without falconext: tensor parallelism
+    trains (test_train), and the reference of moving TP blocks between nodes (test_switch)."""
+    return jobs.train(*TP2_PP2_JOB, "--iters", str(TP2_PP2_REFERENCE_ITERS), "--no-falcon")

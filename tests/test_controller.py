@@ -215,3 +215,14 @@ def test_messages_of_other_sessions_and_states_are_ignored():
     assert ctl.handle(ValidationResult(0, 0, 1e9, []), 101.0) == []
     assert ctl.handle(SessionAck(0, 3, "held", 1, 101.0), 101.0) == []
     assert ctl.state is State.TRACKING
+
+
+def test_the_control_services_do_not_import_torch():
+    """The controller and node agents start beside the ranks at every launch: they must not
+    pay torch's import (seconds of CPU on a 2-core host) for code they never run."""
+    import subprocess
+    import sys
+
+    code = "import sys, falconext.control.service; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -232,6 +232,26 @@ def test_micro_batch_replanning_is_found_on_every_stage() -> None:
         assert np.median(errors) < 0.01
 
 
+def test_a_new_micro_batch_plan_restarts_the_detector_but_keeps_what_was_estimated() -> None:
+    """S2 changes a rank's call sequence: its period grows, but not to a multiple of the
+    old one, so the iterations estimated before the change were whole iterations."""
+    from falconext.detect.tracking import RankTracking
+
+    shape = dict(tp=1, pp=2)
+    after = pipeline_patterns(micro_batches=6, **shape)
+    spec = tp_pp_spec(iterations=50, micro_batches=4, pattern_change=(25, after), **shape)
+    log = generate(spec, 5)
+    for rank in (0, 1):
+        tracking = RankTracking()
+        updates = [tracking.feed(rec) for rec in log.rank_records(rank)]
+        grown = [u for u in updates if u.restarted]
+        old, new = len(spec.patterns[rank]), len(after[rank])
+        assert new > old and new % old != 0, (old, new)
+        assert len(grown) == 1 and not grown[0].retract
+        before = sum(len(u.iterations) for u in updates[: updates.index(grown[0])])
+        assert before >= 15  # estimates the monitor keeps
+
+
 def test_pipeline_stages_have_their_own_periods_in_an_interleaved_stream() -> None:
     spec = tp_pp_spec(iterations=20, tp=1, pp=4, micro_batches=8)
     log = generate(spec, 6)

@@ -1,18 +1,19 @@
 """Automatic mitigation in real training jobs (torchrun, gloo, real Redis), end to end.
 
 * ``s2``: DP4 on the emulated device (each rank owns its device's time, as on a GPU
-  cluster), 8 micro-batches per replica; rank 1 computes 2x slower from iteration 30 on;
-  only S2 is allowed. It must be detected, localized and rebalanced automatically, and
-  remove at least 0.9 of what the best integer plan on the true device times could
-  (``slowdown_removed_max``, 0.75 here).
+  cluster), 8 micro-batches per replica; rank 1 computes 2x slower from iteration 45 on;
+  only S2 is allowed (tests/jobs.py: s2_job, shared with test_train). It must be detected,
+  localized and rebalanced automatically, and remove at least 0.9 of what the best
+  integer plan on the true device times could (``slowdown_removed_max``, 0.75 here).
 * The S4 jobs still run on the CPU bed: two ranks, one per core, 24 micro-batches per
   global batch.
 * ``s4``: rank 1 computes 3x slower from 45 on; S2 and S4. S2 cannot be enough
   (the best plan leaves 1.5x), so once the fail-slow has cost as much as the job's
   measured restart, the planner escalates: checkpoint, restart without node 0's faulty
   GPU (the test bed replaces the node), resume.
-* ``even``/``forced``: the same 20 iterations with the even plan and with a forced 3,5
-  plan, plain DP2 and TP1xDP2xPP2 (1F1B with different counts per replica).
+* ``forced``: 20 iterations with a forced uneven plan, plain DP2 (10,14 against ``ref``)
+  and TP1xDP2xPP2 (3,5 against the shared PP2 reference; 1F1B with different counts per
+  replica).
 
 What the model learns must not change: every run's loss trajectory is compared with an
 uninterrupted even-plan run of the same job.
@@ -25,22 +26,31 @@ from pathlib import Path
 
 import pytest
 
-from jobs import assert_same_trajectory, events, launch, losses, train
+from jobs import (
+    PP2_JOB,
+    S2_FAULT_START,
+    S2_ITERS,
+    assert_same_trajectory,
+    events,
+    launch,
+    losses,
+    pp2_reference,
+    s2_job,
+    s2_reference,
+    train,
+)
 
 FAULT_START = 45
 GB = "48"  # 24 micro-batches of 2
-S2_START, S2_ITERS = 30, 90
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, jobs) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("mitigate")
     fault = {"kind": "compute", "rank": 1, "start": FAULT_START}
-    dp4 = ["--iters", str(S2_ITERS), "--global-batch-size", "32", "--micro-batch-size", "1"]
     return {
-        "s2": train(base / "s2", *dp4, "--falcon-mitigation-strategies", "S2",
-                    faults=[dict(fault, factor=2.0, start=S2_START)], device="emulated"),
-        "ref4": train(base / "ref4", *dp4, "--no-falcon", device="emulated"),
+        "s2": s2_job(jobs),
+        "ref4": s2_reference(jobs),
         # S3 left out: with one pipeline stage no permutation helps a compute straggler
         # (tests/test_topology_e2e.py has S3's runs)
         "s4": train(base / "s4", "--iters", "130", "--global-batch-size", GB,
@@ -57,7 +67,7 @@ def test_s2_rebalances_the_straggler_automatically(runs):
     assert [e["strategy"] for e in applied] == ["S2"], applied
     plan = applied[0]["plan"]
     assert sum(plan) == 32 and plan[1] < min(plan[0], plan[2], plan[3]), plan  # the slow replica runs fewer
-    assert applied[0]["trigger"] == "planner" and applied[0]["iteration"] > S2_START
+    assert applied[0]["trigger"] == "planner" and applied[0]["iteration"] > S2_FAULT_START
     # every rank switched at the same iteration, the one the controller announced
     switched = events(out, "plan_applied")
     assert [(e["iteration"], e["plan"]) for e in switched] == [(applied[0]["iteration"], plan)]
@@ -103,13 +113,15 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
     assert summary["mitigation"]["restarts"][0]["downtime_s"] > 0
 
 
-@pytest.mark.parametrize("layout", [("--pp", "1"), ("--pp", "2")])
-def test_forced_uneven_plan_learns_the_same(tmp_path, layout):
-    nproc = 2 if layout[1] == "1" else 4
-    common = ["--iters", "20", "--global-batch-size", "16", "--no-falcon", *layout]
-    even = train(tmp_path / "even", *common, nproc=nproc)
-    forced = train(tmp_path / "forced", *common, "--falcon-force-microbatches", "3,5", nproc=nproc)
-    assert_same_trajectory(losses(forced), losses(even), 20)
+def test_forced_uneven_plan_learns_the_same_dp2(tmp_path, runs):
+    forced = train(tmp_path / "forced", "--iters", "20", "--global-batch-size", GB, "--no-falcon",
+                   "--falcon-force-microbatches", "10,14", nproc=2)
+    assert_same_trajectory(losses(forced), losses(runs["ref"]), 20)
+
+
+def test_forced_uneven_plan_learns_the_same_dp2_pp2(tmp_path, jobs):
+    forced = train(tmp_path / "forced", *PP2_JOB, "--iters", "20", "--no-falcon", "--falcon-force-microbatches", "3,5")
+    assert_same_trajectory(losses(forced), losses(pp2_reference(jobs)), 20)
 
 
 def test_forced_plan_must_fit_the_job(tmp_path):

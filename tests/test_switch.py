@@ -14,7 +14,18 @@ from falconext.runtime.switch import handover_pairs
 from falconext.mitigate.topology import check_tp_in_nodes
 from falconext.sim.itertime import check_roles
 from falconext.trace import groups
-from jobs import assert_same_trajectory, events, launch, losses, losses_by_rank, train
+from jobs import (
+    PP2_JOB,
+    TP2_PP2_JOB,
+    assert_same_trajectory,
+    events,
+    launch,
+    losses,
+    losses_by_rank,
+    pp2_reference,
+    tp2_pp2_reference,
+    train,
+)
 
 
 # --- pure ------------------------------------------------------------------------------
@@ -71,10 +82,10 @@ def test_role_map_translates_both_ways():
 # --- real training ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def dp2pp2(tmp_path_factory):
+def dp2pp2(tmp_path_factory, jobs):
     base = tmp_path_factory.mktemp("switch")
-    common = ["--pp", "2", "--iters", "20", "--global-batch-size", "16", "--ranks-per-node", "1"]
-    ref = train(base / "ref", *common, "--no-falcon")
+    common = [*PP2_JOB, "--iters", "20"]
+    ref = pp2_reference(jobs)
     # a 4-cycle: every process hands its role on; falconext traces and tracks throughout
     run = train(base / "run", *common, "--falcon-force-topology", "10:1,2,3,0", "--falcon-mitigation", "false")
     return run, ref
@@ -103,11 +114,9 @@ def test_switch_is_reported_on_every_process(dp2pp2):
     assert summary["iterations"] == 20
 
 
-def test_tensor_parallel_blocks_move_between_nodes(tmp_path):
-    common = ["--tp", "2", "--pp", "2", "--iters", "10", "--ranks-per-node", "2", "--no-falcon"]
-    ref = train(tmp_path / "ref", *common)
-    run = train(tmp_path / "run", *common, "--falcon-force-topology", "5:2,3,0,1")
-    assert_same_trajectory(losses(run), losses(ref), 10)
+def test_tensor_parallel_blocks_move_between_nodes(tmp_path, jobs):
+    run = train(tmp_path / "run", *TP2_PP2_JOB, "--iters", "10", "--no-falcon", "--falcon-force-topology", "5:2,3,0,1")
+    assert_same_trajectory(losses(run), losses(tp2_pp2_reference(jobs)), 10)
 
 
 def test_a_split_tp_group_is_refused_before_training(tmp_path):

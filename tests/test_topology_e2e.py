@@ -37,16 +37,16 @@ from pathlib import Path
 
 import pytest
 
-from jobs import assert_same_trajectory, events, losses, train
+from jobs import PP2_JOB, PP2_REFERENCE_ITERS, assert_same_trajectory, events, losses, pp2_reference, train
 
 FAULT_START = 45
-ITERS = 130
-JOB = ["--pp", "2", "--iters", str(ITERS), "--global-batch-size", "16", "--ranks-per-node", "1"]
+ITERS = PP2_REFERENCE_ITERS
+JOB = [*PP2_JOB, "--iters", str(ITERS)]
 VOCAB = ["--vocab", "4096"]  # the consolidation run's: a heavier last stage (see above)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, jobs) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("topology")
     # x8 on the DP path: about 0.17 s more per iteration on a 0.2 s one, well above this
     # host's noise; x3 on the pipeline path: about 0.03 s
@@ -57,7 +57,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "s3": train(base / "s3", *JOB, "--falcon-mitigation-strategies", "S3", faults=links),
         "consolidate": train(base / "consolidate", *JOB, *VOCAB, "--falcon-mitigation-strategies", "S3",
                              faults=slow_gpus),
-        "ref": train(base / "ref", *JOB, "--no-falcon"),
+        "ref": pp2_reference(jobs),
         "ref_vocab": train(base / "ref_vocab", *JOB, *VOCAB, "--no-falcon"),
     }
 

@@ -1,7 +1,8 @@
 """Real multi-process megatron-core training on CPU/gloo, with falconext in the loop.
 
-Each run is a real ``falconext train`` (torchrun, 4 ranks) on the emulated device. Runs are
-shared across tests through module-scoped fixtures so the suite stays within a few minutes.
+Each run is a real ``falconext train`` (torchrun, 4 ranks), on the emulated device where
+timing matters. Runs are shared across tests through fixtures, and with other modules
+through the session's job cache (tests/jobs.py), so the suite stays within a few minutes.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import pytest
 
 from falconext.detect.tracking import RankTracking
 from falconext.trace.logfile import read_call_log
-from jobs import events, train
+from jobs import S2_FAULT_START, TP2_PP2_REFERENCE_ITERS, events, s2_job, tp2_pp2_reference, train
 
-FAULT_START = 45
+FAULT_START = S2_FAULT_START  # the link run's too
 ITERS = 80
 
 
@@ -29,28 +30,24 @@ def rows(path: Path) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, jobs) -> dict[str, Path]:
     """The jobs, all on the emulated device (each rank owns its device's time, so DP4 on
     the 2-core host behaves like four GPUs: the CPU bed hid a 2x straggler there)."""
     base = tmp_path_factory.mktemp("train")
     emu = {"device": "emulated"}
     return {
         "pp2": train(base / "pp2", "--tp", "1", "--pp", "2", "--iters", "60", **emu),
-        # mitigation off: these runs test detection and localization; tests/test_mitigation_e2e.py
-        # has the runs that mitigate
-        "compute": train(
-            base / "compute", "--iters", str(ITERS), "--global-batch-size", "16", "--micro-batch-size", "1",
-            "--falcon-mitigation", "false",
-            faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": FAULT_START}], **emu,
-        ),
+        # the compute fault: the S2 job test_mitigation_e2e also reads (tests/jobs.py)
+        "compute": s2_job(jobs),
         # four nodes of one rank: the DP ring crosses four network links, one of them x4
-        # (+85 ms of a 0.26 s iteration); validation compares it with the other three
+        # (+85 ms of a 0.26 s iteration); validation compares it with the other three.
+        # Mitigation off: this run tests detection and localization only
         "link": train(
             base / "link", "--iters", str(ITERS), "--global-batch-size", "16", "--micro-batch-size", "1",
             "--ranks-per-node", "1", "--falcon-mitigation", "false",
             faults=[{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": FAULT_START}], **emu,
         ),
-        "tp2": train(base / "tp2", "--tp", "2", "--iters", "12", "--no-falcon", **emu),
+        "tp2": tp2_pp2_reference(jobs),
     }
 
 
@@ -104,7 +101,6 @@ def test_no_fault_no_event(runs):
     is a real fail-slow (CPU contention), so an event is allowed only where the loop's
     own measured times show it: at least 10% slower over the 15 iterations from the
     onset than over the 20 before."""
-    assert events(runs["tp2"], "fail_slow") == []
     loop = {int(r["iteration"]): float(r["iter_time_s"]) for r in rows(runs["pp2"] / "iterations.csv")
             if r["rank"] == "0"}
     for e in events(runs["pp2"], "fail_slow"):
@@ -150,7 +146,7 @@ def test_detection_needs_nothing_but_the_calls(runs):
 def test_tensor_parallel_trains(runs):
     measured = rows(runs["tp2"] / "iterations.csv")
     losses = [float(r["loss"]) for r in measured if r["loss"]]
-    assert len(measured) == 4 * 12 and losses
+    assert len(measured) == 4 * TP2_PP2_REFERENCE_ITERS and losses
     assert losses[-1] < losses[0]
     assert (runs["tp2"] / "estimates.csv").read_text().strip() == "rank,iteration,iter_time_s,loss"
 
@@ -164,7 +160,8 @@ def test_fault_is_localized_in_job(runs, name, gpus, links):
     assert found[0]["evidence"]["trigger"] == "fail_slow"
     if name == "link":  # the emulated bed's floor, set by the launcher (EMULATED_TESTBED)
         assert found[0]["evidence"]["links"]["min_excess_s"] == 0.005
-    held = events(runs[name], "suspension")
+    # the validation's hold (a mitigated run also holds to commit its plan: "committed")
+    held = [e for e in events(runs[name], "suspension") if not e.get("committed")]
     world = json.loads((runs[name] / "run.json").read_text())["topology"]["world"]
     assert sorted(e["rank"] for e in held) == list(range(world))
     assert {e["outcome"] for e in held} == {"validated"}

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from falconext.validate.p2p import merge_passes, run_passes
-from falconext.validate.passes import ring_passes
+from falconext.validate.p2p import run_passes
+from falconext.validate.passes import merge_passes, ring_passes
 
 WORLD = 4
 SLOW_SRC, SLOW_DST, DELAY_S = 1, 2, 0.060

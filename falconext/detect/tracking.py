@@ -33,11 +33,17 @@ class TrackingUpdate:
 
     Events index the detector's series; each iteration carries its position in that
     series (None for warm-up iterations, which the detector does not see).
+
+    ``restarted``: the period grew, so the detector starts over. ``retract``: it grew to a
+    whole multiple of the old one, so the spans estimated so far were sub-iteration units
+    and must be withdrawn; a growth to a non-multiple is the job's own change (a new
+    micro-batch plan), and what was estimated before it stands.
     """
 
     iterations: list[tuple[int | None, IterationTime]]  # None: a warm-up iteration
     events: list[FailSlowEvent]
     restarted: bool = False
+    retract: bool = False
 
 
 class RankTracking:
@@ -54,7 +60,7 @@ class RankTracking:
         its = self.tracker.feed(record)
         out_its: list[tuple[int, IterationTime]] = []
         events: list[FailSlowEvent] = []
-        restarted = False
+        restarted = retract = False
         for it in its:
             if self._period is not None and it.period > self._period:
                 self.detector = VerifiedBOCD(self.config)  # earlier spans may have been sub-iteration
@@ -62,6 +68,7 @@ class RankTracking:
                 self.seen = 0
                 self.restarts += 1
                 restarted = True
+                retract = retract or it.period % self._period == 0
             self._period = it.period
             if it.duration <= 0:
                 continue
@@ -72,7 +79,7 @@ class RankTracking:
             out_its.append((self.series, it))
             events.extend(self.detector.feed(it.duration))
             self.series += 1
-        return TrackingUpdate(out_its, events, restarted)
+        return TrackingUpdate(out_its, events, restarted, retract)
 
     @property
     def period(self) -> int | None:

@@ -135,9 +135,10 @@ class RankMonitor:
                 self.errors += 1
                 self.events.emit("monitor_error", rank=self.rank, error=str(exc))
                 continue
-            if update.restarted:  # the spans so far were sub-iteration units: retract them
-                self.estimates.clear()
+            if update.restarted:  # a new detector series: its indices start again at 0
                 self._series_to_loop.clear()
+            if update.retract:  # the spans so far were sub-iteration units: withdraw them
+                self.estimates.clear()
             for k, it in update.iterations:
                 n = self._loop_iteration(it.t_begin, it.t_end)
                 if n is None:

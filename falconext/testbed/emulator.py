@@ -39,7 +39,7 @@ import torch
 from falconext.testbed.device import BACKWARD_PER_FORWARD, DeviceModel, gemm_flops
 from falconext.testbed.faults import Fault, compute_factor, link_factor
 from falconext.trace.groups import to_process
-from falconext.trace.hooks import P2PWrapper, _rebind_aliases, _restore_aliases
+from falconext.trace.hooks import P2PWrapper, rebind_aliases, restore_aliases
 
 # record columns, per iteration
 COMPUTE_S, LINK_S, OVERRUN_S, WINDOWS, OVERRUNS, FACTOR = range(6)
@@ -289,14 +289,14 @@ class EmulatedDevice:
             self._saved[name] = orig
             setattr(dist, name, w)
             aliases[id(orig)] = (orig, w)
-        self._aliases = _rebind_aliases(aliases)
+        self._aliases = rebind_aliases(aliases)
 
     def uninstall(self) -> None:
         unbind = {}
         for name, orig in self._saved.items():
             unbind[id(getattr(torch.distributed, name))] = (getattr(torch.distributed, name), orig)
             setattr(torch.distributed, name, orig)
-        _restore_aliases(self._aliases, unbind)
+        restore_aliases(self._aliases, unbind)
         self._saved.clear()
         self._aliases = []
         for h in self._handles:

@@ -96,6 +96,7 @@ def launch_training(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise InputError(str(exc)) from None
     if args.inject:
+        args.inject = _copy_faults(args.inject, args.out)
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
     if getattr(args, "net", "emulated") == "netns":
         _check_netns(args)
@@ -171,6 +172,22 @@ def _take_restart_request(out: str):
         raise InputError(str(exc)) from None
     os.replace(path, os.path.join(out, f"restart-{req.attempt}.json"))
     return req
+
+
+def _copy_faults(path: str, out: str) -> str:
+    """The fault file read once, here, and kept in the run directory as ``faults.json``,
+    which the ranks read: a pipe or a file changed while the job runs cannot reach them."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise InputError(f"--inject {path}: cannot read it ({exc.strerror or exc})") from None
+    os.makedirs(out, exist_ok=True)
+    copy = os.path.join(out, "faults.json")
+    if os.path.abspath(path) != os.path.abspath(copy):
+        with open(copy, "w") as f:
+            f.write(text)
+    return copy
 
 
 def _prepare_restart(args: argparse.Namespace, req) -> None:

@@ -63,7 +63,7 @@ from typing import Any, Callable, NamedTuple
 from falconext.trace.groups import GroupInfo, describe_group, megatron_roles, to_process
 from falconext.trace.records import CallRecord
 
-__all__ = ["CallTracer", "HookCost", "Trap", "megatron_roles"]
+__all__ = ["CallTracer", "HookCost", "Trap", "megatron_roles", "rebind_aliases", "restore_aliases"]
 
 #: an async record whose completion is still unknown this long after issue is drained
 #: with t_end None (its handle was dropped or never waited on)
@@ -445,7 +445,7 @@ class CallTracer:
                 if base is not None:
                     aliases[id(base)] = (base, w)
                 aliases[id(o)] = (o, w)
-            self._aliases = _rebind_aliases(aliases)
+            self._aliases = rebind_aliases(aliases)
             _active = self
 
     def uninstall(self) -> None:
@@ -466,7 +466,7 @@ class CallTracer:
                         RuntimeWarning,
                         stacklevel=2,
                     )
-            _restore_aliases(self._aliases, {id(w): (w, o) for o, w in self._patched.values()})
+            restore_aliases(self._aliases, {id(w): (w, o) for o, w in self._patched.values()})
             self._patched = {}
             self._aliases = []
             _active = None
@@ -955,8 +955,12 @@ def _coalescing_wrapper(tracer: CallTracer, orig: Callable[..., Any]) -> Callabl
     return traced
 
 
-def _rebind_aliases(replace: dict[int, tuple[Any, Any]]) -> list[tuple[dict, str, Any, Any]]:
-    """Point module-global aliases of the originals (in Megatron modules) at the wrappers."""
+def rebind_aliases(replace: dict[int, tuple[Any, Any]]) -> list[tuple[dict, str, Any, Any]]:
+    """Point module-global aliases of the originals (in Megatron modules) at the wrappers.
+
+    ``replace``: id(original) -> (original, wrapper). Returns the rebindings made, which
+    :func:`restore_aliases` undoes (the tracer and the test bed's emulator both use it).
+    """
     done: list[tuple[dict, str, Any, Any]] = []
     for modname, module in list(sys.modules.items()):
         if module is None or not _alias_module(modname):
@@ -972,17 +976,17 @@ def _rebind_aliases(replace: dict[int, tuple[Any, Any]]) -> list[tuple[dict, str
     return done
 
 
-def _restore_aliases(
+def restore_aliases(
     done: list[tuple[dict, str, Any, Any]], wrappers: dict[int, tuple[Any, Any]]
 ) -> None:
-    """Undo :func:`_rebind_aliases`, and unbind wrappers aliased by modules imported since.
+    """Undo :func:`rebind_aliases`, and unbind wrappers aliased by modules imported since.
 
     Each alias gets back the very object it held (c10d's function or the wrapper below).
     """
     for namespace, key, orig, wrapper in done:
         if namespace.get(key) is wrapper:
             namespace[key] = orig
-    _rebind_aliases(wrappers)
+    rebind_aliases(wrappers)
 
 
 def _alias_module(name: str) -> bool:

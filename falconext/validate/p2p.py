@@ -122,28 +122,3 @@ def _receive(recv, buf, src: int, group, repeats: int, clock, sync) -> float:
         gaps.append(now - last)
         last = now
     return float(statistics.median(gaps))
-
-
-def merge_passes(schedules: list[list[list[tuple[int, int]]]]) -> list[list[tuple[int, int]]]:
-    """Run the schedules of disjoint groups side by side: pass i of all groups together.
-
-    Validating every DP group (say) then takes as many passes as the longest schedule
-    rather than their sum. Groups that share a rank would put it in two transfers at once,
-    so that is an error naming the rank.
-    """
-    merged: list[list[tuple[int, int]]] = []
-    for schedule in schedules:
-        for i, p in enumerate(schedule):
-            if i == len(merged):
-                merged.append([])
-            merged[i].extend((src, dst) for src, dst in p)
-    for i, p in enumerate(merged):
-        seen: set[int] = set()
-        for pair in p:
-            for r in pair:
-                if r in seen:
-                    raise ValueError(
-                        f"merge_passes: rank {r} appears twice in merged pass {i} (groups are not disjoint)"
-                    )
-                seen.add(r)
-    return merged

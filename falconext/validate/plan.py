@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from falconext.validate.p2p import merge_passes
-from falconext.validate.passes import ring_passes
+from falconext.validate.passes import merge_passes, ring_passes
 
 #: roles whose groups partition the ranks: their rings carry the job's traffic
 LINK_ROLES = ("tp", "cp", "ep", "dp", "pp")
