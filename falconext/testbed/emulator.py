@@ -38,6 +38,7 @@ import torch
 
 from falconext.testbed.device import BACKWARD_PER_FORWARD, DeviceModel, gemm_flops
 from falconext.testbed.faults import Fault, compute_factor, link_factor
+from falconext.testbed.marks import on_backward
 from falconext.trace.groups import to_process
 from falconext.trace.hooks import P2PWrapper, rebind_aliases, restore_aliases
 
@@ -101,34 +102,6 @@ class _DelayedWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
-
-
-class _BackwardStart(torch.autograd.Function):
-    """At the model's output: the backward of this micro-batch starts here."""
-
-    @staticmethod
-    def forward(ctx, x, device):  # type: ignore[override]
-        ctx.device = device
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        ctx.device._open_backward()
-        return grad, None
-
-
-class _BackwardEnd(torch.autograd.Function):
-    """At the transformer layers' input: the backward through them ends here."""
-
-    @staticmethod
-    def forward(ctx, x, device):  # type: ignore[override]
-        ctx.device = device
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        ctx.device._close_backward()
-        return grad, None
 
 
 class EmulatedDevice:
@@ -214,14 +187,14 @@ class EmulatedDevice:
         def post(_mod, _inputs, output):
             self._overrun(sleep_until(self._fwd_deadline))
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                return _BackwardStart.apply(output, self)
+                return on_backward(output, self._open_backward)
             return output
 
         def layers_pre(_mod, args, kwargs):
             hs = kwargs.get("hidden_states", args[0] if args else None)
             if not isinstance(hs, torch.Tensor) or not hs.requires_grad:
                 return None
-            hs = _BackwardEnd.apply(hs, self)
+            hs = on_backward(hs, self._close_backward)
             if "hidden_states" in kwargs:
                 return args, dict(kwargs, hidden_states=hs)
             return (hs, *args[1:]), kwargs

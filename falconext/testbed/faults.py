@@ -24,6 +24,7 @@ transfers, exactly as it would see a congested link.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import time
@@ -34,6 +35,7 @@ import torch
 
 from falconext.inputs import InputError, loads_strict, read_text
 from falconext.testbed.device import ring_hop_bytes
+from falconext.testbed.marks import on_backward
 from falconext.trace.groups import to_process
 from falconext.trace.hooks import P2PWrapper
 
@@ -162,38 +164,20 @@ def _busy(seconds: float) -> None:
         pass
 
 
-class _SlowBackward(torch.autograd.Function):
-    """At the model's output: the first node of its backward. Notes when the backward
-    starts; stalls ``delay`` there when no end marker measures the backward."""
-
-    @staticmethod
-    def forward(ctx, x, delay, clock):  # type: ignore[override]
-        ctx.delay, ctx.clock = delay, clock
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        ctx.clock["backward_start"] = time.perf_counter()
-        if ctx.delay > 0:
-            _busy(ctx.delay)
-        return grad, None, None
+def _backward_started(clock: dict, delay: float) -> None:
+    """At the model's output, the backward's first node: note when the backward starts;
+    stall ``delay`` there when no end mark measures the backward."""
+    clock["backward_start"] = time.perf_counter()
+    if delay > 0:
+        _busy(delay)
 
 
-class _BackwardEnd(torch.autograd.Function):
+def _layers_backward_ended(clock: dict, factor: float) -> None:
     """At the transformer layers' input: the backward through them has just ended;
     stall (factor - 1) times its duration."""
-
-    @staticmethod
-    def forward(ctx, x, factor, clock):  # type: ignore[override]
-        ctx.factor, ctx.clock = factor, clock
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        start = ctx.clock.get("backward_start")
-        if start is not None:
-            _busy((ctx.factor - 1.0) * (time.perf_counter() - start))
-        return grad, None, None
+    start = clock.get("backward_start")
+    if start is not None:
+        _busy((factor - 1.0) * (time.perf_counter() - start))
 
 
 # name -> (normalised op, position of the full-size tensor, position of the group)
@@ -254,7 +238,7 @@ class FaultInjector:
             if factor <= 1.0 or not isinstance(hs, torch.Tensor) or not hs.requires_grad:
                 return None
             marked[0] = True
-            hs = _BackwardEnd.apply(hs, factor, clock)
+            hs = on_backward(hs, functools.partial(_layers_backward_ended, clock, factor))
             if "hidden_states" in kwargs:
                 return args, dict(kwargs, hidden_states=hs)
             return (hs, *args[1:]), kwargs
@@ -268,7 +252,7 @@ class FaultInjector:
             _busy(delay)
             self.injected_s += delay
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                return _SlowBackward.apply(output, 0.0 if marked[0] else 2.0 * delay, clock)
+                return on_backward(output, functools.partial(_backward_started, clock, 0.0 if marked[0] else 2.0 * delay))
             return output
 
         self._handles.append(module.register_forward_pre_hook(pre))
