@@ -116,6 +116,11 @@ class FalconConfig:
     #: P2P benchmark: message bytes and messages per pair
     p2p_bytes: int = 262144
     p2p_repeats: int = 5
+    #: in a job on exactly two nodes the one network link between them has no peer to be
+    #: compared with, so once every rank has reached this iteration the controller
+    #: validates every link (one short suspension) and keeps their times as the link's
+    #: healthy reference; 0: never
+    link_baseline_iteration: int = 10
 
     # --- mitigation (mitigate/) -------------------------------------------------------------
     #: mitigate automatically once a fail-slow is localized (the ski-rental planner)
@@ -182,6 +187,7 @@ class FalconConfig:
         _check(self.profile_min_bytes >= 0, "profile_min_bytes must be >= 0")
         _check(self.gemm_concurrency >= 0, "gemm_concurrency must be >= 0")
         _check(self.validation_sweeps >= 1, "validation_sweeps must be >= 1")
+        _check(self.link_baseline_iteration >= 0, "link_baseline_iteration must be >= 0")
         _check(self.p2p_concurrency >= 0, "p2p_concurrency must be >= 0")
         _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
         _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")

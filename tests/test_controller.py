@@ -14,7 +14,8 @@ from falconext.control.messages import (
     ValidationResult,
 )
 
-CFG = FalconConfig()
+#: the fail-slow paths start from tracking; the two-node link baseline has its own tests
+CFG = FalconConfig(link_baseline_iteration=0)
 NODES = {0: 0, 1: 0, 2: 1, 3: 1}
 DP = "dp:0,1,2,3"
 
@@ -199,6 +200,61 @@ def _validate_links(nodes, slow):
 def test_a_slow_link_is_named_by_its_nodes():
     loc = _validate_links({0: 0, 1: 1, 2: 2, 3: 3}, slow={(1, 2)})  # one rank per node
     assert loc["links"] == [[1, 2]] and loc["gpus"] == []
+
+
+def _baseline_session(ctl, link_s, t=100.0):
+    """Drive the two-node baseline session: every rank reports its DP-ring link, the
+    node-crossing ones taking ``link_s``."""
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(profile(r, ctl.session, None), t + 0.2)
+    s, it = ctl.session, ctl._iteration
+    for r in NODES:
+        outs += ctl.handle(SessionAck(r, s, "held", it, t + 1), t + 1)
+    for r in NODES:
+        src = (r - 1) % 4
+        outs += ctl.handle(ValidationResult(r, s, 1e10, [[src, r, link_s if NODES[src] != NODES[r] else 1e-4]]), t + 1.5)
+    return outs
+
+
+def test_a_two_node_job_measures_its_link_once_healthy_then_judges_it_against_that():
+    ctl = Controller(FalconConfig(link_baseline_iteration=10), world=4)
+    for r, n in NODES.items():
+        assert ctl.handle(Heartbeat(r, n, 9, 0.3, 99.0), 99.0) == []  # not yet at iteration 10
+    out = []
+    for r, n in NODES.items():
+        out += ctl.handle(Heartbeat(r, n, 10, 0.3, 100.0), 100.0)
+    assert ctl.state is State.PROFILING and ctl.episode.trigger == "baseline"
+    assert len(commands(out, "profile")) == 1
+    outs = _baseline_session(ctl, 0.01)
+    (sus,) = commands(outs, "suspend")
+    assert sus.args["plan"]["gemm"] == [] and sus.args["plan"]["passes"]  # links only
+    (base,) = events(outs, "link_baseline")
+    assert base["links"] == {"0-1": 0.01} and base["kept"] and ctl.link_baseline == {(0, 1): 0.01}
+    assert events(outs, "localized") == [] and ctl.localizations == []  # nothing was wrong
+    assert ctl.state is State.TRACKING and ctl.episode is None
+    # once only
+    assert ctl.handle(Heartbeat(0, 0, 30, 0.3, 110.0), 110.0) == []
+    # a fail-slow later: the same link 4x slower is named, against its own baseline
+    ctl.handle(report(t=120.0), 120.0)
+    outs = _baseline_session(ctl, 0.04, t=120.0)
+    (loc,) = events(outs, "localized")
+    assert loc["links"] == [[0, 1]] and loc["evidence"]["links"]["reference_from"] == "baseline"
+
+
+def test_the_link_baseline_is_for_two_node_jobs_and_a_report_meanwhile_is_not_lost():
+    four = Controller(FalconConfig(link_baseline_iteration=10), world=4)
+    for r in range(4):
+        assert four.handle(Heartbeat(r, r, 20, 0.3, 100.0), 100.0) == []  # 4 nodes: peers exist
+    assert four.state is State.TRACKING
+    ctl = Controller(FalconConfig(link_baseline_iteration=10), world=4)
+    for r, n in NODES.items():
+        ctl.handle(Heartbeat(r, n, 10, 0.3, 100.0), 100.0)
+    assert ctl.handle(report(t=100.1), 100.1) == []  # joins the baseline session
+    outs = _baseline_session(ctl, 0.01)
+    assert events(outs, "link_baseline") and ctl.state is State.PROFILING
+    assert ctl.episode.trigger == "fail_slow" and ctl.episode.reporters == {1: 0}
+    assert len(commands(outs, "profile")) == 1
 
 
 def test_a_lone_inter_node_link_has_no_peer_to_be_compared_with():

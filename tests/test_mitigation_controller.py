@@ -34,7 +34,7 @@ EVEN = [4, 4, 4, 4]
 TOTAL = 16
 
 # settle 2, judge 3: a strategy applied at iteration E is judged at E + 2 + 3
-CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3)
+CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, link_baseline_iteration=0)
 
 
 class Job:

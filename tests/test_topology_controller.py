@@ -16,7 +16,8 @@ from falconext.control.messages import Command, FailSlowReport, Heartbeat, Profi
 from falconext.mitigate.mitigation import healthy_mb_s, link_excess, topology_inputs
 from test_controller import commands, events
 
-CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, mitigation_strategies="S3")
+CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, mitigation_strategies="S3",
+                   link_baseline_iteration=0)
 HEALTHY, SLOW = 0.2, 0.3
 SWITCH_S, PAUSE = 0.4, 0.3
 GRAD, ACT = 480_000, 32_768

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from falconext.validate.verdict import slow_links, slow_ranks
+from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
 # ------------------------------------------------------------------------------ slow_ranks
 
@@ -141,6 +141,26 @@ def test_intra_node_links_are_no_reference_for_network_links():
     pairs = [(0, 1, 0.1e-3), (1, 2, 4.0e-3), (2, 3, 0.1e-3), (3, 0, 4.0e-3)]
     slow, ev = slow_links(pairs, node_of)
     assert slow == [] and ev["reference"] is None and ev["reference_from"] == "no peer link"
+
+
+def test_a_lone_network_link_is_judged_against_its_own_healthy_baseline():
+    # 2 nodes x 2 ranks: the one inter-node link measured healthy earlier is its reference
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    healthy = [(0, 1, 0.1e-3), (1, 2, 4.0e-3), (2, 3, 0.1e-3), (3, 0, 4.2e-3)]
+    slow, ev = slow_links(healthy, node_of)
+    base = link_baseline(ev)
+    assert slow == [] and base == {(0, 1): pytest.approx(4.1e-3)}
+    congested = [(s, d, t * 4 if node_of[s] != node_of[d] else t) for s, d, t in healthy]
+    slow, ev = slow_links(congested, node_of, 1.5, baseline=base)
+    assert slow == [(0, 1)] and ev["reference_from"] == "baseline" and ev["baseline"] == {"0-1": base[(0, 1)]}
+    # as fast as it was: not slow; and a 1.3x link is not 1.5x
+    assert slow_links(healthy, node_of, 1.5, baseline=base)[0] == []
+    assert slow_links([(s, d, t * 1.3) for s, d, t in healthy], node_of, 1.5, baseline=base)[0] == []
+    # the absolute floor holds against a baseline too
+    assert slow_links(congested, node_of, 1.5, min_excess_s=0.1, baseline=base)[0] == []
+    # a verdict that named a link is no healthy baseline; a new healthy one replaces the old
+    assert link_baseline(slow_links(congested, node_of, 1.5, baseline=base)[1], base) == base
+    assert link_baseline({"links": {"0-1": 2e-3}, "slow": []}, base) == {(0, 1): 2e-3}
 
 
 def test_two_network_links_compare_with_each_other():

@@ -57,7 +57,7 @@ from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Decision, Planner
 from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import validation_plan
-from falconext.validate.verdict import slow_links, slow_ranks
+from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
 #: times a suspension is retried after a rank missed the agreed iteration
 MAX_SUSPEND_TRIES = 3
@@ -119,6 +119,9 @@ class Controller:
         self._action: dict[str, Any] | None = None  # the action of the MITIGATING session
         self._last_pause_s = 0.0
         self.localizations: list[Localized] = []
+        #: healthy inter-node link times (node pair -> s), from the baseline session
+        self.link_baseline: dict[tuple[int, int], float] = {}
+        self._baseline_started = False
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -131,7 +134,7 @@ class Controller:
         if isinstance(msg, Heartbeat):
             self.beats[msg.rank] = msg
             self.history.setdefault(msg.rank, collections.deque(maxlen=HISTORY_BEATS)).append(msg)
-            return self._observe(msg, now)
+            return self._observe(msg, now) + self._maybe_baseline(now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
         if isinstance(msg, Command) and msg.kind == "validate":
@@ -215,6 +218,37 @@ class Controller:
         cmd = Command("profile", self.cfg.profile_timeout_s, args={"session": self.session, "window_s": self.cfg.profile_window_s})
         return [self._set(State.PROFILING, t_event, trigger=trigger), Output("command", cmd)]
 
+    def _maybe_baseline(self, now: float) -> list[Output]:
+        """Start the link-baseline session once: a job on exactly two nodes, every rank
+        past ``link_baseline_iteration``, nothing else going on."""
+        at = self.cfg.link_baseline_iteration
+        if self._baseline_started or at <= 0 or self.state is not State.TRACKING or self.episode is not None:
+            return []
+        if not self.beats or set(self.beats) < self.ranks() or min(b.iteration for b in self.beats.values()) < at:
+            return []
+        self._baseline_started = True
+        if len({b.node for b in self.beats.values()}) != 2:
+            return []
+        return self._start("baseline", now)
+
+    def _baseline_verdict(self, ep: _Episode, link_evidence: dict[str, Any], now: float) -> list[Output]:
+        """The baseline session's end: keep the links' times if none was slow; a fail-slow
+        reported meanwhile gets its own episode."""
+        self.link_baseline = link_baseline(link_evidence, self.link_baseline)
+        out = [
+            _event("link_baseline", session=self.session, links=link_evidence.get("links", {}),
+                   kept=bool(self.link_baseline), after_event_s=round(now - ep.t_event, 3)),
+            self._set(State.TRACKING, now),
+        ]
+        self._deadline = math.inf
+        self.episode = None
+        if ep.reporters and not ep.ended >= set(ep.reporters):
+            out += self._start("fail_slow", now)
+            assert self.episode is not None
+            self.episode.reporters, self.episode.ended = dict(ep.reporters), set(ep.ended)
+            self.episode.onsets, self.episode.baselines = list(ep.onsets), list(ep.baselines)
+        return out
+
     def _profiled(self, now: float) -> list[Output]:
         try:
             findings = analyze_window(list(self._profiles.values()), self.cfg.suspicious_factor, self.cfg.profile_min_bytes)
@@ -238,6 +272,8 @@ class Controller:
             )
         except ValueError as exc:
             return self._abort(now, f"no validation plan: {exc}")
+        if self.episode is not None and self.episode.trigger == "baseline":
+            self._plan["gemm"] = []  # links only: the baseline is of the network
         out = [_event("profiled", session=self.session, ranks=sorted(self._profiles), **findings.evidence())]
         return out + self._suspend(now)
 
@@ -315,10 +351,12 @@ class Controller:
             gpus = slow_ranks(flops, self.cfg.validation_slow_factor, suspects)
             links, link_evidence = slow_links(
                 [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, self.cfg.validation_slow_factor,
-                self.cfg.validation_min_link_excess_s,
+                self.cfg.validation_min_link_excess_s, baseline=self.link_baseline,
             )
         except ValueError as exc:
             return self._abort(now, f"bad validation results: {exc}")
+        if ep is not None and ep.trigger == "baseline":
+            return self._baseline_verdict(ep, link_evidence, now)
         evidence: dict[str, Any] = {
             "session": self.session,
             "trigger": ep.trigger if ep else "unknown",
@@ -565,7 +603,7 @@ class Controller:
             mit.planner.recovered(max(0, mit.planner.status()["last_iteration"]))  # over before any strategy
         if mit is not None and (not mit.planner.finished or mit.in_flight is not None):
             return []  # the planner decides when this fail-slow is over
-        if ep is not None and (ep.trigger == "operator" or mit is not None
+        if ep is not None and (ep.trigger in ("operator", "baseline") or mit is not None
                                or (ep.reporters and ep.ended >= set(ep.reporters))):
             self.episode = None
             return [_event("episode_end", session=self.session, ranks=sorted(ep.ended))]

@@ -214,6 +214,7 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
         "median_iter_s": round(median(steady.values()), 6) if steady else None,
         "healthy_iter_s": round(median(healthy), 6) if healthy else None,
         "slow_iter_s": round(median(slow), 6) if slow else None,
+        "healthy_iter_cv": healthy_cv(steady, in_fault),
         "final_loss": round(losses[-1], 6) if losses else None,
         "falcon": run.get("falcon_config") is not None,
         "estimates": {
@@ -235,6 +236,21 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
     summary["mitigation"] = mitigation_figures(events, steady)
     summary["overhead"] = overhead_figures(overheads, steady) if overheads else None
     return summary
+
+
+#: iterations at the start of a job whose times are not steady yet (imports, first
+#: allocations, the S3 probe at iteration 3)
+WARMUP = 10
+
+
+def healthy_cv(steady: dict[int, float], in_fault) -> float | None:
+    """Coefficient of variation (std / mean) of the iteration time over the healthy
+    iterations after the warm-up, or None with fewer than two of them."""
+    vals = [v for it, v in steady.items() if it >= WARMUP and not in_fault(it)]
+    if len(vals) < 2:
+        return None
+    mean = sum(vals) / len(vals)
+    return round((sum((v - mean) ** 2 for v in vals) / len(vals)) ** 0.5 / mean, 6)
 
 
 #: iterations after a mitigation takes effect that are not counted as "mitigated" (the
@@ -350,7 +366,9 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"iterations {s['iterations']}, median {s['median_iter_s']} s/iter"
         + (f" (healthy {s['healthy_iter_s']}, slow {s['slow_iter_s']})" if s.get("slow_iter_s") else "")
-        + f", final loss {s['final_loss']}",
+        + f", final loss {s['final_loss']}"
+        + (f", healthy iteration time varies {100 * s['healthy_iter_cv']:.2f}% (CV after iteration {WARMUP})"
+           if s.get("healthy_iter_cv") is not None else ""),
     ]
     if s["falcon"]:
         err = est["median_rel_error"]

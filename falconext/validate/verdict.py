@@ -96,6 +96,7 @@ def slow_links(
     node_of: Mapping[int, int],
     factor: float = 1.3,
     min_excess_s: float = 0.0,
+    baseline: Mapping[tuple[int, int], float] | None = None,
 ) -> tuple[list[tuple[int, int]], dict]:
     """Slow inter-node links as sorted node pairs (a, b), a < b, plus the evidence.
 
@@ -110,12 +111,17 @@ def slow_links(
     between them and let the x3 pass). Only inter-node links are compared with each other:
     intra-node links (NVLink on a cluster, the emulated device's fast links on the test
     bed) are far faster, and comparing with them made every healthy network link look
-    slow. With a single inter-node link there is nothing like it to compare with, so no
-    link is named (the evidence says so). Links, not raw measurements, are the unit of the
-    median, so a link measured more often does not weigh more.
+    slow. Links, not raw measurements, are the unit of the median, so a link measured more
+    often does not weigh more.
+
+    With a single inter-node link (a two-node job) there is nothing like it to compare
+    with. Then ``baseline`` -- the same link measured healthy, by the same passes, earlier
+    in the job (:func:`link_baseline`) -- is its reference; without one no link is named
+    (the evidence says so).
 
     Evidence (JSON-friendly): {"links": {"a-b": s}, "intra": {"a-a": s}, "reference": s or
-    None, "reference_from": "inter-node links" | "no peer link", "factor": f, "slow": ["a-b"]}.
+    None, "reference_from": "inter-node links" | "baseline" | "no peer link", "baseline":
+    {"a-b": s} (when used), "factor": f, "slow": ["a-b"]}.
     """
     _check_factor(factor, "slow_links")
     samples: dict[tuple[int, int], list[float]] = {}
@@ -134,16 +140,20 @@ def slow_links(
     value = {link: float(statistics.median(s)) for link, s in sorted(samples.items())}
     inter = {link: v for link, v in value.items() if link[0] != link[1]}
     intra = {link: v for link, v in value.items() if link[0] == link[1]}
+    own = {link: float(baseline[link]) for link in inter if baseline and _positive(baseline.get(link))}
+    refs: dict[tuple[int, int], float] = {}
     if len(inter) >= 2:
         basis, reference = "inter-node links", _lower_median(inter.values())
+        refs = {link: reference for link in inter}
+    elif own:
+        basis, reference = "baseline", None
+        refs = own
     else:
         basis, reference = "no peer link", None
 
     # ``min_excess_s``: a sub-millisecond message on a shared host can take 2x its peers'
     # time from scheduling alone; a congested link costs far more than that in absolute terms
-    slow = [] if reference is None else [
-        link for link, v in inter.items() if v > factor * reference and v - reference > min_excess_s
-    ]
+    slow = [link for link, v in inter.items() if link in refs and v > factor * refs[link] and v - refs[link] > min_excess_s]
     evidence = {
         "links": {_key(*link): v for link, v in inter.items()},
         "intra": {_key(*link): v for link, v in intra.items()},
@@ -153,4 +163,20 @@ def slow_links(
         "min_excess_s": float(min_excess_s),
         "slow": [_key(*link) for link in slow],
     }
+    if basis == "baseline":
+        evidence["baseline"] = {_key(*link): v for link, v in own.items()}
     return slow, evidence
+
+
+def link_baseline(evidence: Mapping, known: Mapping[tuple[int, int], float] | None = None) -> dict[tuple[int, int], float]:
+    """Healthy link times from the evidence of a :func:`slow_links` verdict that named no
+    link: ``known`` updated with the inter-node links measured (a link measured again
+    replaces its older value; a verdict that named a link adds nothing, it is not healthy)."""
+    out = dict(known or {})
+    if evidence.get("slow"):
+        return out
+    for key, value in (evidence.get("links") or {}).items():
+        a, _, b = str(key).partition("-")
+        if a.isdigit() and b.isdigit() and _positive(value):
+            out[(int(a), int(b))] = float(value)
+    return out
