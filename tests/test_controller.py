@@ -255,6 +255,11 @@ def test_the_link_baseline_is_for_two_node_jobs_and_a_report_meanwhile_is_not_lo
     assert events(outs, "link_baseline") and ctl.state is State.PROFILING
     assert ctl.episode.trigger == "fail_slow" and ctl.episode.reporters == {1: 0}
     assert len(commands(outs, "profile")) == 1
+    # a controller restarted mid-job (the ranks long past iteration 10) measures no baseline
+    late = Controller(FalconConfig(link_baseline_iteration=10), world=4)
+    for r, n in NODES.items():
+        assert late.handle(Heartbeat(r, n, 46, 0.3, 100.0), 100.0) == []
+    assert late.state is State.TRACKING and late.episode is None
 
 
 def test_a_lone_inter_node_link_has_no_peer_to_be_compared_with():

@@ -210,3 +210,9 @@ def test_link_excess_per_byte_over_the_reference():
     ev = {"links": {"0-1": 0.0112, "2-3": 0.001}, "reference": 0.0012}
     assert link_excess([[1, 0]], ev, 1000) == {(0, 1): pytest.approx(1e-5)}
     assert link_excess([[2, 3]], {"links": {}, "reference": None}, 1000) == {}
+
+
+def test_link_excess_of_a_lone_network_link_is_over_its_own_baseline():
+    ev = {"links": {"0-1": 0.04}, "reference": None, "reference_from": "baseline", "baseline": {"0-1": 0.01}}
+    assert link_excess([[1, 0]], ev, 1000) == {(0, 1): pytest.approx(3e-5)}
+    assert link_excess([[1, 0]], dict(ev, baseline={}), 1000) == {}

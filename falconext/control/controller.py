@@ -122,6 +122,7 @@ class Controller:
         #: healthy inter-node link times (node pair -> s), from the baseline session
         self.link_baseline: dict[tuple[int, int], float] = {}
         self._baseline_started = False
+        self._first_beat: dict[int, int] = {}  # rank -> iteration of its first heartbeat seen
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -133,6 +134,7 @@ class Controller:
     def handle(self, msg: Any, now: float) -> list[Output]:
         if isinstance(msg, Heartbeat):
             self.beats[msg.rank] = msg
+            self._first_beat.setdefault(msg.rank, msg.iteration)
             self.history.setdefault(msg.rank, collections.deque(maxlen=HISTORY_BEATS)).append(msg)
             return self._observe(msg, now) + self._maybe_baseline(now)
         if isinstance(msg, FailSlowReport):
@@ -220,14 +222,17 @@ class Controller:
 
     def _maybe_baseline(self, now: float) -> list[Output]:
         """Start the link-baseline session once: a job on exactly two nodes, every rank
-        past ``link_baseline_iteration``, nothing else going on."""
+        past ``link_baseline_iteration``, nothing else going on. A controller that joined
+        the job late (restarted: some rank's first heartbeat it saw was already past that
+        iteration) measures no baseline: the link may be congested by then, and a
+        suspension at an arbitrary time is not what a restart should cost."""
         at = self.cfg.link_baseline_iteration
         if self._baseline_started or at <= 0 or self.state is not State.TRACKING or self.episode is not None:
             return []
         if not self.beats or set(self.beats) < self.ranks() or min(b.iteration for b in self.beats.values()) < at:
             return []
         self._baseline_started = True
-        if len({b.node for b in self.beats.values()}) != 2:
+        if len({b.node for b in self.beats.values()}) != 2 or max(self._first_beat.values()) > at:
             return []
         return self._start("baseline", now)
 

@@ -202,16 +202,22 @@ def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[i
 
 
 def link_excess(links: Iterable[Iterable[int]], evidence: Mapping[str, Any], nbytes: int) -> dict[tuple[int, int], float]:
-    """Excess seconds per byte of each slow link over the reference link, from the
-    validation evidence (a link's median message time minus the reference, per byte)."""
-    measured = evidence.get("links", {}) if isinstance(evidence, Mapping) else {}
-    ref = evidence.get("reference") if isinstance(evidence, Mapping) else None
+    """Excess seconds per byte of each slow link over its reference, from the validation
+    evidence (a link's median message time minus the reference, per byte). The reference
+    is the peer links' (``reference``) or, for the lone network link of a two-node job,
+    that link's own healthy time (``baseline``)."""
+    if not isinstance(evidence, Mapping):
+        return {}
+    measured = evidence.get("links") or {}
+    ref = evidence.get("reference")
+    own = evidence.get("baseline") or {}
     out: dict[tuple[int, int], float] = {}
     for link in links:
         a, b = sorted(int(x) for x in link)
         t = measured.get(f"{a}-{b}")
-        if isinstance(t, (int, float)) and isinstance(ref, (int, float)) and nbytes > 0:
-            out[(a, b)] = max(0.0, (float(t) - float(ref)) / nbytes)
+        r = ref if isinstance(ref, (int, float)) else own.get(f"{a}-{b}")
+        if isinstance(t, (int, float)) and isinstance(r, (int, float)) and nbytes > 0:
+            out[(a, b)] = max(0.0, (float(t) - float(r)) / nbytes)
     return out
 
 
