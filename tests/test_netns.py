@@ -336,3 +336,36 @@ def test_sigterm_to_the_launcher_removes_the_namespaces(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(timeout=10)
     assert wait_gone(tag) == []
+
+
+@real
+def test_a_congested_node_link_is_localized_and_s3_moves_the_pipeline_off_it(tmp_path: Path) -> None:
+    """TP1 x DP2 x PP2 on two nodes of two ranks over real rate-limited links (5 MB/s);
+    from iteration 45 the one network link is 4x slower. A two-node job has no peer link
+    to judge it against, so the controller measured it healthy early on (the link
+    baseline); the P2P passes must name it against that, and S3 must give the processes
+    roles that keep each pipeline inside a node (the job's activations, 8 micro-batches
+    of 256 tokens, weigh more than its gradients), removing at least half the slowdown."""
+    out = tmp_path / "run"
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps([{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": 45}]))
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--device", "emulated", "--net", "netns", "--nproc", "4",
+           "--ranks-per-node", "2", "--tp", "1", "--pp", "2", "--layers", "2", "--hidden", "32", "--seq-len", "256",
+           "--global-batch-size", "16", "--micro-batch-size", "1", "--link-bandwidth", "5e6", "--iters", "110",
+           "--falcon-mitigation-strategies", "S3", "--inject", str(faults), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    (base,) = [e for e in events if e["type"] == "link_baseline"]
+    assert base["kept"] and list(base["links"]) == ["0-1"] and base["links"]["0-1"] > 0
+    (loc,) = [e for e in events if e["type"] == "localized" and e["evidence"]["trigger"] == "fail_slow"]
+    assert loc["links"] == [[0, 1]] and loc["gpus"] == [], loc["evidence"]
+    assert loc["evidence"]["links"]["reference_from"] == "baseline"
+    (s3,) = [e for e in events if e["type"] == "mitigation" and e["strategy"] in ("S2", "S3", "S4")]
+    assert s3["strategy"] == "S3" and s3["iteration"] > 45
+    roles = s3["roles"]  # torch rank d + 2 p plays replica d of stage p; node = process // 2
+    process_of = {r: p for p, r in enumerate(roles)}
+    pipelines = [{process_of[d] // 2, process_of[d + 2] // 2} for d in range(2)]
+    assert all(len(nodes) == 1 for nodes in pipelines), roles  # no pipeline message crosses the link
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["slowdown_removed"] >= 0.5, summary

@@ -100,3 +100,21 @@ def test_train_rejects_bad_layouts_and_fault_files_before_starting(tmp_path: Pat
     for flag, value in (("--device-gflops", "0"), ("--device-gflops", "-2"), ("--link-bandwidth", "nan")):
         assert flag in _fails(capsys, "train", "--nproc", "4", flag, value, "--out", out)
     assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing was started
+
+
+def test_healthy_cv_leaves_out_warm_up_faults_and_falconexts_own_pauses():
+    from falconext.testbed.report import WARMUP, healthy_cv, paused_iterations
+
+    steady = {it: (0.2 if it % 2 else 0.3) for it in range(1, 60)}
+    steady.update({3: 9.0, 15: 1.4, 40: 0.9})  # a probe (warm-up), a suspension, a fault
+
+    def in_fault(it):
+        return it == 40
+
+    events = [{"type": "suspension", "rank": 0, "iteration": 15}, {"type": "topology_switch", "iteration": 3},
+              {"type": "fail_slow", "iteration": 20}]
+    assert paused_iterations(events) == {3, 15}
+    cv = healthy_cv(steady, in_fault, paused_iterations(events))
+    assert cv == pytest.approx(0.2, abs=0.01)  # 0.2 and 0.3 alternating: std 0.05 over mean 0.25
+    assert healthy_cv(steady, in_fault) > 0.5  # the suspension counted
+    assert healthy_cv({WARMUP: 0.2}, in_fault) is None

@@ -84,6 +84,24 @@ EMULATED_TESTBED = {
 }
 TESTBED_KNOBS = {"cpu": CPU_TESTBED, "emulated": EMULATED_TESTBED}
 
+#: with real links (``--net netns``) a validation message lasts this long at the link's
+#: base rate: long enough that a link's congestion stands far above the milliseconds of
+#: real TCP noise, short enough that a sweep over a slow link stays well inside the
+#: controller's validation deadline (a 1 MB message over a 5 MB/s link took 0.2 s, 0.8 s
+#: congested, and the results arrived after the deadline)
+NETNS_MESSAGE_S = 0.02
+
+
+def testbed_knobs(args: argparse.Namespace) -> dict[str, float]:
+    """The validation settings this test bed gets unless given on the command line."""
+    from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
+
+    knobs = dict(TESTBED_KNOBS.get(args.device, {}))
+    if getattr(args, "net", "emulated") == "netns":
+        rate = DEFAULT_INTER_BANDWIDTH if args.link_bandwidth is None else args.link_bandwidth
+        knobs["falcon_p2p_bytes"] = max(4096, int(rate * NETNS_MESSAGE_S))
+    return knobs
+
 
 def launch_training(args: argparse.Namespace) -> int:
     from falconext.testbed.faults import read_faults
@@ -100,7 +118,7 @@ def launch_training(args: argparse.Namespace) -> int:
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
     if getattr(args, "net", "emulated") == "netns":
         _check_netns(args)
-    for knob, value in TESTBED_KNOBS.get(args.device, {}).items():
+    for knob, value in testbed_knobs(args).items():
         if getattr(args, knob, None) is None:
             setattr(args, knob, value)
     os.makedirs(args.out, exist_ok=True)

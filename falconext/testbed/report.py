@@ -214,7 +214,7 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
         "median_iter_s": round(median(steady.values()), 6) if steady else None,
         "healthy_iter_s": round(median(healthy), 6) if healthy else None,
         "slow_iter_s": round(median(slow), 6) if slow else None,
-        "healthy_iter_cv": healthy_cv(steady, in_fault),
+        "healthy_iter_cv": healthy_cv(steady, in_fault, paused_iterations(events)),
         "final_loss": round(losses[-1], 6) if losses else None,
         "falcon": run.get("falcon_config") is not None,
         "estimates": {
@@ -243,10 +243,18 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
 WARMUP = 10
 
 
-def healthy_cv(steady: dict[int, float], in_fault) -> float | None:
+def paused_iterations(events: list[dict]) -> set[int]:
+    """Iterations in which falconext held training (a suspension, a topology switch or
+    probe): their time is falconext's pause, reported on its own, not the device's."""
+    kinds = ("suspension", "topology_switch")
+    return {int(e["iteration"]) for e in events if e.get("type") in kinds and isinstance(e.get("iteration"), int)}
+
+
+def healthy_cv(steady: dict[int, float], in_fault, paused: set[int] = frozenset()) -> float | None:
     """Coefficient of variation (std / mean) of the iteration time over the healthy
-    iterations after the warm-up, or None with fewer than two of them."""
-    vals = [v for it, v in steady.items() if it >= WARMUP and not in_fault(it)]
+    iterations after the warm-up that falconext did not pause, or None with fewer than
+    two of them."""
+    vals = [v for it, v in steady.items() if it >= WARMUP and not in_fault(it) and it not in paused]
     if len(vals) < 2:
         return None
     mean = sum(vals) / len(vals)
