@@ -54,9 +54,9 @@ def runs(tmp_path_factory, jobs) -> dict[str, Path]:
              {"kind": "link", "nodes": [0, 2], "factor": 3.0, "start": FAULT_START}]
     slow_gpus = [{"kind": "compute", "rank": r, "factor": 3.0, "start": FAULT_START} for r in (0, 3)]
     return {
-        "s3": train(base / "s3", *JOB, "--falcon-mitigation-strategies", "S3", faults=links),
+        "s3": train(base / "s3", *JOB, "--falcon-mitigation-strategies", "S3", faults=links, device="emulated"),
         "consolidate": train(base / "consolidate", *JOB, *VOCAB, "--falcon-mitigation-strategies", "S3",
-                             faults=slow_gpus),
+                             faults=slow_gpus, device="emulated"),
         "ref": pp2_reference(jobs),
         "ref_vocab": train(base / "ref_vocab", *JOB, *VOCAB, "--no-falcon"),
     }

@@ -51,6 +51,17 @@ def runs(tmp_path_factory, jobs) -> dict[str, Path]:
     }
 
 
+def test_every_device_window_is_waited_out_on_every_pipeline_stage(runs):
+    """A later stage's transformer block reads its input from the previous stage
+    (set_input_tensor), not from its argument: its backward must still take device time
+    (the emulator once lost every backward window but the first stage's)."""
+    out = runs["pp2"]
+    for r in range(4):
+        rec = json.loads((out / "ranks" / f"device-rank{r}.json").read_text())
+        assert rec["windows"] == rec["closed"] > 0, (r, rec["windows"], rec["closed"])
+    assert json.loads((out / "summary.json").read_text())["device"]["unclosed"] == 0
+
+
 def test_outputs_and_training(runs):
     out = runs["pp2"]
     for name in ("iterations.csv", "estimates.csv", "events.jsonl", "run.json", "summary.json"):

@@ -75,7 +75,7 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
     """The device records of all ranks, summed: device windows, overruns (real CPU work
     that outlasted its device time) and their share, worst rank. None when the run had no
     emulated device."""
-    windows = overruns = 0
+    windows = overruns = closed = 0
     overrun_s = compute_s = 0.0
     worst: tuple[float, int] = (0.0, -1)
     for r in range(world):
@@ -86,6 +86,7 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
             rec = json.load(f)
         windows += int(rec["windows"])
         overruns += int(rec["overruns"])
+        closed += int(rec.get("closed", rec["windows"]))
         overrun_s += float(rec["overrun_s"])
         rank_compute = sum(float(i["compute_s"]) for i in rec["iterations"].values())
         compute_s += rank_compute
@@ -94,6 +95,8 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
     return {
         "windows": windows,
         "overruns": overruns,
+        #: device windows no rank waited out (device time the job never spent)
+        "unclosed": windows - closed,
         "overrun_s": round(overrun_s, 4),
         "overrun_share": round(overrun_s / compute_s, 5) if compute_s > 0 else 0.0,
         "worst_rank": worst[1],

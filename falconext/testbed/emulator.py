@@ -38,12 +38,12 @@ import torch
 
 from falconext.testbed.device import BACKWARD_PER_FORWARD, DeviceModel, gemm_flops
 from falconext.testbed.faults import Fault, compute_factor, link_factor
-from falconext.testbed.marks import on_backward
+from falconext.testbed.marks import mark_layers_input, on_backward
 from falconext.trace.groups import to_process
 from falconext.trace.hooks import P2PWrapper, rebind_aliases, restore_aliases
 
 # record columns, per iteration
-COMPUTE_S, LINK_S, OVERRUN_S, WINDOWS, OVERRUNS, FACTOR = range(6)
+COMPUTE_S, LINK_S, OVERRUN_S, WINDOWS, OVERRUNS, FACTOR, CLOSED = range(7)
 
 # torch.distributed name -> (op for the link model, position and name of the full-size
 # tensor, position of the group argument, position of async_op)
@@ -125,7 +125,7 @@ class EmulatedDevice:
         self.faults = list(faults or [])
         self.real_links = real_links
         self.iteration = -1
-        #: iteration -> [compute_s, link_s, overrun_s, windows, overruns, factor]
+        #: iteration -> [compute_s, link_s, overrun_s, windows, overruns, factor, closed]
         self.records: dict[int, list[float]] = {}
         #: forward FLOPs of one micro-batch of this process's current role
         self.forward_flops = 0.0
@@ -141,7 +141,7 @@ class EmulatedDevice:
     def _rec(self) -> list[float]:
         rec = self.records.get(self.iteration)
         if rec is None:
-            rec = self.records[self.iteration] = [0.0, 0.0, 0.0, 0, 0, self.factor()]
+            rec = self.records[self.iteration] = [0.0, 0.0, 0.0, 0, 0, self.factor(), 0]
         return rec
 
     def _link(self, seconds: float) -> None:
@@ -154,8 +154,10 @@ class EmulatedDevice:
         return seconds
 
     def _overrun(self, late_s: float) -> None:
+        """A window was waited out, ``late_s`` after it should have closed."""
+        rec = self._rec()
+        rec[CLOSED] += 1
         if late_s > 0:
-            rec = self._rec()
             rec[OVERRUN_S] += late_s
             rec[OVERRUNS] += 1
 
@@ -190,14 +192,8 @@ class EmulatedDevice:
                 return on_backward(output, self._open_backward)
             return output
 
-        def layers_pre(_mod, args, kwargs):
-            hs = kwargs.get("hidden_states", args[0] if args else None)
-            if not isinstance(hs, torch.Tensor) or not hs.requires_grad:
-                return None
-            hs = on_backward(hs, self._close_backward)
-            if "hidden_states" in kwargs:
-                return args, dict(kwargs, hidden_states=hs)
-            return (hs, *args[1:]), kwargs
+        def layers_pre(mod, args, kwargs):
+            return mark_layers_input(mod, args, kwargs, self._close_backward)
 
         self._handles.append(module.register_forward_pre_hook(pre))
         self._handles.append(module.register_forward_hook(post))
@@ -356,6 +352,7 @@ class EmulatedDevice:
         iters = sorted(self.records)
         windows = sum(int(self.records[i][WINDOWS]) for i in iters)
         overruns = sum(int(self.records[i][OVERRUNS]) for i in iters)
+        closed = sum(int(self.records[i][CLOSED]) for i in iters)
         return {
             "process": self.process,
             "model": {k: getattr(self.model, k) for k in self.model.__dataclass_fields__},
@@ -363,13 +360,15 @@ class EmulatedDevice:
             "forward_flops": self.forward_flops,
             "microbatch_s": self.microbatch_s(),
             "windows": windows,
+            #: windows the rank waited out; one never waited out is device time lost
+            "closed": closed,
             "overruns": overruns,
             "overrun_s": round(sum(self.records[i][OVERRUN_S] for i in iters), 6),
             "iterations": {
                 str(i): {
                     "compute_s": round(r[COMPUTE_S], 6), "link_s": round(r[LINK_S], 6),
                     "overrun_s": round(r[OVERRUN_S], 6), "windows": int(r[WINDOWS]),
-                    "overruns": int(r[OVERRUNS]), "factor": r[FACTOR],
+                    "overruns": int(r[OVERRUNS]), "factor": r[FACTOR], "closed": int(r[CLOSED]),
                 }
                 for i, r in ((i, self.records[i]) for i in iters)
             },

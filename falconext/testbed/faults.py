@@ -35,7 +35,7 @@ import torch
 
 from falconext.inputs import InputError, loads_strict, read_text
 from falconext.testbed.device import ring_hop_bytes
-from falconext.testbed.marks import on_backward
+from falconext.testbed.marks import mark_layers_input, marks_layers_input, on_backward
 from falconext.trace.groups import to_process
 from falconext.trace.hooks import P2PWrapper
 
@@ -232,16 +232,12 @@ class FaultInjector:
             self._t0 = time.perf_counter()
             marked[0] = False
 
-        def layers_pre(_mod, args, kwargs):
+        def layers_pre(mod, args, kwargs):
             factor = self._compute_factor()
-            hs = kwargs.get("hidden_states", args[0] if args else None)
-            if factor <= 1.0 or not isinstance(hs, torch.Tensor) or not hs.requires_grad:
+            if factor <= 1.0 or not marks_layers_input(mod, args, kwargs):
                 return None
             marked[0] = True
-            hs = on_backward(hs, functools.partial(_layers_backward_ended, clock, factor))
-            if "hidden_states" in kwargs:
-                return args, dict(kwargs, hidden_states=hs)
-            return (hs, *args[1:]), kwargs
+            return mark_layers_input(mod, args, kwargs, functools.partial(_layers_backward_ended, clock, factor))
 
         def post(_mod, _inputs, output):
             factor = self._compute_factor()

@@ -431,6 +431,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if dev:
         lines.append(f"emulated device: {dev['windows']} device windows, {dev['overruns']} overran "
                      f"({100 * dev['overrun_share']:.2f}% of device time)")
+        if dev.get("unclosed"):
+            lines.append(f"WARNING: {dev['unclosed']} device windows were never waited out: the emulated "
+                         "device lost that time (a model whose backward it cannot follow)")
         if dev["worst_rank_overrun_share"] > OVERRUN_WARN_SHARE:
             lines.append(
                 f"WARNING: rank {dev['worst_rank']}'s real CPU work overran its device time by "
