@@ -118,3 +118,17 @@ def test_healthy_cv_leaves_out_warm_up_faults_and_falconexts_own_pauses():
     assert cv == pytest.approx(0.2, abs=0.01)  # 0.2 and 0.3 alternating: std 0.05 over mean 0.25
     assert healthy_cv(steady, in_fault) > 0.5  # the suspension counted
     assert healthy_cv({WARMUP: 0.2}, in_fault) is None
+
+
+def test_validation_messages_last_20_ms_at_the_networks_rate():
+    import argparse
+
+    from falconext.testbed.launch import testbed_knobs
+
+    def knobs(device, net="emulated", bw=None):
+        return testbed_knobs(argparse.Namespace(device=device, net=net, link_bandwidth=bw))
+
+    assert knobs("emulated")["falcon_p2p_bytes"] == 1_000_000  # 50 MB/s by default
+    assert knobs("emulated", bw=10e6)["falcon_p2p_bytes"] == 200_000
+    assert knobs("cpu", net="netns", bw=5e6)["falcon_p2p_bytes"] == 100_000
+    assert "falcon_p2p_bytes" not in knobs("cpu")  # loopback: the config's default

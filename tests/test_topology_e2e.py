@@ -14,20 +14,17 @@ an undisturbed run of the same job learns.
   slowdown.
 
 * ``consolidate``: from iteration 45 processes 0 (stage 0) and 3 (stage 1) compute 3x
-  slower (at 2x, host noise once made a straggler's validation GEMM read only 1.46x
-  below its peers, under the 1.5x line). Both must be localized, S3 must put them into
-  one pipeline stage, and the iteration time must drop by at least half the fraction
-  the planner predicted. The vocabulary is 4096 (``ref_vocab`` is its undisturbed run), so
-  the last stage, with the output layer, computes about 1.7x what stage 0 does.
+  slower. Both must be localized, S3 must put them into one pipeline stage, and the job
+  must then run at the iteration times the planner predicted before and after (within
+  10%): on devices that keep their speed the model is exact. The vocabulary is 4096
+  (``ref_vocab`` is its undisturbed run), so the last stage, with the output layer,
+  computes about 3.3x what stage 0 does: consolidation's gain is that both stragglers
+  slow the lighter stage (with equal stages, moving a straggler gains nothing).
 
-Why the heavier last stage: on independent devices, a replica is as slow as its slowest
-stage, so with two equal stages moving a straggler from one stage to the other gains
-nothing; the gain of consolidation is that both go to the lighter stage. With the small
-vocabulary the stages were near equal: whether the planner predicted a gain then hung on
-measurement noise (a CI run read the stragglers as 3.02x and 3.62x, predicted nothing
-and rightly refused). With 4096, three runs predicted drops of 0.19, 0.28 and 0.18 s
-per iteration and measured 0.13, 0.20 and 0.16 (examples/bench_topology_model.py prints
-model against measured).
+The faulty runs are on the emulated device (each process owns its device's time, as
+on a GPU cluster); on the CPU bed the host's two cores made a 3x straggler read 4.89x
+and the model's times 61% high. The references have no falconext and run on the CPU bed
+(device time changes no number).
 """
 
 from __future__ import annotations
@@ -37,11 +34,14 @@ from pathlib import Path
 
 import pytest
 
-from jobs import PP2_JOB, PP2_REFERENCE_ITERS, assert_same_trajectory, events, losses, pp2_reference, train
+from jobs import PP2_JOB, assert_same_trajectory, events, losses, pp2_reference, train
 
 FAULT_START = 45
-ITERS = PP2_REFERENCE_ITERS
+#: the faulty runs: S3 applies near iteration 67, and 30 iterations after its settling
+#: measure the mitigated speed; their references may run longer (the PP2 one is shared)
+ITERS = 105
 JOB = [*PP2_JOB, "--iters", str(ITERS)]
+LINKS = ["--link-bandwidth", "10e6"]  # the link run's network: its DP gradients weigh (47 ms a ring)
 VOCAB = ["--vocab", "4096"]  # the consolidation run's: a heavier last stage (see above)
 
 
@@ -54,11 +54,11 @@ def runs(tmp_path_factory, jobs) -> dict[str, Path]:
              {"kind": "link", "nodes": [0, 2], "factor": 3.0, "start": FAULT_START}]
     slow_gpus = [{"kind": "compute", "rank": r, "factor": 3.0, "start": FAULT_START} for r in (0, 3)]
     return {
-        "s3": train(base / "s3", *JOB, "--falcon-mitigation-strategies", "S3", faults=links, device="emulated"),
-        "consolidate": train(base / "consolidate", *JOB, *VOCAB, "--falcon-mitigation-strategies", "S3",
-                             faults=slow_gpus, device="emulated"),
+        "s3": train(base / "s3", *JOB, *LINKS, "--falcon-mitigation-strategies", "S3", faults=links, device="emulated"),
+        "consolidate": train(base / "consolidate", *JOB, *VOCAB, "--device-gflops", "4",
+                             "--falcon-mitigation-strategies", "S3", faults=slow_gpus, device="emulated"),
         "ref": pp2_reference(jobs),
-        "ref_vocab": train(base / "ref_vocab", *JOB, *VOCAB, "--no-falcon"),
+        "ref_vocab": train(base / "ref_vocab", *PP2_JOB, "--iters", str(ITERS), *VOCAB, "--no-falcon"),
     }
 
 
@@ -121,11 +121,10 @@ def test_two_stragglers_are_consolidated_into_one_stage(runs):
     before, after = applied[0]["predicted_s"]
     slow, mitigated = summary["slow_iter_s"], summary["mitigated_iter_s"]
     print(f"consolidation: predicted {before} -> {after} s/iter, measured {slow} -> {mitigated}")
-    # relative drops: the model's absolute times carry the stragglers' factors as read
-    # during the fail-slow, which a shared host inflates (a CI run read a 3x straggler as
-    # 4.89x and predicted 0.70 s for a measured 0.43 s), while the planner's claim is
-    # the fraction it saves
-    assert mitigated < slow and (slow - mitigated) / slow >= 0.5 * (before - after) / before, summary
+    # on devices that keep their speed (the emulated bed, as on a GPU cluster) the
+    # planner's model is exact: what it predicted before and after is what the job ran
+    assert mitigated < slow, summary
+    assert abs(slow - before) <= 0.1 * before and abs(mitigated - after) <= 0.1 * after, summary
 
 
 @pytest.mark.parametrize("run, ref", [("s3", "ref"), ("consolidate", "ref_vocab")])
