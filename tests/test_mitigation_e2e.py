@@ -5,12 +5,12 @@
   only S2 is allowed (tests/jobs.py: s2_job, shared with test_train). It must be detected,
   localized and rebalanced automatically, and remove at least 0.9 of what the best
   integer plan on the true device times could (``slowdown_removed_max``, 0.75 here).
-* The S4 jobs still run on the CPU bed: two ranks, one per core, 24 micro-batches per
-  global batch.
-* ``s4``: rank 1 computes 3x slower from 45 on; S2 and S4. S2 cannot be enough
-  (the best plan leaves 1.5x), so once the fail-slow has cost as much as the job's
-  measured restart, the planner escalates: checkpoint, restart without node 0's faulty
-  GPU (the test bed replaces the node), resume.
+* ``s4``: emulated DP2 (a 3 GFLOP/s device, 12 micro-batches per replica); rank 1
+  computes 3x slower from 45 on; S2 and S4. S2 cannot be enough (the best plan leaves
+  1.5x), so once the fail-slow has cost as much as the job's measured restart, the
+  planner escalates: checkpoint, restart without node 0's faulty GPU (the test bed
+  replaces the node), resume, and run at the healthy speed again. Its reference is the
+  same job without falconext on the CPU bed (device time changes no number).
 * ``forced``: 20 iterations of TP1xDP2xPP2 with a forced 3,5 plan against the shared PP2
   reference (1F1B with different counts per replica; plain DP with an uneven plan is the
   S2 run's, against ``ref4``).
@@ -41,7 +41,7 @@ from jobs import (
 )
 
 FAULT_START = 45
-GB = "48"  # 24 micro-batches of 2
+S4_JOB = ("--iters", "130", "--global-batch-size", "24", "--micro-batch-size", "1")
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +53,9 @@ def runs(tmp_path_factory, jobs) -> dict[str, Path]:
         "ref4": s2_reference(jobs),
         # S3 left out: with one pipeline stage no permutation helps a compute straggler
         # (tests/test_topology_e2e.py has S3's runs)
-        "s4": train(base / "s4", "--iters", "130", "--global-batch-size", GB,
-                    "--falcon-mitigation-strategies", "S2,S4", faults=[dict(fault, factor=3.0)], nproc=2),
-        "ref": train(base / "ref", "--iters", "130", "--global-batch-size", GB, "--no-falcon", nproc=2),
+        "s4": train(base / "s4", *S4_JOB, "--device-gflops", "3", "--falcon-mitigation-strategies", "S2,S4",
+                    faults=[dict(fault, factor=3.0)], nproc=2, device="emulated"),
+        "ref": train(base / "ref", *S4_JOB, "--no-falcon", nproc=2),
     }
 
 
@@ -105,11 +105,10 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
     assert_same_trajectory(losses(out), losses(runs["ref"]), 130)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 130
-    # back to speed without the faulty node: most of the 3x slowdown is gone. Not
-    # "within 1.3x of healthy": a CI run measured 1.40x after the restart (removed
-    # 0.77), while a run without any fault on the same host moved between 0.24 and
-    # 0.36 s per iteration
-    assert summary["slowdown_removed"] >= 0.65, summary
+    # back to its healthy speed without the faulty node (on the CPU bed a fault-free run
+    # itself moved between 0.24 and 0.36 s per iteration, and this was loosened to
+    # "removed >= 0.65"; devices that keep their speed measured 1.01x)
+    assert summary["mitigated_iter_s"] <= 1.1 * summary["healthy_iter_s"], summary
     assert summary["mitigation"]["restarts"][0]["downtime_s"] > 0
 
 
