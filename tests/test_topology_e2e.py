@@ -41,8 +41,12 @@ FAULT_START = 45
 #: measure the mitigated speed; their references may run longer (the PP2 one is shared)
 ITERS = 105
 JOB = [*PP2_JOB, "--iters", str(ITERS)]
-LINKS = ["--link-bandwidth", "10e6"]  # the link run's network: its DP gradients weigh (47 ms a ring)
-VOCAB = ["--vocab", "4096"]  # the consolidation run's: a heavier last stage (see above)
+#: the link run's network: its DP gradients weigh (47 ms a ring); its device computes at
+#: 4 GFLOP/s, like the consolidation run's (two layers per stage)
+LINKS = ["--link-bandwidth", "10e6", "--device-gflops", "4"]
+#: the consolidation run's: a heavier last stage (see above), two micro-batches of 2 per
+#: replica (its own reference, ``ref_vocab``, has the same shape)
+VOCAB = ["--vocab", "4096", "--global-batch-size", "8"]
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,8 @@ def runs(tmp_path_factory, jobs) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("train")
     emu = {"device": "emulated"}
     return {
-        "pp2": train(base / "pp2", "--tp", "1", "--pp", "2", "--iters", "60", **emu),
+        # two layers per stage: a 4 GFLOP/s device keeps the real CPU work inside its time
+        "pp2": train(base / "pp2", "--tp", "1", "--pp", "2", "--iters", "60", "--device-gflops", "4", **emu),
         # the compute fault: the S2 job test_mitigation_e2e also reads (tests/jobs.py)
         "compute": s2_job(jobs),
         # four nodes of one rank: the DP ring crosses four network links, one of them x4
