@@ -5,9 +5,9 @@
   only S2 is allowed (tests/jobs.py: s2_job, shared with test_train). It must be detected,
   localized and rebalanced automatically, and remove at least 0.9 of what the best
   integer plan on the true device times could (``slowdown_removed_max``, 0.75 here).
-* ``s4``: emulated DP2 (a 3 GFLOP/s device, 12 micro-batches per replica); rank 1
-  computes 3x slower from 45 on; S2 and S4. S2 cannot be enough (the best plan leaves
-  1.5x), so once the fail-slow has cost as much as the job's measured restart, the
+* ``s4``: emulated DP2 (a 4 GFLOP/s device, 6 micro-batches of 2 per replica); rank 1
+  computes 3x slower from 45 on; S2 and S4. S2 cannot be enough (the best plan, [9, 3],
+  leaves 1.5x), so once the fail-slow has cost as much as the job's measured restart, the
   planner escalates: checkpoint, restart without node 0's faulty GPU (the test bed
   replaces the node), resume, and run at the healthy speed again. Its reference is the
   same job without falconext on the CPU bed (device time changes no number).
@@ -41,7 +41,7 @@ from jobs import (
 )
 
 FAULT_START = 45
-S4_JOB = ("--iters", "130", "--global-batch-size", "24", "--micro-batch-size", "1")
+S4_JOB = ("--iters", "130", "--global-batch-size", "24", "--micro-batch-size", "2")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def runs(tmp_path_factory, jobs) -> dict[str, Path]:
         "ref4": s2_reference(jobs),
         # S3 left out: with one pipeline stage no permutation helps a compute straggler
         # (tests/test_topology_e2e.py has S3's runs)
-        "s4": train(base / "s4", *S4_JOB, "--device-gflops", "3", "--falcon-mitigation-strategies", "S2,S4",
+        "s4": train(base / "s4", *S4_JOB, "--device-gflops", "4", "--falcon-mitigation-strategies", "S2,S4",
                     faults=[dict(fault, factor=3.0)], nproc=2, device="emulated"),
         "ref": train(base / "ref", *S4_JOB, "--no-falcon", nproc=2),
     }
