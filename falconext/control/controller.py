@@ -27,6 +27,7 @@ it has reported its end, and only then can a new one start.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -249,9 +250,7 @@ class Controller:
         self.episode = None
         if ep.reporters and not ep.ended >= set(ep.reporters):
             out += self._start("fail_slow", now)
-            assert self.episode is not None
-            self.episode.reporters, self.episode.ended = dict(ep.reporters), set(ep.ended)
-            self.episode.onsets, self.episode.baselines = list(ep.onsets), list(ep.baselines)
+            self.episode = dataclasses.replace(ep, trigger="fail_slow", t_event=now)  # the reports carry over
         return out
 
     def _profiled(self, now: float) -> list[Output]:

@@ -153,7 +153,7 @@ class EmulatedDevice:
         rec[WINDOWS] += 1
         return seconds
 
-    def _overrun(self, late_s: float) -> None:
+    def _closed(self, late_s: float) -> None:
         """A window was waited out, ``late_s`` after it should have closed."""
         rec = self._rec()
         rec[CLOSED] += 1
@@ -187,7 +187,7 @@ class EmulatedDevice:
             self._fwd_deadline = time.perf_counter() + self._window(self.model.compute_s(self.forward_flops, self.factor()))
 
         def post(_mod, _inputs, output):
-            self._overrun(sleep_until(self._fwd_deadline))
+            self._closed(sleep_until(self._fwd_deadline))
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 return on_backward(output, self._open_backward)
             return output
@@ -206,7 +206,7 @@ class EmulatedDevice:
         self._bwd_deadline = time.perf_counter() + self._window(seconds)
 
     def _close_backward(self) -> None:
-        self._overrun(sleep_until(self._bwd_deadline))
+        self._closed(sleep_until(self._bwd_deadline))
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a @ b`` computed for real, taking the device's time for its FLOPs."""

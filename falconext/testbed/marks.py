@@ -28,35 +28,38 @@ def on_backward(x: torch.Tensor, fn: Callable[[], None]) -> torch.Tensor:
     return _OnBackward.apply(x, fn)
 
 
-def mark_layers_input(layers: torch.nn.Module, args: tuple, kwargs: dict, fn: Callable[[], None]):
-    """In a forward pre-hook (``with_kwargs=True``) of megatron-core's transformer block:
-    put an :func:`on_backward` mark on the block's input, so ``fn()`` runs when the
-    backward has passed through every layer. Returns what the hook returns: new
-    ``(args, kwargs)``, or None when nothing had to be replaced in them.
-
-    The first pipeline stage's block gets its input as ``hidden_states``; a later stage's
-    block ignores that argument and reads the tensor received from the previous stage,
-    which the schedule hands over with ``set_input_tensor`` (``layers.input_tensor``): that
-    one is marked in place. ``fn`` is not called at all when the input needs no gradient
-    (a forward-only pass)."""
-    if not getattr(layers, "pre_process", True):
-        inp = getattr(layers, "input_tensor", None)
-        if isinstance(inp, torch.Tensor) and inp.requires_grad:
-            layers.input_tensor = on_backward(inp, fn)
-        return None
-    hs = kwargs.get("hidden_states", args[0] if args else None)
-    if not isinstance(hs, torch.Tensor) or not hs.requires_grad:
-        return None
-    hs = on_backward(hs, fn)
-    if "hidden_states" in kwargs:
-        return args, dict(kwargs, hidden_states=hs)
-    return (hs, *args[1:]), kwargs
+def _layers_input(layers: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor megatron-core's transformer block will read as its input in this
+    forward, if it needs a gradient. The first pipeline stage's block gets it as
+    ``hidden_states``; a later stage's block ignores that argument and reads the tensor
+    received from the previous stage, which the schedule hands over with
+    ``set_input_tensor`` (``layers.input_tensor``)."""
+    if getattr(layers, "pre_process", True):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+    else:
+        x = getattr(layers, "input_tensor", None)
+    return x if isinstance(x, torch.Tensor) and x.requires_grad else None
 
 
 def marks_layers_input(layers: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether :func:`mark_layers_input` would place a mark for this forward."""
+    return _layers_input(layers, args, kwargs) is not None
+
+
+def mark_layers_input(layers: torch.nn.Module, args: tuple, kwargs: dict, fn: Callable[[], None]):
+    """In a forward pre-hook (``with_kwargs=True``) of megatron-core's transformer block:
+    put an :func:`on_backward` mark on the block's input (:func:`_layers_input`), so
+    ``fn()`` runs when the backward has passed through every layer. Returns what the hook
+    returns: new ``(args, kwargs)``, or None when nothing had to be replaced in them (a
+    later stage's received tensor is marked in place). ``fn`` is not called at all when
+    the input needs no gradient (a forward-only pass)."""
+    x = _layers_input(layers, args, kwargs)
+    if x is None:
+        return None
+    marked = on_backward(x, fn)
     if not getattr(layers, "pre_process", True):
-        inp = getattr(layers, "input_tensor", None)
-        return isinstance(inp, torch.Tensor) and inp.requires_grad
-    hs = kwargs.get("hidden_states", args[0] if args else None)
-    return isinstance(hs, torch.Tensor) and hs.requires_grad
+        layers.input_tensor = marked
+        return None
+    if "hidden_states" in kwargs:
+        return args, dict(kwargs, hidden_states=marked)
+    return (marked, *args[1:]), kwargs

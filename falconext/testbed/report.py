@@ -16,7 +16,7 @@ import csv
 import glob
 import json
 import os
-from statistics import median
+from statistics import fmean, median, pstdev
 from typing import Any
 
 HEADER = ["rank", "iteration", "iter_time_s", "loss"]
@@ -257,8 +257,7 @@ def healthy_cv(steady: dict[int, float], in_fault, paused: set[int] = frozenset(
     vals = [v for it, v in steady.items() if it >= WARMUP and not in_fault(it) and it not in paused]
     if len(vals) < 2:
         return None
-    mean = sum(vals) / len(vals)
-    return round((sum((v - mean) ** 2 for v in vals) / len(vals)) ** 0.5 / mean, 6)
+    return round(pstdev(vals) / fmean(vals), 6)
 
 
 #: iterations after a mitigation takes effect that are not counted as "mitigated" (the
