@@ -72,10 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", default="compute,comm,healthy", help="comma-separated, drawn in turn")
     p.add_argument("--length", type=int, default=2000, help="iterations per trace")
     p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("megatron-patch", help="check or apply falconext's patch to a Megatron-LM checkout")
+    p.add_argument("action", choices=("check", "apply"), help="check: report only; apply: patch the checkout")
+    p.add_argument("dir", help="the Megatron-LM checkout (holding megatron/core/package_info.py)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # torchrun's command line, taken whole (see falconext.megatron_lm.launcher)
+        return _cmd_launch(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
@@ -180,10 +187,35 @@ def _cmd_gen_traces(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_launch(argv: list[str]) -> int:
+    """``falconext launch [torchrun options] SCRIPT [args]``: Megatron-LM with ``--falcon``."""
+    from falconext.megatron_lm.launcher import launch
+
+    if not argv or argv[0] in ("-h", "--help"):
+        from falconext.megatron_lm import launcher
+
+        print("usage: falconext launch [torchrun options] SCRIPT [script arguments, --falcon, --falcon-*]\n")
+        print(launcher.__doc__)
+        return 0
+    try:
+        return launch(argv)
+    except _USER_ERRORS as exc:
+        print(f"falconext launch: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from falconext.testbed.launch import launch_training
 
     return launch_training(args)
+
+
+def _cmd_megatron_patch(args: argparse.Namespace) -> int:
+    from falconext.megatron_lm import patching  # PatchError is an InputError: exit 2
+
+    outcome = patching.check(args.dir) if args.action == "check" else patching.apply(args.dir)
+    print(outcome.line())
+    return 0
 
 
 _COMMANDS = {
@@ -192,6 +224,7 @@ _COMMANDS = {
     "period": _cmd_period,
     "eval-detect": _cmd_eval,
     "gen-traces": _cmd_gen_traces,
+    "megatron-patch": _cmd_megatron_patch,
 }
 
 

@@ -37,6 +37,13 @@ class FalconConfig:
     #: explains at least this share of the gap variance
     gap_profile_r2: float = 0.8
 
+    #: a period that is N iterations plus at most this many calls inserted every N-th
+    #: iteration (Megatron-LM's --log-interval timer barriers) is followed as N
+    #: iterations with an insertion, not as one long iteration; 0: off. Kept small: a
+    #: micro-batch repeated within an iteration leaves the step's own calls (gradient
+    #: reduction, loss and norm reductions: 8 in a DP2 Megatron-LM GPT) as the remainder
+    max_inserted_calls: int = 4
+
     #: live tracking leaves the job's first iterations (allocation, caching, warm-up)
     #: out of the detector: they set no baseline
     tracking_warmup: int = 20
@@ -162,6 +169,7 @@ class FalconConfig:
             "tracker_buffer_calls is too small for acf_min_repeats",
         )
         _check(0.0 < self.gap_profile_r2 <= 1.0, "gap_profile_r2 must be in (0, 1]")
+        _check(self.max_inserted_calls >= 0, "max_inserted_calls must be >= 0")
         _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")

@@ -59,6 +59,7 @@ import numpy as np
 
 from falconext.config import FalconConfig
 from falconext.detect.period import (
+    inner_period,
     SymbolTable,
     chance_match,
     find_period,
@@ -299,6 +300,7 @@ class IterationTracker:
         q = self._search(codes, times)
         if q is None:
             return
+        q = self._without_insertions(self._window_from, codes, q)
         needed = max(self.config.acf_min_repeats * q, MIN_LOCK_CALLS)
         if q == 1 and chance_match(codes) >= 1.0 - 1e-12:
             # one symbol and no gap structure: nothing shows where an iteration ends
@@ -331,6 +333,20 @@ class IterationTracker:
             min_repeats=cfg.acf_min_repeats,
             max_period=cfg.max_period_calls,
         )
+
+    def _without_insertions(self, first_seq: int, codes: np.ndarray, q: int) -> int:
+        """``q``, or the iteration inside it when one exact period of ``q`` calls is N
+        iterations plus a few inserted calls (:func:`inner_period`). ``codes`` is the
+        window of calls from ``first_seq`` on."""
+        if codes.size < 2 * q or self.config.max_inserted_calls <= 0:
+            return q
+        start, run = _longest_run(codes[q:] == codes[:-q])
+        if run < q or first_seq + start < 1:
+            return q
+        lo = first_seq + start
+        idle = self._window_times(lo, lo + q) - self._window_ready(lo - 1, lo + q - 1)
+        inner = inner_period(codes[start : start + q], self.config.max_inserted_calls, idle=idle)
+        return q if inner is None else inner
 
     def _adopt(
         self, codes: np.ndarray, times: np.ndarray, q: int, ready: np.ndarray, window_seq: int
@@ -386,7 +402,9 @@ class IterationTracker:
         q = len(self._template)
         codes = self._window_codes(seq + 1 - held, seq + 1)
         longer = sharpen_period(codes, q, cfg.acf_min_repeats, cfg.max_period_calls)
-        if longer <= q:
+        if longer <= q or self._without_insertions(seq + 1 - held, codes, longer) == q:
+            # no longer period, or one that is this template N times plus a few calls
+            # inserted every N iterations: the break was such an insertion (LOST resyncs)
             return False
         times = self._window_times(seq + 1 - held, seq + 1)
         longer = refine_by_gaps(

@@ -278,6 +278,77 @@ def refine_by_gaps(
     return period
 
 
+def inner_period(template: Sequence[int] | np.ndarray, max_insert: int, max_insert_share: float = 0.25,
+                 idle: Sequence[float] | np.ndarray | None = None) -> int | None:
+    """The iteration inside a super-period: the shortest ``q`` such that one period
+    ``template`` (any rotation) is ``N >= 2`` exact repeats of a block of ``q`` calls plus
+    one inserted run of ``1 <= k <= min(max_insert, q * max_insert_share)`` calls; None when
+    there is none (or ``max_insert`` is 0).
+
+    ``idle`` (optional, aligned with ``template``): the host's idle time before each call.
+    A block that is an iteration holds the step's longest pause (optimizer step, next
+    data) in every repeat; a unit inside the iteration (a 1F1B micro-batch, whose
+    remainder is the step's own call or two) holds it in one repeat only. With ``idle``,
+    a split is kept only when there are at least 3 repeats and every one of them pauses
+    at least half as long as the longest pause of the whole period.
+
+    A job that adds a few calls every N iterations (Megatron-LM's ``--log-interval``
+    timer barriers, a periodic evaluation's or checkpoint's handful of collectives) is
+    exactly periodic only over N iterations, and the lag-1-iteration autocorrelation sits
+    near ``1 - 1/N``, below the threshold for N < 20. The block is the iteration; the
+    inserted run belongs to every N-th one. A unit inside the iteration (a micro-batch)
+    is not taken for it: the calls issued once per step make the remainder a large share
+    of the unit, not a few calls.
+    """
+    t = np.asarray(template)
+    n = t.size
+    if max_insert <= 0:
+        return None
+    for q in range(1, n // 2 + 1):
+        reps, k = divmod(n, q)
+        if k == 0 or k > min(max_insert, q * max_insert_share):
+            # k == 0: an exact multiple, which the period search chose on purpose (gaps)
+            continue
+        match = t == np.roll(t, -q)  # cyclic: t[i] == t[i + q]
+        if np.count_nonzero(~match) > q + k:
+            continue
+        # the matches run (cyclic) covers the repeated blocks but the last
+        run, start = _longest_cyclic_run(match)
+        if run < (reps - 1) * q:
+            continue
+        rot = np.roll(t, -start)
+        if not np.array_equal(rot[: reps * q], np.tile(rot[:q], reps)):
+            continue
+        if idle is not None:
+            gaps = np.roll(np.asarray(idle, dtype=float), -start)
+            longest = float(gaps.max())
+            block_max = gaps[: reps * q].reshape(reps, q).max(axis=1)
+            if reps < 3 or (longest > 0 and np.count_nonzero(block_max >= 0.5 * longest) < reps):
+                continue
+        return q
+    return None
+
+
+def _longest_cyclic_run(flags: np.ndarray) -> tuple[int, int]:
+    """(length, start) of the longest run of True in ``flags`` read as a circle."""
+    n = flags.size
+    if n == 0 or flags.all():
+        return n, 0
+    first_false = int(np.argmin(flags))
+    rolled = np.roll(flags, -first_false)  # starts with a False: no run wraps
+    best, best_start, cur, cur_start = 0, 0, 0, 0
+    for i, f in enumerate(rolled):
+        if f:
+            if cur == 0:
+                cur_start = i
+            cur += 1
+            if cur > best:
+                best, best_start = cur, cur_start
+        else:
+            cur = 0
+    return best, (best_start + first_false) % n
+
+
 def detect_period(
     data: Sequence[CallRecord] | tuple[np.ndarray, np.ndarray],
     config: FalconConfig | None = None,

@@ -1,0 +1,457 @@
+"""The calls Megatron-LM's training makes into falconext, one process at a time.
+
+Two ways in, one implementation:
+
+- **the patch** (``patches/megatron-lm/<version>.patch``) adds ``--falcon`` and ``--falcon-*``
+  to Megatron-LM's parser (:func:`add_arguments`) and calls :func:`on_initialized`,
+  :func:`forward_backward`, :func:`loop_start`, :func:`loop_end` and :func:`train_sampler`
+  from ``pretrain()``/``train()``/``build_pretraining_data_loader``;
+- **the launcher** (``falconext launch ... --falcon``, no file of Megatron-LM changed): each
+  rank starts in :mod:`falconext.megatron_lm.rank`, which puts wrappers making the same
+  calls in place of the names ``train()`` looks up when it runs
+  (:mod:`falconext.megatron_lm.contract` checks them first).
+
+What a rank does with them: from the first iteration on, falconext's runtime intercepts the
+collectives (tracer, per-rank detection, control client: the same as in the test bed);
+:func:`loop_start` gives it the loop's iteration boundary and applies what the controller
+committed there (S2: a micro-batch plan, from an iteration the data loader has not
+prefetched; S4: Megatron's own exit signal, so Megatron saves its checkpoint and exits 0,
+and a restart request for the launcher). Megatron's LR schedule, consumed samples and
+logging keep the even values: only the count of micro-batches each replica runs changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches
+
+#: the environment variable holding the launcher's ``--falcon*`` flags (a JSON list)
+FLAGS_ENV = "FALCONEXT_MEGATRON_FLAGS"
+
+_session: "Session | None" = None
+
+
+def add_falcon_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--falcon`` and every ``--falcon-*`` flag on ``parser``; returns it."""
+    group = parser.add_argument_group("falconext (fail-slow detection and mitigation)")
+    group.add_argument("--falcon", action="store_true", help="turn falconext on")
+    group.add_argument("--falcon-out", default=None, help="where falconext writes its files (default: falcon-out)")
+    group.add_argument("--falcon-inject", default=None,
+                       help="fault file (test bed JSON): stretch a rank's compute or a link from an iteration on")
+    group.add_argument("--falcon-device", choices=("auto", "emulated", "cpu", "cuda"), default="auto",
+                       help="whose clock times the work: auto = cuda where there is one, else the emulated device")
+    group.add_argument("--falcon-device-gflops", type=float, default=None,
+                       help="the emulated device's throughput (default: the test bed's)")
+    group.add_argument("--falcon-ranks-per-node", type=int, default=None,
+                       help="ranks per (virtual) node (default: --nproc-per-node)")
+    group.add_argument("--falcon-force-restart", type=int, default=None,
+                       help="operator override: S4 at this iteration (checkpoint with Megatron's exit path, relaunch)")
+    add_config_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's parser with falconext's flags (the patch calls this)."""
+    return add_falcon_flags(parser)
+
+
+def parse_flags(argv: list[str]) -> argparse.Namespace:
+    """The launcher's ``--falcon*`` flags, strictly: an unknown one is a one-line error."""
+
+    class _Strict(argparse.ArgumentParser):
+        def error(self, message: str) -> None:  # type: ignore[override]
+            raise FlagError(message)
+
+    parser = add_falcon_flags(_Strict(prog="falconext launch", add_help=False))
+    return parser.parse_args(argv)
+
+
+class FlagError(ValueError):
+    """A ``--falcon*`` flag that falconext does not know, or a bad value."""
+
+
+def on_initialized(args: argparse.Namespace, flags: argparse.Namespace | None = None) -> None:
+    """After ``initialize_megatron``: start falconext on this rank if ``args.falcon`` (the
+    patch: the flags are Megatron's) or ``flags.falcon`` (the launcher's flags)."""
+    global _session
+    source = flags if flags is not None else args
+    if _session is not None or not getattr(source, "falcon", False):
+        return
+    names = vars(parse_flags([]))
+    picked = argparse.Namespace(**{k: getattr(source, k, None) for k in names})
+    _session = Session(config_from_args(picked), picked, args)
+
+
+def session() -> "Session | None":
+    return _session
+
+
+def forward_backward(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's forward-backward function, running this replica's planned micro-batches."""
+    return func if _session is None else _session.wrap_forward_backward(func)
+
+
+def loop_start(iteration: int) -> None:
+    if _session is not None:
+        _session.loop_start(iteration)
+
+
+def loop_end() -> None:
+    if _session is not None:
+        _session.loop_end()
+
+
+def train_sampler(batch_sampler: Any, dataset: Any) -> Any:
+    """Megatron's training batch sampler, or falconext's planned one (S2 can run)."""
+    return batch_sampler if _session is None else _session.train_sampler(batch_sampler, dataset)
+
+
+class Session:
+    """falconext in one Megatron-LM rank (created by :func:`on_initialized`)."""
+
+    def __init__(self, cfg: FalconConfig, flags: argparse.Namespace, margs: argparse.Namespace) -> None:
+        import torch
+
+        from falconext.control.eventlog import EventLog
+        from falconext.megatron_lm import contract
+
+        self.cfg = cfg
+        self.flags = flags
+        self.margs = margs
+        self.rank = torch.distributed.get_rank()
+        self.world = torch.distributed.get_world_size()
+        self.out = flags.falcon_out or "falcon-out"
+        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
+        self.suffix = f"-r{self.attempt}" if self.attempt else ""
+        os.makedirs(os.path.join(self.out, "ranks"), exist_ok=True)
+        os.makedirs(os.path.join(self.out, "calls"), exist_ok=True)
+        self.events = EventLog(os.path.join(self.out, "events.jsonl"))
+        self.loop_starts: list[float] = []
+        self.measured: list[tuple[int, float, float | None]] = []
+        self.runtime = None
+        self.device = None
+        self.iteration = -1
+        self._t_start = 0.0
+        self._forward_s = 0.0
+        self._micro = 0
+        self._model_seen = False
+        self._restart: dict[str, Any] | None = None
+        self._closed = False
+        #: the training data loader draws from the planned sampler (S2 can run)
+        self.sampler_planned = False
+        from megatron.core import parallel_state as ps
+
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.dp = ps.get_data_parallel_world_size()
+        self.replica = ps.get_data_parallel_rank()
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.ranks_per_node = flags.falcon_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        from falconext.megatron_lm.sampler import PlanSchedule
+
+        microbatches = margs.global_batch_size // margs.micro_batch_size
+        self.schedule = PlanSchedule(self.dp, microbatches)
+        #: why S2 cannot be exact in this job (None: it can)
+        self.s2_refused = contract.s2_refusal(margs)
+        forced = parse_microbatches(cfg.force_microbatches)
+        if forced is not None:
+            if self.s2_refused:
+                raise FlagError(f"--falcon-force-microbatches: {self.s2_refused}")
+            self.schedule.set(0, forced)
+        self.faults = self._faults()
+        atexit.register(self.close)
+
+    # --- set-up --------------------------------------------------------------------------
+
+    def _faults(self) -> list:
+        if not self.flags.falcon_inject:
+            return []
+        from falconext.testbed.faults import read_faults
+
+        return read_faults(self.flags.falcon_inject, self.world, self.ranks_per_node)
+
+    def _device_kind(self) -> str:
+        import torch
+
+        kind = self.flags.falcon_device or "auto"
+        if kind == "auto":
+            return "cuda" if torch.cuda.is_available() else "emulated"
+        return kind
+
+    def _start(self, iteration: int) -> None:
+        """Everything that must happen on every rank at the same point: the first iteration."""
+        import torch
+
+        from falconext.runtime.runtime import FalconRuntime
+
+        kind = self._device_kind()
+        if kind == "emulated":
+            from falconext.testbed.device import DEFAULT_GFLOPS, DeviceModel
+            from falconext.testbed.emulator import EmulatedDevice
+
+            gflops = self.flags.falcon_device_gflops or DEFAULT_GFLOPS
+            self.device = EmulatedDevice(DeviceModel(gflops=gflops), self.rank, self.ranks_per_node, self.faults)
+            self.device.install()  # below the tracer
+        elif self.faults:
+            self.events.emit("control_error", rank=self.rank,
+                             error="--falcon-inject needs the emulated device (--falcon-device emulated); ignored")
+        topology = self._topology()
+        if self.rank == 0:
+            self._write_run(topology)
+        self.runtime = FalconRuntime(
+            self.cfg, self.rank, self.rank // self.ranks_per_node, self.out, self.events, self.loop_starts,
+            matmul=self.device.matmul if self.device is not None else torch.matmul,
+            device="cuda" if kind == "cuda" else "cpu", replica=self.replica, calls_suffix=self.suffix,
+            first_iteration=iteration,
+        )
+        self.runtime.set_role(self.rank, self.stage, self.tp, self.pp, *self._traffic())
+        from falconext.mitigate.restart import LAUNCH_TIME_ENV
+
+        launched = float(os.environ.get(LAUNCH_TIME_ENV, 0) or 0)
+        if launched:  # S4's cost: this start-up (load included), measured
+            self.runtime.restart_s = max(0.0, time.time() - launched)
+            self.events.emit("restart_probe", rank=self.rank, iteration=iteration,
+                             restart_s=round(self.runtime.restart_s, 4), startup_s=round(self.runtime.restart_s, 4))
+        if self.rank == 0 and self.s2_refused and self.cfg.mitigation and "S2" in self.cfg.strategies():
+            self.events.emit("control_error", rank=0, error=f"S2 off: {self.s2_refused}")
+
+    def _topology(self) -> dict[str, Any]:
+        import torch
+
+        mine = {"rank": self.rank, "tp_rank": 0, "pp_rank": self.stage, "dp_rank": self.replica,
+                "node": self.rank // self.ranks_per_node}
+        from megatron.core import parallel_state as ps
+
+        mine["tp_rank"] = ps.get_tensor_model_parallel_rank()
+        gathered: list = [None] * self.world
+        torch.distributed.all_gather_object(gathered, mine)
+        return {"world": self.world, "tp": self.tp, "pp": self.pp, "dp": self.dp,
+                "ranks_per_node": self.ranks_per_node, "ranks": gathered}
+
+    def _write_run(self, topology: dict[str, Any]) -> None:
+        path = os.path.join(self.out, f"run{self.suffix}.json")
+        keep = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                "global_batch_size", "train_iters", "num_layers", "hidden_size", "seq_length", "log_interval")
+        info = {
+            "framework": "megatron-lm",
+            "args": {k: getattr(self.margs, k, None) for k in keep},
+            "falcon_config": self.cfg.to_dict(),
+            "faults": [f.to_dict() for f in self.faults],
+            "versions": versions(),
+            "topology": topology,
+            "clock": {"perf_counter": time.perf_counter(), "time": time.time()},
+        }
+        with open(path, "w") as f:
+            json.dump(info, f, indent=2)
+
+    def _traffic(self) -> tuple[int, int]:
+        a = self.margs
+        act = a.micro_batch_size * a.seq_length * a.hidden_size * 4
+        h, layers = a.hidden_size, a.num_layers // max(1, self.pp)
+        grad = 4 * (12 * h * h * layers) // max(1, self.tp)
+        return grad, act
+
+    def _forward_flops(self) -> float:
+        from falconext.testbed.device import gpt_forward_flops
+
+        a = self.margs
+        vocab = getattr(a, "padded_vocab_size", None) or a.vocab_size or 0
+        return gpt_forward_flops(a.num_layers // max(1, self.pp), a.hidden_size, a.seq_length, a.micro_batch_size,
+                                 vocab, self.tp, self.stage == self.pp - 1)
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def loop_start(self, iteration: int) -> None:
+        now = time.perf_counter()
+        if self.runtime is None:
+            self._start(iteration)
+        elif self._t_start:
+            self.measured.append((self.iteration, now - self._t_start, None))
+        self._t_start = now
+        self.iteration = iteration
+        self.loop_starts.append(now)
+        if self.device is not None:
+            self.device.iteration = iteration
+        action = self.runtime.before_iteration(iteration)
+        force = self.flags.falcon_force_restart
+        if force is not None and iteration == force and self._restart is None:
+            action = {"kind": "restart", "exclude_nodes": [], "strategy": "S4", "reason": "forced"}
+        if action is not None:
+            self._apply(action, iteration)
+
+    def loop_end(self) -> None:
+        if self.runtime is not None:
+            self.runtime.after_step(self._micro, self._forward_s)
+
+    def _apply(self, action: dict[str, Any], iteration: int) -> None:
+        from falconext.megatron_lm.sampler import PlanError
+
+        kind = action.get("kind")
+        if kind == "microbatches":
+            why = self.s2_refused or (None if self.sampler_planned else
+                                      "the training data loader does not draw from Megatron's single sampler")
+            if why:
+                self.events.emit("control_error", rank=self.rank, error=f"plan not applied: {why}")
+                return
+            start = iteration + self._prefetch_lag()
+            try:
+                self.schedule.set(start, action.get("plan"))
+            except PlanError as exc:  # agreed but impossible: every rank refuses alike
+                self.events.emit("control_error", rank=self.rank, error=f"plan not applied: {exc}")
+                return
+            if self.rank == 0:
+                self.events.emit("plan_applied", iteration=start, plan=self.schedule.plan_at(start),
+                                 strategy=action.get("strategy", "S2"), committed_at=iteration)
+        elif kind == "restart":
+            self._request_restart(action, iteration)
+        else:
+            self.events.emit("control_error", rank=self.rank, error=f"not applied inside Megatron-LM: {kind!r}")
+
+    def _prefetch_lag(self) -> int:
+        """Iterations the training data loader may have drawn ahead: a plan starts after them."""
+        workers = int(getattr(self.margs, "num_workers", 0) or 0)
+        if workers <= 0:
+            return 0
+        # torch's DataLoader keeps prefetch_factor (2) batches per worker requested; each
+        # replica runs at least one micro-batch per iteration
+        return 2 * workers + 1
+
+    def _request_restart(self, action: dict[str, Any], iteration: int) -> None:
+        """S4 through Megatron's own exit path: its signal handler sees the signal after this
+        step, every rank saves with ``save_checkpoint`` and Megatron exits 0."""
+        a = self.margs
+        if not getattr(a, "exit_signal_handler", False) or not getattr(a, "save", None):
+            self.events.emit("control_error", rank=self.rank,
+                             error="S4 not applied: Megatron-LM runs without --exit-signal-handler or --save")
+            return
+        self._restart = {"iteration": iteration + 1, "exclude_nodes": [int(n) for n in action.get("exclude_nodes", [])],
+                         "session": int(action.get("session", 0)), "reason": str(action.get("reason", "")),
+                         "requested_at": time.time(), "checkpoint": a.save}
+        if self.rank == 0:
+            self.events.emit("restart_requested", iteration=iteration, resume_at=iteration + 1,
+                             exclude_nodes=self._restart["exclude_nodes"], strategy="S4",
+                             forced=action.get("reason") == "forced")
+        sig = getattr(a, "exit_signal", signal.SIGTERM)
+        signal.raise_signal(sig)
+
+    def wrap_forward_backward(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``func`` running ``schedule.count(iteration, replica)`` micro-batches in training
+        steps (never in evaluation: ``forward_only``), timing the forward steps."""
+        session = self
+
+        def forward_backward_func(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("forward_only") or session.iteration < 0:
+                return func(*args, **kwargs)
+            if not session._model_seen:
+                session._model_seen = True
+                session._attach(kwargs.get("model"))
+            count = session.schedule.count(session.iteration, session.replica) if session.sampler_planned \
+                else session.schedule.microbatches // session.dp
+            kwargs["num_microbatches"] = count
+            step = kwargs.get("forward_step_func")
+            session._forward_s = 0.0
+            session._micro = count
+            if step is not None:
+                kwargs["forward_step_func"] = session._timed(step)
+            return func(*args, **kwargs)
+
+        forward_backward_func.__wrapped__ = func  # type: ignore[attr-defined]
+        return forward_backward_func
+
+    def _timed(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        session = self
+
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                session._forward_s += time.perf_counter() - t0
+
+        return forward_step
+
+    def _attach(self, model: Any) -> None:
+        if self.device is None or model is None:
+            return
+        chunk = model[0] if isinstance(model, (list, tuple)) else model
+        while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+            chunk = chunk.module
+        self.device.attach_model(chunk, self._forward_flops())
+
+    def train_sampler(self, batch_sampler: Any, dataset: Any) -> Any:
+        """The planned sampler in place of Megatron's for the training split (other splits,
+        and samplers other than Megatron's plain one, are left alone and S2 stays off)."""
+        from falconext.megatron_lm.sampler import PlannedSampler
+
+        try:
+            from megatron.core.datasets.utils import Split
+        except ImportError:  # pragma: no cover - megatron-core is a dependency
+            return batch_sampler
+        split = getattr(dataset, "split", getattr(dataset, "index_split", None))
+        if split != Split.train or type(batch_sampler).__name__ != "MegatronPretrainingSampler":
+            return batch_sampler
+        if self.s2_refused:
+            return batch_sampler
+        self.sampler_planned = True
+        return PlannedSampler(batch_sampler.total_samples, batch_sampler.consumed_samples,
+                              self.margs.micro_batch_size, self.margs.global_batch_size, self.replica, self.schedule)
+
+    # --- the end -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """At exit: the last iteration's time, the rank's files, a restart request (rank 0)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._t_start and self.iteration >= 0:
+            self.measured.append((self.iteration, time.perf_counter() - self._t_start, None))
+        from falconext.testbed import report
+
+        if self.runtime is not None:
+            self.runtime.close()
+        if self.device is not None:
+            self.device.uninstall()
+            with open(os.path.join(self.out, "ranks", f"device{self.suffix}-rank{self.rank}.json"), "w") as f:
+                json.dump(self.device.record(), f)
+        report.write_rank_files(self.out, self.rank, [(i, s, l) for i, s, l in self.measured],
+                                self.runtime.monitor.estimates if self.runtime else {}, self.suffix,
+                                overhead=self.runtime.overhead() if self.runtime else None)
+        if self.rank == 0 and self._restart is not None:
+            from falconext.mitigate import restart
+
+            r = self._restart
+            restart.write_request(self.out, restart.RestartRequest(
+                iteration=r["iteration"], exclude_nodes=r["exclude_nodes"], checkpoint=r["checkpoint"],
+                session=r["session"], requested_at=r["requested_at"], attempt=self.attempt + 1, reason=r["reason"]))
+        self.events.close()
+        sys.stdout.flush()
+
+
+def versions() -> dict[str, str]:
+    """What ran: Python, torch, megatron-core (the checkout's when Megatron-LM is loaded), falconext."""
+    import platform
+
+    import torch
+
+    import falconext
+
+    try:
+        from megatron.core import package_info
+
+        mcore = package_info.__version__
+    except Exception:  # pragma: no cover - reported, not required
+        mcore = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__, "megatron-core": mcore,
+            "falconext": falconext.__version__}
+
+
+#: the launcher's attempt number (0: the first run; n: after the n-th S4 restart)
+ATTEMPT_ENV = "FALCONEXT_ATTEMPT"

@@ -1,0 +1,372 @@
+"""``falconext launch [torchrun options] SCRIPT [script args]``: Megatron-LM with falconext.
+
+Takes torchrun's own options (``--nproc-per-node``, ``--nnodes``, ``--node-rank``,
+``--master-addr``/``--master-port``, ``--rdzv-*``, ...) before the script, and passes them to
+torchrun unchanged. Each rank runs :mod:`falconext.megatron_lm.rank`, which runs the script
+as ``__main__`` with its own arguments, minus the ``--falcon*`` flags.
+
+With ``--falcon`` among the script's arguments the launcher, before any rank starts:
+checks every ``--falcon*`` flag (an unknown one is a one-line error); decides which
+strategies the job can use (S2 only where it is exact: :func:`contract.s2_refusal`; S3 is
+not applied live inside Megatron-LM); adds ``--exit-signal-handler`` and a ``--save``
+directory so S4 can use Megatron's own exit and checkpoint path; starts the control plane
+(private Redis with a password, controller, one agent per node); and after an S4 request
+relaunches the job with ``--load`` from that checkpoint. Results go to ``--falcon-out``:
+``events.jsonl``, ``iterations.csv``, ``estimates.csv``, ``summary.json``.
+
+Without CUDA the ranks run in CPU mode (:mod:`falconext.megatron_lm.cpu`), with or without
+``--falcon``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from falconext.inputs import InputError
+
+#: torchrun options that take a value (both spellings are accepted by torchrun)
+_VALUE_OPTIONS = {
+    "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-backend",
+    "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--max-restarts", "--monitor-interval", "--start-method",
+    "--role", "--log-dir", "--redirects", "-r", "--tee", "-t", "--local-ranks-filter", "--local-addr",
+    "--logs-specs", "--event-log-handler", "--numa-binding", "--signals-to-handle", "--rdzv-timeout",
+}
+_SWITCHES = {"--standalone", "--run-path", "--no-python", "-m", "--module"}
+_REFUSED = {"--no-python": "falconext launch runs a Python script (no --no-python)",
+            "-m": "falconext launch runs a script file, not a module (-m)",
+            "--module": "falconext launch runs a script file, not a module (--module)",
+            "--run-path": "falconext launch runs a script file (no --run-path)"}
+
+#: the ``--save-interval`` added with the ``--save`` directory S4 needs: saves only on exit
+NO_PERIODIC_SAVE = 10**9
+#: S4 restarts one job may ask for before the launcher gives up
+MAX_RESTARTS = 3
+
+
+@dataclass
+class LaunchPlan:
+    """A parsed ``falconext launch`` command line."""
+
+    torchrun: list[str]
+    script: str
+    script_args: list[str]
+    falcon_args: list[str] = field(default_factory=list)
+
+    @property
+    def falcon(self) -> bool:
+        return "--falcon" in self.falcon_args
+
+
+def _canon(opt: str) -> str:
+    name, sep, value = opt.partition("=")
+    if name.startswith("--"):
+        name = name.replace("_", "-")
+    return name
+
+
+def split_command(argv: list[str]) -> LaunchPlan:
+    """torchrun options / script / script arguments / ``--falcon*`` flags (pure)."""
+    torchrun: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("-"):
+            break
+        name = _canon(a)
+        if name in _REFUSED:
+            raise InputError(_REFUSED[name])
+        if name in _SWITCHES:
+            torchrun.append(name)
+            i += 1
+        elif name in _VALUE_OPTIONS:
+            if "=" in a:
+                torchrun.append(name + "=" + a.partition("=")[2])
+                i += 1
+            else:
+                if i + 1 >= len(argv):
+                    raise InputError(f"{a} needs a value")
+                torchrun += [name, argv[i + 1]]
+                i += 2
+        else:
+            raise InputError(f"unknown launcher option {a!r} (torchrun's options go before the script)")
+    if i >= len(argv):
+        raise InputError("no training script given (falconext launch [torchrun options] SCRIPT [args])")
+    script, rest = argv[i], argv[i + 1:]
+    script_args: list[str] = []
+    falcon: list[str] = []
+    j = 0
+    while j < len(rest):
+        a = rest[j]
+        if a == "--falcon":
+            falcon.append(a)
+            j += 1
+        elif a.startswith("--falcon-") or a.startswith("--falcon_"):
+            if "=" in a:
+                falcon.append(a)
+                j += 1
+            elif j + 1 < len(rest):
+                falcon += [a, rest[j + 1]]
+                j += 2
+            else:
+                raise InputError(f"{a} needs a value")
+        else:
+            script_args.append(a)
+            j += 1
+    return LaunchPlan(torchrun, script, script_args, falcon)
+
+
+def option(args: list[str], name: str) -> str | None:
+    """The value of ``name`` in a Megatron-style argument list (last one wins), or None."""
+    value = None
+    for k, a in enumerate(args):
+        if a == name and k + 1 < len(args):
+            value = args[k + 1]
+        elif a.startswith(name + "="):
+            value = a.partition("=")[2]
+    return value
+
+
+def set_option(args: list[str], name: str, value: str | None) -> list[str]:
+    """``args`` with ``name`` set to ``value`` (a switch when None), replacing any earlier."""
+    out: list[str] = []
+    skip = False
+    for k, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == name:
+            skip = value is not None and k + 1 < len(args) and not args[k + 1].startswith("--")
+            continue
+        if a.startswith(name + "="):
+            continue
+        out.append(a)
+    return out + ([name] if value is None else [name, value])
+
+
+def script_namespace(args: list[str]) -> argparse.Namespace:
+    """What the launcher needs to know of Megatron-LM's settings, from its arguments."""
+    has = set(a.split("=", 1)[0] for a in args)
+    return argparse.Namespace(
+        calculate_per_token_loss="--calculate-per-token-loss" in has,
+        dataloader_type=option(args, "--dataloader-type") or "single",
+        rampup_batch_size=option(args, "--rampup-batch-size"),
+        cuda_graph_impl=option(args, "--cuda-graph-impl") or "none",
+        cuda_graph_scope=[option(args, "--cuda-graph-scope") or ""],
+        virtual_pipeline_model_parallel_size=option(args, "--num-layers-per-virtual-pipeline-stage")
+        or option(args, "--num-virtual-stages-per-pipeline-rank"),
+        hybrid_context_parallel="--hybrid-context-parallel" in has,
+    )
+
+
+def launch(argv: list[str]) -> int:
+    """Run the job; returns its exit status. Problems before start-up: :class:`InputError`."""
+    plan = split_command(argv)
+    if not os.path.isfile(plan.script):
+        raise InputError(f"training script {plan.script!r} not found")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    from falconext.megatron_lm.hooks import ATTEMPT_ENV, FLAGS_ENV
+
+    if not plan.falcon:
+        if plan.falcon_args:
+            raise InputError(f"{plan.falcon_args[0]} needs --falcon")
+        env[FLAGS_ENV] = "[]"
+        return subprocess.run(_torchrun(plan), env=env).returncode
+    job = _prepare(plan)
+    env[FLAGS_ENV] = json.dumps(job.flags)
+    plane = _start_plane(job, env)
+    from falconext.mitigate.restart import LAUNCH_TIME_ENV
+
+    env[LAUNCH_TIME_ENV] = repr(time.time())
+    try:
+        attempt = 0
+        while True:
+            env[ATTEMPT_ENV] = str(attempt)
+            code = subprocess.run(_torchrun(plan), env=env).returncode
+            if code != 0:
+                raise InputError(f"training failed (torchrun exit status {code}); see the messages above")
+            req = _take_restart_request(job.out)
+            if req is None:
+                break
+            if req.attempt > MAX_RESTARTS:
+                raise InputError(f"the job asked for restart number {req.attempt}; at most {MAX_RESTARTS} are allowed")
+            attempt = req.attempt
+            plan.script_args = set_option(plan.script_args, "--load", req.checkpoint)
+            _drop_excluded_faults(job, req, env)
+            env[LAUNCH_TIME_ENV] = repr(req.requested_at)
+            print(f"falconext: restart {req.attempt} from Megatron-LM's checkpoint at iteration {req.iteration} "
+                  f"without nodes {req.exclude_nodes} (--load {req.checkpoint})", flush=True)
+    finally:
+        if plane is not None:
+            plane.stop()
+    _finalize(job.out)
+    return 0
+
+
+@dataclass
+class _Job:
+    out: str
+    flags: list[str]
+    world: int
+    ranks_per_node: int
+    config: dict
+
+
+def _prepare(plan: LaunchPlan) -> _Job:
+    """Check the ``--falcon*`` flags and complete the script's arguments for S2 and S4."""
+    from falconext.config import ConfigError, FalconConfig, config_from_args
+    from falconext.megatron_lm import contract
+    from falconext.megatron_lm.hooks import FlagError, parse_flags
+
+    try:
+        flags = parse_flags(plan.falcon_args)
+        cfg = config_from_args(flags)
+    except (FlagError, ConfigError) as exc:
+        raise InputError(str(exc)) from None
+    out = os.path.abspath(flags.falcon_out or "falcon-out")
+    os.makedirs(out, exist_ok=True)
+    for stale in ("events.jsonl", "restart.json", "summary.json"):
+        if os.path.exists(os.path.join(out, stale)):
+            os.remove(os.path.join(out, stale))
+    nproc = int(_torch_opt(plan.torchrun, "--nproc-per-node") or 1)
+    nnodes = int(str(_torch_opt(plan.torchrun, "--nnodes") or "1").split(":")[-1])
+    world = nproc * nnodes
+    rpn = flags.falcon_ranks_per_node or nproc
+    extra: list[str] = ["--falcon-out", out]
+    if flags.falcon_inject:
+        from falconext.testbed.faults import read_faults
+        from falconext.testbed.launch import _copy_faults
+
+        path = _copy_faults(flags.falcon_inject, out)
+        try:
+            read_faults(path, world, rpn)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        extra += ["--falcon-inject", path]
+    why = contract.s2_refusal(script_namespace(plan.script_args))
+    if cfg.force_microbatches and why:
+        raise InputError(f"--falcon-force-microbatches: {why}")
+    if flags.falcon_mitigation_strategies is None:
+        strategies = [s for s in ("S2", "S4") if not (s == "S2" and why)]
+        extra += ["--falcon-mitigation-strategies", ",".join(strategies) or "S4"]
+        if why:
+            print(f"falconext: {why}; S2 is off for this job", flush=True)
+    # S4 through Megatron-LM's own exit path: its signal handler and a checkpoint directory
+    if "--exit-signal-handler" not in plan.script_args:
+        plan.script_args.append("--exit-signal-handler")
+    if option(plan.script_args, "--save") is None:
+        plan.script_args += ["--save", os.path.join(out, "checkpoint")]
+        if option(plan.script_args, "--save-interval") is None:  # Megatron wants one with --save
+            plan.script_args += ["--save-interval", str(NO_PERIODIC_SAVE)]
+    if option(plan.script_args, "--ckpt-format") is None and not _has_cuda():
+        plan.script_args += ["--ckpt-format", "torch"]
+    if not _has_cuda():  # the emulated device's validation settings, unless given
+        from falconext.testbed.launch import EMULATED_TESTBED, MESSAGE_S
+        from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
+
+        knobs = dict(EMULATED_TESTBED, falcon_p2p_bytes=max(4096, int(DEFAULT_INTER_BANDWIDTH * MESSAGE_S)))
+        for knob, value in knobs.items():
+            if getattr(flags, knob, None) is None:
+                extra += ["--" + knob.replace("_", "-"), str(value)]
+    all_flags = [a for a in _without(plan.falcon_args, ("--falcon-out", "--falcon-inject"))] + extra
+    final = parse_flags(all_flags)
+    return _Job(out, all_flags, world, rpn, config_from_args(final).to_dict())
+
+
+def _without(flags: list[str], names: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for a in flags:
+        if skip:
+            skip = False
+            continue
+        if a in names:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in names:
+            continue
+        out.append(a)
+    return out
+
+
+def _torch_opt(torchrun: list[str], name: str) -> str | None:
+    value = None
+    for k, a in enumerate(torchrun):
+        if a == name and k + 1 < len(torchrun):
+            value = torchrun[k + 1]
+        elif a.startswith(name + "="):
+            value = a.partition("=")[2]
+    return value
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _torchrun(plan: LaunchPlan) -> list[str]:
+    opts = list(plan.torchrun)
+    if _torch_opt(opts, "--master-port") is None and _torch_opt(opts, "--rdzv-endpoint") is None \
+            and "--standalone" not in opts:
+        from falconext.testbed.launch import free_port
+
+        opts += ["--master-port", str(free_port())]
+    return [sys.executable, "-m", "torch.distributed.run", *opts, "-m", "falconext.megatron_lm.rank",
+            plan.script, *plan.script_args]
+
+
+def _start_plane(job: _Job, env: dict[str, str]):
+    """The control plane (node 0 only), its variables in ``env``; None when off."""
+    from falconext.config import FalconConfig
+
+    cfg = FalconConfig(**job.config)
+    if not cfg.control_plane:
+        return None
+    from falconext.testbed.launch import _start_plane as start
+
+    ns = argparse.Namespace(falcon=True, out=job.out, nproc=job.world, ranks_per_node=job.ranks_per_node,
+                            falcon_redis_url=None,
+                            **{"falcon_" + k: v for k, v in job.config.items()})
+    return start(ns, env)
+
+
+def _take_restart_request(out: str):
+    from falconext.testbed.launch import _take_restart_request as take
+
+    return take(out)
+
+
+def _drop_excluded_faults(job: _Job, req, env: dict[str, str]) -> None:
+    """The test bed replaces an excluded (virtual) node: its faults are dropped."""
+    from falconext.megatron_lm.hooks import FLAGS_ENV
+    from falconext.mitigate import restart
+
+    flags = json.loads(env[FLAGS_ENV])
+    if "--falcon-inject" not in flags:
+        return
+    k = flags.index("--falcon-inject")
+    with open(flags[k + 1]) as f:
+        faults = json.load(f)
+    kept = restart.faults_without_nodes(faults, req.exclude_nodes, job.ranks_per_node)
+    path = os.path.join(job.out, f"faults-r{req.attempt}.json")
+    with open(path, "w") as f:
+        json.dump(kept, f)
+    flags[k + 1] = path
+    env[FLAGS_ENV] = json.dumps(flags)
+
+
+def _finalize(out: str) -> None:
+    from falconext.testbed import report
+
+    if not os.path.exists(os.path.join(out, "run.json")):
+        return
+    summary = report.finalize(out)
+    print(report.format_summary(summary), flush=True)

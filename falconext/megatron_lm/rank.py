@@ -1,0 +1,144 @@
+"""One rank of a Megatron-LM job under ``falconext launch``: ``python -m falconext.megatron_lm.rank SCRIPT ...``.
+
+torchrun starts this in place of the training script. It reads the launcher's ``--falcon*``
+flags from the environment (:data:`falconext.megatron_lm.hooks.FLAGS_ENV`), applies the CPU
+mode where there is no CUDA, checks Megatron-LM's hook points (:mod:`.contract`) and, only
+if all hold, puts falconext's wrappers in place of them; then it runs the script as
+``__main__`` with its own arguments, as ``python SCRIPT ...`` would. No file of Megatron-LM
+is changed. A Megatron-LM whose hook points changed is refused before training starts,
+with one line naming its version.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import runpy
+import sys
+from typing import Any
+
+EXIT_REFUSED = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("falconext.megatron_lm.rank: usage: SCRIPT [script arguments]", file=sys.stderr)
+        return EXIT_REFUSED
+    script, script_args = argv[0], argv[1:]
+    from falconext.megatron_lm import hooks
+
+    try:
+        flags = hooks.parse_flags(json.loads(os.environ.get(hooks.FLAGS_ENV, "[]")))
+    except (hooks.FlagError, json.JSONDecodeError, TypeError) as exc:
+        print(f"falconext launch: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    import torch
+
+    cpu_mode = not torch.cuda.is_available()
+    if cpu_mode:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        from falconext.megatron_lm import cpu
+
+        cpu.enable()  # megatron.core comes from the installed megatron-core from here on
+        script_args = cpu.script_flags(script_args)
+    # the script's folder, as ``python SCRIPT`` would put it: Megatron-LM's ``megatron``
+    # namespace joins the installed megatron-core's
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if not flags.falcon:  # CPU mode only: Megatron-LM as it is
+        if cpu_mode:
+            from falconext.megatron_lm import cpu
+
+            cpu.patch_training_modules()
+        return _run(script, script_args)
+    from falconext.megatron_lm import contract
+
+    try:
+        contract.check()
+    except contract.MegatronLMChanged as exc:
+        print(f"falconext launch: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    if cpu_mode:
+        from falconext.megatron_lm import cpu
+
+        cpu.patch_training_modules()
+    install(flags)
+    return _run(script, script_args)
+
+
+def _run(script: str, script_args: list[str]) -> int:
+    """The script as ``__main__`` with its arguments, as ``python SCRIPT ARGS`` runs it."""
+    sys.argv = [script, *script_args]
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def install(flags: Any) -> None:
+    """falconext's wrappers in place of the hook points (all checked by :func:`contract.check`)."""
+    import megatron.training.ft_integration as ft
+    import megatron.training.training as training
+    from megatron.training.global_vars import get_args
+
+    from falconext.megatron_lm import hooks
+
+    get_fb = training.get_forward_backward_func
+
+    @functools.wraps(get_fb)
+    def get_forward_backward_func(*args: Any, **kwargs: Any) -> Any:
+        return hooks.forward_backward(get_fb(*args, **kwargs))
+
+    training.get_forward_backward_func = get_forward_backward_func
+
+    start, end = ft.on_training_step_start, ft.on_training_step_end
+
+    @functools.wraps(start)
+    def on_training_step_start() -> None:  # Megatron's ft hook first, then falconext's
+        start()
+        hooks.loop_start(get_args().curr_iteration)
+
+    @functools.wraps(end)
+    def on_training_step_end() -> None:
+        hooks.loop_end()
+        end()
+
+    ft.on_training_step_start = on_training_step_start
+    ft.on_training_step_end = on_training_step_end
+
+    init = training.initialize_megatron
+
+    @functools.wraps(init)
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        result = init(*args, **kwargs)
+        hooks.on_initialized(get_args(), flags)
+        return result
+
+    training.initialize_megatron = initialize_megatron
+
+    build = training.build_pretraining_data_loader
+
+    @functools.wraps(build)
+    def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
+        loader = build(dataset, consumed_samples)
+        sampler = getattr(loader, "batch_sampler", None)
+        if sampler is None:
+            return loader
+        planned = hooks.train_sampler(sampler, dataset)
+        return loader if planned is sampler else _reloader(loader, dataset, planned)
+
+    training.build_pretraining_data_loader = build_pretraining_data_loader
+
+
+def _reloader(loader: Any, dataset: Any, batch_sampler: Any) -> Any:
+    """``loader`` again, with ``batch_sampler`` (a DataLoader's sampler is fixed once built)."""
+    import torch
+
+    extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=batch_sampler, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+        collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers, **extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
