@@ -132,6 +132,21 @@ def option(args: list[str], name: str) -> str | None:
     return value
 
 
+def values(args: list[str], name: str) -> list[str]:
+    """Every value after ``name`` (a Megatron ``nargs='+'`` flag) up to the next flag."""
+    out: list[str] = []
+    for k, a in enumerate(args):
+        if a == name:
+            out = []
+            for b in args[k + 1:]:
+                if b.startswith("--"):
+                    break
+                out.append(b)
+        elif a.startswith(name + "="):
+            out = [a.partition("=")[2]]
+    return out
+
+
 def set_option(args: list[str], name: str, value: str | None) -> list[str]:
     """``args`` with ``name`` set to ``value`` (a switch when None), replacing any earlier."""
     out: list[str] = []
@@ -157,7 +172,7 @@ def script_namespace(args: list[str]) -> argparse.Namespace:
         dataloader_type=option(args, "--dataloader-type") or "single",
         rampup_batch_size=option(args, "--rampup-batch-size"),
         cuda_graph_impl=option(args, "--cuda-graph-impl") or "none",
-        cuda_graph_scope=[option(args, "--cuda-graph-scope") or ""],
+        cuda_graph_scope=values(args, "--cuda-graph-scope"),
         virtual_pipeline_model_parallel_size=option(args, "--num-layers-per-virtual-pipeline-stage")
         or option(args, "--num-virtual-stages-per-pipeline-rank"),
         hybrid_context_parallel="--hybrid-context-parallel" in has,
