@@ -250,8 +250,8 @@ def _prepare(plan: LaunchPlan) -> _Job:
     for stale in ("events.jsonl", "restart.json", "summary.json"):
         if os.path.exists(os.path.join(out, stale)):
             os.remove(os.path.join(out, stale))
-    nproc = int(_torch_opt(plan.torchrun, "--nproc-per-node") or 1)
-    nnodes = int(str(_torch_opt(plan.torchrun, "--nnodes") or "1").split(":")[-1])
+    nproc = int(option(plan.torchrun, "--nproc-per-node") or 1)
+    nnodes = int(str(option(plan.torchrun, "--nnodes") or "1").split(":")[-1])
     world = nproc * nnodes
     rpn = flags.falcon_ranks_per_node or nproc
     extra: list[str] = ["--falcon-out", out]
@@ -311,16 +311,6 @@ def _without(flags: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _torch_opt(torchrun: list[str], name: str) -> str | None:
-    value = None
-    for k, a in enumerate(torchrun):
-        if a == name and k + 1 < len(torchrun):
-            value = torchrun[k + 1]
-        elif a.startswith(name + "="):
-            value = a.partition("=")[2]
-    return value
-
-
 def _has_cuda() -> bool:
     import torch
 
@@ -329,7 +319,7 @@ def _has_cuda() -> bool:
 
 def _torchrun(plan: LaunchPlan) -> list[str]:
     opts = list(plan.torchrun)
-    if _torch_opt(opts, "--master-port") is None and _torch_opt(opts, "--rdzv-endpoint") is None \
+    if option(opts, "--master-port") is None and option(opts, "--rdzv-endpoint") is None \
             and "--standalone" not in opts:
         from falconext.testbed.launch import free_port
 
