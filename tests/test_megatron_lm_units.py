@@ -17,7 +17,7 @@ from falconext.detect.period import inner_period
 from falconext.inputs import InputError
 from falconext.megatron_lm import contract, launcher
 from falconext.megatron_lm.contract import HookPoint, MegatronLMChanged, s2_refusal
-from falconext.megatron_lm.hooks import FlagError, add_arguments, parse_flags
+from falconext.megatron_lm.hooks import ROLES_ENV, FlagError, add_arguments, parse_flags, roles_from_env
 from falconext.megatron_lm.sampler import PlanError, PlannedSampler, PlanSchedule, replica_microbatches
 
 # ----------------------------------------------------------------------------- sampler
@@ -383,6 +383,55 @@ def test_script_namespace_reads_the_s2_settings() -> None:
 
     ns = launcher.script_namespace(["--calculate-per-token-loss", "--num-layers-per-virtual-pipeline-stage", "2"])
     assert s2_refusal(ns) is not None
+
+
+def test_restart_roles_none_for_s4_and_checked_for_s3() -> None:
+    assert launcher.restart_roles({}, 4) is None
+    assert launcher.restart_roles({"strategy": "S4"}, 4) is None
+    assert launcher.restart_roles({"roles": [1, 0, 3, 2]}, 4) == [1, 0, 3, 2]
+    for bad, words in (([0, 0, 1, 2], "played twice"), ([0, 1], "expected world = 4"), ("0123", "string"),
+                       ([0, 1, 2, 9], "roles[3] = 9")):
+        with pytest.raises(InputError) as exc:
+            launcher.restart_roles({"roles": bad}, 4)
+        assert words in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_roles_env_without_gpus_names_the_roles_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "_has_cuda", lambda: False)
+    assert launcher.roles_env([1, 0], {"CUDA_VISIBLE_DEVICES": "4,5"}) == {ROLES_ENV: "[1, 0]"}
+
+
+def test_roles_env_gives_each_local_rank_the_gpu_of_the_process_playing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "_has_cuda", lambda: True)  # this machine has no GPU: say it has
+    # process 0 plays rank 2, process 1 rank 0, process 2 rank 1: rank 0 runs on process 1's GPU
+    env = launcher.roles_env([2, 0, 1], {})
+    assert env == {ROLES_ENV: "[2, 0, 1]", "CUDA_VISIBLE_DEVICES": "1,2,0"}
+    # the GPUs as the job listed them, not their indices
+    assert launcher.roles_env([2, 0, 1], {"CUDA_VISIBLE_DEVICES": "5, 6, 7"})["CUDA_VISIBLE_DEVICES"] == "6,7,5"
+    with pytest.raises(InputError) as exc:
+        launcher.roles_env([2, 0, 1], {"CUDA_VISIBLE_DEVICES": "5,6"})
+    assert "lists 2 GPUs" in str(exc.value)
+
+
+def test_roles_from_env_reads_and_checks_the_launchers_roles() -> None:
+    assert roles_from_env(2, {}) is None
+    assert roles_from_env(3, {ROLES_ENV: "[2, 0, 1]"}) == [2, 0, 1]
+    for text, words in (("[0, 0]", "played twice"), ("{", "not a JSON list"), ('{"a": 1}', "not a JSON list"),
+                        ("[0, 1, 2]", "expected world = 2")):
+        with pytest.raises(ValueError) as exc:
+            roles_from_env(2, {ROLES_ENV: text})
+        assert words in str(exc.value) and ROLES_ENV in str(exc.value)
+
+
+@pytest.mark.parametrize("roles, words", [("0,0", "played twice"), ("0,1,2", "expected world = 2"),
+                                          ("x", "ITERATION:ROLES")])
+def test_launch_refuses_a_forced_topology_that_is_not_a_permutation(tmp_path, roles, words) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    with pytest.raises(InputError) as exc:
+        launcher.launch(["--nproc-per-node", "2", str(script), "--falcon", "--falcon-out", str(tmp_path / "o"),
+                         "--falcon-force-topology", f"3:{roles}"])
+    assert words in str(exc.value) and "\n" not in str(exc.value)
 
 
 # ----------------------------------------------------------------------------- hooks

@@ -16,7 +16,8 @@ collectives (tracer, per-rank detection, control client: the same as in the test
 :func:`loop_start` gives it the loop's iteration boundary and applies what the controller
 committed there (S2: a micro-batch plan, from an iteration the data loader has not
 prefetched; S4: Megatron's own exit signal, so Megatron saves its checkpoint and exits 0,
-and a restart request for the launcher). Megatron's LR schedule, consumed samples and
+and a restart request for the launcher; S3: the same restart, asking the launcher to hand
+the torch ranks to the processes in a new order). Megatron's LR schedule, consumed samples and
 logging keep the even values: only the count of micro-batches each replica runs changes.
 """
 
@@ -31,10 +32,14 @@ import sys
 import time
 from typing import Any, Callable
 
-from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches
+from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches, parse_topology
+from falconext.sim.itertime import check_roles
 
 #: the environment variable holding the launcher's ``--falcon*`` flags (a JSON list)
 FLAGS_ENV = "FALCONEXT_MEGATRON_FLAGS"
+#: the roles after an S3 restart: a JSON list, ``roles[process]`` = the torch rank that
+#: process (launch slot: its GPU, its node) plays; absent: every process plays its own
+ROLES_ENV = "FALCONEXT_ROLES"
 
 _session: "Session | None" = None
 
@@ -76,6 +81,21 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
 
 class FlagError(ValueError):
     """A ``--falcon*`` flag that falconext does not know, or a bad value."""
+
+
+def roles_from_env(world: int, environ: dict[str, str] | None = None) -> list[int] | None:
+    """The roles the launcher set (:data:`ROLES_ENV`), checked to be a permutation of
+    ``range(world)``; None when unset. A bad value is a :class:`ValueError` naming it."""
+    text = (os.environ if environ is None else environ).get(ROLES_ENV, "")
+    if not text:
+        return None
+    try:
+        roles = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"{ROLES_ENV}={text!r} is not a JSON list") from None
+    if not isinstance(roles, list):
+        raise ValueError(f"{ROLES_ENV}={text!r} is not a JSON list")
+    return list(check_roles(roles, world, ROLES_ENV))
 
 
 def on_initialized(args: argparse.Namespace, flags: argparse.Namespace | None = None) -> None:
@@ -126,8 +146,14 @@ class Session:
         self.cfg = cfg
         self.flags = flags
         self.margs = margs
+        from falconext.trace import groups
+
         self.rank = torch.distributed.get_rank()
         self.world = torch.distributed.get_world_size()
+        #: after an S3 restart, process (GPU, node, faults, files) and torch rank differ
+        self.roles = roles_from_env(self.world)
+        groups.set_roles(self.roles)
+        self.process = groups.to_process(self.rank)
         self.out = flags.falcon_out or "falcon-out"
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
         self.suffix = f"-r{self.attempt}" if self.attempt else ""
@@ -166,6 +192,9 @@ class Session:
             if self.s2_refused:
                 raise FlagError(f"--falcon-force-microbatches: {self.s2_refused}")
             self.schedule.set(0, forced)
+        self.forced_topology = parse_topology(cfg.force_topology)
+        if self.forced_topology is not None:
+            check_roles(self.forced_topology[1], self.world, "--falcon-force-topology")
         self.faults = self._faults()
         atexit.register(self.close)
 
@@ -198,16 +227,16 @@ class Session:
             from falconext.testbed.emulator import EmulatedDevice
 
             gflops = self.flags.falcon_device_gflops or DEFAULT_GFLOPS
-            self.device = EmulatedDevice(DeviceModel(gflops=gflops), self.rank, self.ranks_per_node, self.faults)
+            self.device = EmulatedDevice(DeviceModel(gflops=gflops), self.process, self.ranks_per_node, self.faults)
             self.device.install()  # below the tracer
         elif self.faults:
-            self.events.emit("control_error", rank=self.rank,
+            self.events.emit("control_error", rank=self.process,
                              error="--falcon-inject needs the emulated device (--falcon-device emulated); ignored")
         topology = self._topology()
         if self.rank == 0:
             self._write_run(topology)
         self.runtime = FalconRuntime(
-            self.cfg, self.rank, self.rank // self.ranks_per_node, self.out, self.events, self.loop_starts,
+            self.cfg, self.process, self.process // self.ranks_per_node, self.out, self.events, self.loop_starts,
             matmul=self.device.matmul if self.device is not None else torch.matmul,
             device="cuda" if kind == "cuda" else "cpu", replica=self.replica, calls_suffix=self.suffix,
             first_iteration=iteration,
@@ -218,7 +247,9 @@ class Session:
         launched = float(os.environ.get(LAUNCH_TIME_ENV, 0) or 0)
         if launched:  # S4's cost: this start-up (load included), measured
             self.runtime.restart_s = max(0.0, time.time() - launched)
-            self.events.emit("restart_probe", rank=self.rank, iteration=iteration,
+            # S3 is a restart here too: its switch costs what a restart costs
+            self.runtime.switch_s = round(self.runtime.restart_s, 3)
+            self.events.emit("restart_probe", rank=self.process, iteration=iteration,
                              restart_s=round(self.runtime.restart_s, 4), startup_s=round(self.runtime.restart_s, 4))
         if self.rank == 0 and self.s2_refused and self.cfg.mitigation and "S2" in self.cfg.strategies():
             self.events.emit("control_error", rank=0, error=f"S2 off: {self.s2_refused}")
@@ -226,15 +257,15 @@ class Session:
     def _topology(self) -> dict[str, Any]:
         import torch
 
-        mine = {"rank": self.rank, "tp_rank": 0, "pp_rank": self.stage, "dp_rank": self.replica,
-                "node": self.rank // self.ranks_per_node}
+        mine = {"rank": self.rank, "process": self.process, "tp_rank": 0, "pp_rank": self.stage,
+                "dp_rank": self.replica, "node": self.process // self.ranks_per_node}
         from megatron.core import parallel_state as ps
 
         mine["tp_rank"] = ps.get_tensor_model_parallel_rank()
         gathered: list = [None] * self.world
         torch.distributed.all_gather_object(gathered, mine)
         return {"world": self.world, "tp": self.tp, "pp": self.pp, "dp": self.dp,
-                "ranks_per_node": self.ranks_per_node, "ranks": gathered}
+                "ranks_per_node": self.ranks_per_node, "roles": self.roles, "ranks": gathered}
 
     def _write_run(self, topology: dict[str, Any]) -> None:
         path = os.path.join(self.out, f"run{self.suffix}.json")
@@ -281,9 +312,11 @@ class Session:
         if self.device is not None:
             self.device.iteration = iteration
         action = self.runtime.before_iteration(iteration)
-        force = self.flags.falcon_force_restart
-        if force is not None and iteration == force and self._restart is None:
-            action = {"kind": "restart", "exclude_nodes": [], "strategy": "S4", "reason": "forced"}
+        if self._restart is None:  # operator overrides: a restart at a given iteration
+            if self.flags.falcon_force_restart == iteration:
+                action = {"kind": "restart", "exclude_nodes": [], "strategy": "S4", "reason": "forced"}
+            elif self.forced_topology is not None and self.forced_topology[0] == iteration:
+                action = {"kind": "topology", "roles": self.forced_topology[1], "strategy": "S3", "reason": "forced"}
         if action is not None:
             self._apply(action, iteration)
 
@@ -299,21 +332,21 @@ class Session:
             why = self.s2_refused or (None if self.sampler_planned else
                                       "the training data loader does not draw from Megatron's single sampler")
             if why:
-                self.events.emit("control_error", rank=self.rank, error=f"plan not applied: {why}")
+                self.events.emit("control_error", rank=self.process, error=f"plan not applied: {why}")
                 return
             start = iteration + self._prefetch_lag()
             try:
                 self.schedule.set(start, action.get("plan"))
             except PlanError as exc:  # agreed but impossible: every rank refuses alike
-                self.events.emit("control_error", rank=self.rank, error=f"plan not applied: {exc}")
+                self.events.emit("control_error", rank=self.process, error=f"plan not applied: {exc}")
                 return
             if self.rank == 0:
                 self.events.emit("plan_applied", iteration=start, plan=self.schedule.plan_at(start),
                                  strategy=action.get("strategy", "S2"), committed_at=iteration)
-        elif kind == "restart":
+        elif kind in ("restart", "topology"):
             self._request_restart(action, iteration)
         else:
-            self.events.emit("control_error", rank=self.rank, error=f"not applied inside Megatron-LM: {kind!r}")
+            self.events.emit("control_error", rank=self.process, error=f"not applied inside Megatron-LM: {kind!r}")
 
     def _prefetch_lag(self) -> int:
         """Iterations the training data loader may have drawn ahead: a plan starts after them."""
@@ -325,20 +358,34 @@ class Session:
         return 2 * workers + 1
 
     def _request_restart(self, action: dict[str, Any], iteration: int) -> None:
-        """S4 through Megatron's own exit path: its signal handler sees the signal after this
-        step, every rank saves with ``save_checkpoint`` and Megatron exits 0."""
+        """S4 (and S3, a restart with new roles) through Megatron's own exit path: its signal
+        handler sees the signal after this step, every rank saves with ``save_checkpoint``
+        and Megatron exits 0; rank 0 leaves the launcher a restart request at exit."""
         a = self.margs
+        strategy = "S3" if action.get("kind") == "topology" else "S4"
+        why = None
         if not getattr(a, "exit_signal_handler", False) or not getattr(a, "save", None):
-            self.events.emit("control_error", rank=self.rank,
-                             error="S4 not applied: Megatron-LM runs without --exit-signal-handler or --save")
+            why = "Megatron-LM runs without --exit-signal-handler or --save"
+        roles: list[int] | None = None
+        if strategy == "S3" and why is None:
+            try:
+                roles = list(check_roles(action.get("roles") or [], self.world))
+            except ValueError as exc:
+                why = str(exc)
+            if why is None and int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) != self.world:
+                why = "a restart with new roles needs one launcher holding every rank (this job has several nodes)"
+        if why is not None:
+            self.events.emit("control_error", rank=self.process, error=f"{strategy} not applied: {why}")
             return
         self._restart = {"iteration": iteration + 1, "exclude_nodes": [int(n) for n in action.get("exclude_nodes", [])],
                          "session": int(action.get("session", 0)), "reason": str(action.get("reason", "")),
-                         "requested_at": time.time(), "checkpoint": a.save}
+                         "requested_at": time.time(), "checkpoint": a.save,
+                         "extra": {"strategy": strategy, **({"roles": roles} if roles is not None else {})}}
         if self.rank == 0:
+            fields: dict[str, Any] = {"roles": roles} if roles is not None else {}
             self.events.emit("restart_requested", iteration=iteration, resume_at=iteration + 1,
-                             exclude_nodes=self._restart["exclude_nodes"], strategy="S4",
-                             forced=action.get("reason") == "forced")
+                             exclude_nodes=self._restart["exclude_nodes"], strategy=strategy,
+                             forced=action.get("reason") == "forced", **fields)
         sig = getattr(a, "exit_signal", signal.SIGTERM)
         signal.raise_signal(sig)
 
@@ -419,9 +466,9 @@ class Session:
             self.runtime.close()
         if self.device is not None:
             self.device.uninstall()
-            with open(os.path.join(self.out, "ranks", f"device{self.suffix}-rank{self.rank}.json"), "w") as f:
+            with open(os.path.join(self.out, "ranks", f"device{self.suffix}-rank{self.process}.json"), "w") as f:
                 json.dump(self.device.record(), f)
-        report.write_rank_files(self.out, self.rank, [(i, s, l) for i, s, l in self.measured],
+        report.write_rank_files(self.out, self.process, [(i, s, l) for i, s, l in self.measured],
                                 self.runtime.monitor.estimates if self.runtime else {}, self.suffix,
                                 overhead=self.runtime.overhead() if self.runtime else None)
         if self.rank == 0 and self._restart is not None:
@@ -430,7 +477,8 @@ class Session:
             r = self._restart
             restart.write_request(self.out, restart.RestartRequest(
                 iteration=r["iteration"], exclude_nodes=r["exclude_nodes"], checkpoint=r["checkpoint"],
-                session=r["session"], requested_at=r["requested_at"], attempt=self.attempt + 1, reason=r["reason"]))
+                session=r["session"], requested_at=r["requested_at"], attempt=self.attempt + 1, reason=r["reason"],
+                extra=r["extra"]))
         self.events.close()
         sys.stdout.flush()
 

@@ -215,9 +215,14 @@ def launch(argv: list[str]) -> int:
             attempt = req.attempt
             plan.script_args = set_option(plan.script_args, "--load", req.checkpoint)
             _drop_excluded_faults(job, req, env)
+            roles = restart_roles(req.extra, job.world)
+            how = f"without nodes {req.exclude_nodes}"
+            if roles is not None:  # S3: the same ranks, handed to the processes in a new order
+                env.update(roles_env(roles, dict(os.environ)))  # the GPUs as first listed
+                how = f"with roles {roles} (S3)"
             env[LAUNCH_TIME_ENV] = repr(req.requested_at)
             print(f"falconext: restart {req.attempt} from Megatron-LM's checkpoint at iteration {req.iteration} "
-                  f"without nodes {req.exclude_nodes} (--load {req.checkpoint})", flush=True)
+                  f"{how} (--load {req.checkpoint})", flush=True)
     finally:
         if plane is not None:
             plane.stop()
@@ -236,7 +241,8 @@ class _Job:
 
 def _prepare(plan: LaunchPlan) -> _Job:
     """Check the ``--falcon*`` flags and complete the script's arguments for S2 and S4."""
-    from falconext.config import ConfigError, FalconConfig, config_from_args
+    from falconext.config import ConfigError, FalconConfig, config_from_args, parse_topology
+    from falconext.sim.itertime import check_roles
     from falconext.megatron_lm import contract
     from falconext.megatron_lm.hooks import FlagError, parse_flags
 
@@ -268,6 +274,14 @@ def _prepare(plan: LaunchPlan) -> _Job:
     why = contract.s2_refusal(script_namespace(plan.script_args))
     if cfg.force_microbatches and why:
         raise InputError(f"--falcon-force-microbatches: {why}")
+    forced = parse_topology(cfg.force_topology)
+    if forced is not None:
+        try:
+            check_roles(forced[1], world, "--falcon-force-topology")
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        if nnodes > 1:
+            raise InputError("--falcon-force-topology: a restart with new roles needs one launcher holding every rank")
     if flags.falcon_mitigation_strategies is None:
         strategies = [s for s in ("S2", "S4") if not (s == "S2" and why)]
         extra += ["--falcon-mitigation-strategies", ",".join(strategies) or "S4"]
@@ -293,6 +307,39 @@ def _prepare(plan: LaunchPlan) -> _Job:
     all_flags = [a for a in _without(plan.falcon_args, ("--falcon-out", "--falcon-inject"))] + extra
     final = parse_flags(all_flags)
     return _Job(out, all_flags, world, rpn, config_from_args(final).to_dict())
+
+
+def restart_roles(extra: dict, world: int) -> list[int] | None:
+    """The roles an S3 restart request asks for (None: S4, roles unchanged); a request
+    whose roles are not a permutation of the job's ranks is an :class:`InputError`."""
+    if "roles" not in extra:
+        return None
+    from falconext.sim.itertime import check_roles
+
+    try:
+        return list(check_roles(extra["roles"], world, "the restart request's roles"))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def roles_env(roles: list[int], env: dict[str, str]) -> dict[str, str]:
+    """What the relaunched ranks need to play ``roles`` (``roles[process]`` = torch rank,
+    one launcher holding every rank): the roles for falconext, and where there are GPUs, a
+    ``CUDA_VISIBLE_DEVICES`` in which local rank ``r`` finds the GPU of the process that
+    now plays it (Megatron picks the GPU by local rank)."""
+    from falconext.megatron_lm.hooks import ROLES_ENV
+
+    out = {ROLES_ENV: json.dumps(roles)}
+    if _has_cuda():
+        listed = env.get("CUDA_VISIBLE_DEVICES", "")
+        gpus = [g.strip() for g in listed.split(",")] if listed.strip() else [str(i) for i in range(len(roles))]
+        if len(gpus) < len(roles):
+            raise InputError(f"S3 restart: {len(roles)} ranks but CUDA_VISIBLE_DEVICES lists {len(gpus)} GPUs")
+        process_of = [0] * len(roles)
+        for proc, rank in enumerate(roles):
+            process_of[rank] = proc
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[process_of[r]] for r in range(len(roles)))
+    return out
 
 
 def _without(flags: list[str], names: tuple[str, ...]) -> list[str]:

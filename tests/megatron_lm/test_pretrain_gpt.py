@@ -10,7 +10,9 @@ the emulated device. What is asserted is the issue's acceptance list:
 - ``--falcon-force-microbatches 3,5`` against the run without ``--falcon``: Megatron's
   logged ``lm loss`` equal at every iteration (relative difference <= 1e-5);
 - an S4 forced at iteration K resumes at K + 1 from Megatron's checkpoint and continues
-  the uninterrupted run's losses.
+  the uninterrupted run's losses;
+- S3 as a restart: the same, with the torch ranks handed to the processes in a new order
+  (a fault stays with its process).
 """
 
 from __future__ import annotations
@@ -106,19 +108,18 @@ def test_forced_microbatches_train_exactly_what_megatron_trains(script: str, tmp
     assert windows == [6, 10]
 
 
-def test_a_forced_s4_resumes_from_megatrons_checkpoint_and_continues_the_losses(script: str, tmp_path: Path) -> None:
-    common = [*TINY_GPT, "--global-batch-size", "8", "--train-iters", "30", "--log-interval", "1"]
-    plain_output = launch(script, common)
-    plain = losses(plain_output)
-    out = tmp_path / "out"
-    output = launch(script, [*common, "--falcon", "--falcon-out", str(out), "--falcon-force-restart", "15",
-                             "--falcon-mitigation", "false"])
-    # forced while step 15 runs (0-based, as curr_iteration): that step completes, Megatron
-    # saves 16 iterations done and the relaunch starts at step 16 (logged "iteration 17")
-    assert "restart 1 from Megatron-LM's checkpoint at iteration 16" in output
-    assert [e for e in events(out) if e["type"] == "restart_requested"][0]["resume_at"] == 16
-    assert (out / "checkpoint" / "iter_0000016").is_dir()
-    restarted = losses(output)
+SHORT = [*TINY_GPT, "--global-batch-size", "8", "--train-iters", "30", "--log-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(script: str) -> str:
+    """The output of the 30-iteration run without falconext, to compare restarts with."""
+    return launch(script, SHORT)
+
+
+def assert_continues(output: str, plain_output: str) -> None:
+    """A run restarted after step 15 (0-based) trained exactly the uninterrupted run's steps."""
+    plain, restarted = losses(plain_output), losses(output)
     assert sorted(restarted) == list(range(1, 31))
     # Megatron logs the first iteration of a (re)start without resetting its accumulators
     # (training_log's should_reset), so its next line averages both iterations: the loss
@@ -129,3 +130,38 @@ def test_a_forced_s4_resumes_from_megatrons_checkpoint_and_continues_the_losses(
         assert restarted[it] == pytest.approx(expected[it], rel=1e-5), it
     # the gradient norm is logged per iteration: equal at every one, before and after
     assert grad_norms(output) == grad_norms(plain_output)
+
+
+def test_a_forced_s4_resumes_from_megatrons_checkpoint_and_continues_the_losses(
+        script: str, uninterrupted: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    output = launch(script, [*SHORT, "--falcon", "--falcon-out", str(out), "--falcon-force-restart", "15",
+                             "--falcon-mitigation", "false"])
+    # forced while step 15 runs (0-based, as curr_iteration): that step completes, Megatron
+    # saves 16 iterations done and the relaunch starts at step 16 (logged "iteration 17")
+    assert "restart 1 from Megatron-LM's checkpoint at iteration 16 without nodes []" in output
+    assert [e for e in events(out) if e["type"] == "restart_requested"][0]["resume_at"] == 16
+    assert (out / "checkpoint" / "iter_0000016").is_dir()
+    assert_continues(output, uninterrupted)
+
+
+def test_s3_restarts_with_the_ranks_handed_to_the_processes_in_a_new_order(
+        script: str, uninterrupted: str, tmp_path: Path) -> None:
+    faults = tmp_path / "fault.json"  # process 1's GPU is slow all along
+    faults.write_text(json.dumps([{"kind": "compute", "rank": 1, "factor": 2.0, "start": 0}]))
+    out = tmp_path / "out"
+    output = launch(script, [*SHORT, "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
+                             "--falcon-force-topology", "15:1,0", "--falcon-mitigation", "false"])
+    assert "restart 1 from Megatron-LM's checkpoint at iteration 16 with roles [1, 0] (S3)" in output
+    requested = [e for e in events(out) if e["type"] == "restart_requested"]
+    assert [(e["strategy"], e["roles"], e["resume_at"]) for e in requested] == [("S3", [1, 0], 16)]
+    # after the restart process 1 plays torch rank 0, process 0 plays rank 1
+    topology = json.loads((out / "run-r1.json").read_text())["topology"]
+    assert {r["rank"]: r["process"] for r in topology["ranks"]} == {0: 1, 1: 0}
+    # the fault stayed with process 1's GPU, whatever rank it played
+    for attempt in ("", "-r1"):
+        factors = [json.loads((out / "ranks" / f"device{attempt}-rank{p}.json").read_text())["iterations"]["20" if attempt else "10"]["factor"]
+                   for p in (0, 1)]
+        assert factors == [1.0, 2.0], (attempt, factors)
+    # the same ranks, so the same training: Megatron's checkpoint is by rank, not by GPU
+    assert_continues(output, uninterrupted)
