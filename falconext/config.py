@@ -36,6 +36,16 @@ class FalconConfig:
     #: a period of identical symbols is refined by inter-call gaps when the gap profile
     #: explains at least this share of the gap variance
     gap_profile_r2: float = 0.8
+    #: a stream's long pauses (step boundaries of identical calls) count only when the
+    #: longest gap is at least this many times the median gap
+    long_pause_ratio: float = 20.0
+    #: a period found on the calls' ops and groups alone (sizes that change every step)
+    #: is taken when at least this share of its calls repeat their size within a factor
+    #: of 4 one period later
+    size_agreement: float = 0.9
+    #: offline (batch) iteration times: a boundary is timed by the next iteration's first
+    #: call when the pause before that call is below this share of the iteration
+    opening_pause_share: float = 0.5
 
     #: a period that is N iterations plus at most this many calls inserted every N-th
     #: iteration (Megatron-LM's --log-interval timer barriers) is followed as N
@@ -169,6 +179,9 @@ class FalconConfig:
             "tracker_buffer_calls is too small for acf_min_repeats",
         )
         _check(0.0 < self.gap_profile_r2 <= 1.0, "gap_profile_r2 must be in (0, 1]")
+        _check(self.long_pause_ratio > 1.0, "long_pause_ratio must be > 1")
+        _check(0.0 < self.size_agreement <= 1.0, "size_agreement must be in (0, 1]")
+        _check(0.0 <= self.opening_pause_share <= 1.0, "opening_pause_share must be in [0, 1]")
         _check(self.max_inserted_calls >= 0, "max_inserted_calls must be >= 0")
         _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")

@@ -139,6 +139,81 @@ def test_single_repeated_call_without_structure_waits_for_long_evidence() -> Non
     assert first_emit is not None and first_emit >= 1000
 
 
+def test_hundreds_of_identical_calls_per_step_are_split_by_the_long_pause() -> None:
+    # a DDP step: 300 size-less gradient all-reduces 0.3 ms apart, then a 0.2 s pause
+    # (optimizer, next batch); the period is beyond refine_by_gaps' multiples of 1
+    pattern = [("AR", 0.2)] + [("AR", 0.0003)] * 299
+    records = stream(pattern, 5, jitter=0.01)
+    tracker = IterationTracker()
+    first_emit = None
+    for i, r in enumerate(records):
+        if tracker.feed(r) and first_emit is None:
+            first_emit = i
+    assert tracker.period == 300
+    # never locked on one call per iteration while fewer than 3 steps were in
+    assert first_emit is not None and first_emit >= 3 * 300
+    its = iteration_times(records)
+    assert [it.period for it in its] == [300] * len(its) and len(its) >= 3
+    assert np.median([it.duration for it in its]) == pytest.approx(0.2 + 299 * 0.0003, rel=0.02)
+
+
+def sized(pattern: list[tuple[str, int, float]], sizes_jitter: list[int], repeats: int) -> list[CallRecord]:
+    """``repeats`` copies of (op, bytes, gap); step k adds ``sizes_jitter[k % len]`` bytes
+    to every call's size (dynamic shapes)."""
+    out, t = [], 1.0
+    for k in range(repeats):
+        for op, nbytes, gap in pattern:
+            t += gap
+            out.append(CallRecord(0, op, "g", nbytes + sizes_jitter[k % len(sizes_jitter)], t))
+    return out
+
+
+DLRM_LIKE = [("a2a", 288_000_000, 0.015), ("a2a", 4_000_000, 0.018), ("a2a", 262_000, 0.006),
+             ("a2a", 262_000, 0.001), ("ar", 181_000_000, 0.02), ("ar", 17_000_000, 0.007)]
+
+
+def test_sizes_that_change_every_step_leave_the_period_to_ops_and_groups() -> None:
+    # 262,000 + 800 crosses 2**18: the size classes differ from step to step
+    records = sized(DLRM_LIKE, [0, 800, -300, 1500, 200], 12)
+    its = iteration_times(records)
+    assert its and {it.period for it in its} == {6}
+    assert np.median([it.duration for it in its]) == pytest.approx(sum(g for *_, g in DLRM_LIKE), rel=0.01)
+
+
+def test_a_period_of_ops_alone_is_refused_when_the_sizes_disagree() -> None:
+    # the same op and group over and over, with sizes that follow no period
+    rng = np.random.default_rng(3)
+    records = [CallRecord(0, "ar", "g", int(2 ** rng.integers(10, 30)), 1.0 + 0.01 * i) for i in range(600)]
+    tracker = IterationTracker()
+    for r in records:
+        tracker.feed(r)
+    assert tracker.period is None
+
+
+def test_offline_times_from_the_first_call_when_it_opens_the_step_early() -> None:
+    # the step's first call comes 5 ms after the step starts, its last one after a
+    # compute time that varies by +-20 ms; the pause before the first call is a small
+    # share of the step, so the first calls' issue times mark the profiler's steps
+    rng = np.random.default_rng(7)
+    steps = [0.1, 0.15, 0.1, 0.12, 0.1] * 4
+    out, t = [], 1.0
+    for d in steps:
+        last = 0.07 + rng.uniform(-0.02, 0.02)
+        for op, offset in (("A", 0.005), ("B", 0.03), ("C", last)):
+            out.append(CallRecord(0, op, "g", 1024, t + offset))
+        t += d
+    its = iteration_times(out)
+    assert len(its) >= 12
+    starts = [1.0 + sum(steps[:k]) for k in range(len(steps))]
+    for it in its:
+        k = int(np.argmin([abs(it.t_begin - (s + 0.005)) for s in starts]))
+        assert it.duration == pytest.approx(steps[k], rel=1e-6)
+    # the live tracker times the same boundaries by the last call: off by the jitter
+    live = IterationTracker()
+    spans = [it.duration for r in out for it in live.feed(r)]
+    assert max(abs(a - b) / b for a, b in zip(spans, steps[1:])) > 0.05
+
+
 def test_rejects_records_of_another_rank() -> None:
     tracker = IterationTracker()
     tracker.feed(CallRecord(0, "A", "g", 1, 1.0))

@@ -10,11 +10,13 @@ from falconext.detect.period import (
     SymbolTable,
     acf,
     detect_period,
+    gap_spacing,
     find_period,
     mismatch_rate,
     phase_r2,
     refine_by_gaps,
     sharpen_period,
+    size_agreement,
     symbol_of,
     symbolize,
 )
@@ -249,3 +251,24 @@ def test_detect_period_identical_buckets_and_none_without_repetition() -> None:
     ops = rng.integers(0, 6, 600)
     noise = [rec(op=f"op{o}", t=i * 0.01) for i, o in enumerate(ops)]
     assert detect_period(noise, FalconConfig()) is None
+
+
+def test_gap_spacing_counts_calls_between_long_pauses() -> None:
+    t = np.cumsum(np.tile([0.2] + [0.0003] * 99, 5))
+    assert gap_spacing(t) == 100
+    assert gap_spacing(np.cumsum(np.full(500, 0.001))) is None  # no long pause
+    assert gap_spacing(np.array([0.0, 1.0])) is None  # too short to say
+
+
+def test_refine_reaches_beyond_max_multiple_through_the_long_pauses() -> None:
+    t = np.cumsum(np.tile([0.2] + [0.0003] * 299, 4))
+    assert refine_by_gaps(1, t, max_multiple=256) == 300
+    assert refine_by_gaps(1, t[:800], max_multiple=256) == 1  # fewer than 3 steps: not yet
+
+
+def test_size_agreement_tolerates_small_size_changes() -> None:
+    bits = np.array([28, 22, 19, 28, 22, 18, 28, 22, 19])
+    assert size_agreement(bits, 3) == 1.0
+    assert size_agreement(np.array([10, 20, 10, 20]), 1) == 0.0
+    with pytest.raises(ValueError):
+        size_agreement(bits, 0)

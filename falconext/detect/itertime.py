@@ -50,6 +50,7 @@ so every rank gets its own tracker (:func:`iteration_times_by_rank`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -59,12 +60,15 @@ import numpy as np
 
 from falconext.config import FalconConfig
 from falconext.detect.period import (
-    inner_period,
     SymbolTable,
     chance_match,
+    coarse_symbol_of,
     find_period,
+    gap_spacing,
+    inner_period,
     refine_by_gaps,
     sharpen_period,
+    size_agreement,
 )
 from falconext.trace.records import CallRecord
 
@@ -115,9 +119,17 @@ class IterationTracker:
         self.config = FalconConfig() if config is None else config
         self._cap = self.config.tracker_buffer_calls
         self._symbols = SymbolTable()
+        self._coarse_symbols = SymbolTable()
         # ring of the last `cap` calls, indexed by seq % cap; every buffer the states use
         # is a window of it, so memory is fixed at `cap` calls
-        self._codes = np.zeros(self._cap, dtype=np.int64)
+        self._fine = np.zeros(self._cap, dtype=np.int64)
+        # the same calls without their sizes, and the sizes' bit lengths: jobs whose
+        # message sizes change every step (dynamic shapes) repeat only in op and group
+        self._coarse = np.zeros(self._cap, dtype=np.int64)
+        self._bits = np.zeros(self._cap, dtype=np.int64)
+        #: the codes the states match: the fine ones, or the coarse ones once a period
+        #: was found only without sizes (until the pattern changes)
+        self._codes = self._fine
         self._times = np.zeros(self._cap, dtype=np.float64)
         # when the call let the host go (completion; issue time where unknown)
         self._ready = np.zeros(self._cap, dtype=np.float64)
@@ -189,7 +201,9 @@ class IterationTracker:
             )
         seq = self._fed
         slot = seq % self._cap
-        self._codes[slot] = self._symbols.code(record)
+        self._fine[slot] = self._symbols.code(record)
+        self._coarse[slot] = self._coarse_symbols.code_of(coarse_symbol_of(record))
+        self._bits[slot] = int(record.bytes).bit_length()
         self._times[slot] = record.t_issue
         done = record.t_end if record.t_end is not None else record.t_issue
         self._ready[slot] = max(done, record.t_issue)
@@ -258,6 +272,7 @@ class IterationTracker:
     def _fall_back(self, window_from: int, seq: int) -> None:
         """The pattern changed for good: search again on the calls since ``window_from``."""
         self.fallbacks += 1
+        self._codes = self._fine  # a new pattern: sizes count again
         self._origin = None  # where the new pattern's iterations begin is not known
         self._state = TrackerState.SEARCHING
         self._template = []
@@ -295,16 +310,24 @@ class IterationTracker:
         self._attempt(seq)
 
     def _attempt(self, seq: int) -> None:
-        codes = self._window_codes(self._window_from, seq + 1)
         times = self._window_times(self._window_from, seq + 1)
+        self._codes = self._fine
+        codes = self._window_codes(self._window_from, seq + 1)
         q = self._search(codes, times)
         if q is None:
-            return
+            q = self._search_without_sizes(seq, times)
+            if q is None:
+                return
+            codes = self._window_codes(self._window_from, seq + 1)
         q = self._without_insertions(self._window_from, codes, q)
         needed = max(self.config.acf_min_repeats * q, MIN_LOCK_CALLS)
         if q == 1 and chance_match(codes) >= 1.0 - 1e-12:
-            # one symbol and no gap structure: nothing shows where an iteration ends
-            # yet; a long run of one call inside an iteration looks the same
+            # one symbol: only long pauses show where an iteration ends; wait for enough
+            # of them, and without any, for long evidence (a long run of one call
+            # inside an iteration looks the same)
+            spacing = gap_spacing(times, self.config.long_pause_ratio)
+            if spacing is not None and spacing > 1:
+                needed = max(needed, self.config.acf_min_repeats * spacing + 1)
             needed = max(needed, min(SINGLE_SYMBOL_LOCK_CALLS, self._cap))
         if codes.size < needed:
             return
@@ -332,7 +355,21 @@ class IterationTracker:
             cfg.gap_profile_r2,
             min_repeats=cfg.acf_min_repeats,
             max_period=cfg.max_period_calls,
+            long_pause_ratio=cfg.long_pause_ratio,
         )
+
+    def _search_without_sizes(self, seq: int, times: np.ndarray) -> int | None:
+        """The period of the calls' ops and groups, taken (and the tracker switched to
+        matching them) only when the sizes agree with it too, up to small changes."""
+        codes = self._coarse[np.arange(self._window_from, seq + 1) % self._cap]
+        q = self._search(codes, times)
+        if q is None or q >= codes.size:
+            return None
+        bits = self._bits[np.arange(self._window_from, seq + 1) % self._cap]
+        if size_agreement(bits, q) < self.config.size_agreement:
+            return None
+        self._codes = self._coarse
+        return q
 
     def _without_insertions(self, first_seq: int, codes: np.ndarray, q: int) -> int:
         """``q``, or the iteration inside it when one exact period of ``q`` calls is N
@@ -413,6 +450,7 @@ class IterationTracker:
             cfg.gap_profile_r2,
             min_repeats=cfg.acf_min_repeats,
             max_period=cfg.max_period_calls,
+            long_pause_ratio=cfg.long_pause_ratio,
         )
         if self._adopt(codes, times, longer, self._window_ready(seq + 1 - held, seq + 1), seq + 1 - held) is None:
             return False
@@ -466,9 +504,16 @@ def iteration_times(
 ) -> list[IterationTime]:
     """Iteration times of one rank's calls, in issue order (a tracker fed in order).
 
-    Unlike the live stream, a batch answer can be corrected after the fact: spans
-    emitted under a template that a relock later replaced by a longer exact period were
-    sub-iteration units (a layer, a micro-batch), not iterations, and are left out.
+    Unlike the live stream, a batch answer can be corrected after the fact:
+
+    - spans emitted under a template that a relock later replaced by a longer exact
+      period were sub-iteration units (a layer, a micro-batch), not iterations, and are
+      left out;
+    - the live tracker times an iteration boundary by the completion of the call that
+      ends an iteration; where the next iteration's first call comes early in it, the
+      issue of that call is the closer mark, and the batch answer uses it (per run of
+      spans of one period; see :func:`_boundary_side`).
+
     Records of several ranks are an error (ValueError): use :func:`iteration_times_by_rank`.
     """
     return _track(records, config)[1]
@@ -481,7 +526,9 @@ def _track(
     kept: list[IterationTime] = []
     current: list[IterationTime] = []  # emitted under the template now in force
     relocks = 0
+    issued: list[float] = []  # by feed order: the tracker's seq
     for record in records:
+        issued.append(record.t_issue)
         emitted = tracker.feed(record)
         if tracker.relocks != relocks:
             relocks = tracker.relocks
@@ -491,7 +538,55 @@ def _track(
                 kept.extend(current)
                 current = []
             current.append(it)
-    return tracker, kept + current
+    return tracker, _boundary_side(kept + current, np.asarray(issued, dtype=np.float64),
+                                   tracker.config.opening_pause_share)
+
+
+def _boundary_side(its: list[IterationTime], issued: np.ndarray, share: float) -> list[IterationTime]:
+    """``its`` with each run of one period timed by the issue of the call after each
+    anchor (the call that opens the next iteration) when the pause before that call is
+    short (below ``share`` of the iteration: config ``opening_pause_share``); else
+    unchanged (timed by the anchor's completion).
+
+    Where does an iteration start inside the pause between its first call and the
+    previous iteration's last? A profiler marks the loop's top: after the optimizer
+    step, before the data and the forward pass. When the first call comes early in the
+    iteration (an embedding all-to-all, a tensor-parallel all-reduce in the first layer,
+    a pipeline receive), the pause before it is a small share of the iteration and the
+    call sits just after the boundary; when the first call waits for the forward and
+    most of the backward pass (data parallelism alone, gradient buckets), the pause is
+    most of the iteration and the last call's completion sits just before the boundary.
+    Timing from the wrong side puts the other side's jitter into every span (a host
+    hiccup in one optimizer step moves a third of a step into the next one).
+
+    A span ends at the anchor call ``seq_end`` and began at its occurrence one period
+    earlier. Timed by issue, a span whose next first call is not in the input (the last
+    one of a log that ends with an anchor) has no end and is left out."""
+    out: list[IterationTime] = []
+    k = 0
+    while k < len(its):
+        j = k
+        while j + 1 < len(its) and its[j + 1].period == its[k].period:
+            j += 1
+        run = its[k : j + 1]
+        k = j + 1
+        ends = np.array([it.seq_end + 1 for it in run])
+        begins = ends - np.array([it.period for it in run])
+        # the spans whose opening calls are in the input
+        have = (begins >= 0) & (ends < issued.size)
+        if not have.any():
+            out.extend(run)
+            continue
+        pauses = np.array([issued[e] - it.t_end for it, e, h in zip(run, ends, have) if h])
+        spans = np.array([it.duration for it, h in zip(run, have) if h])
+        if float(np.median(pauses)) < share * float(np.median(spans)):
+            # a span whose next iteration's first call is not in the input has no end on
+            # this side: left out
+            run = [dataclasses.replace(it, t_begin=float(issued[b]), t_end=float(issued[e]),
+                                       duration=float(issued[e] - issued[b]))
+                   for it, b, e, h in zip(run, begins, ends, have) if h and issued[e] > issued[b]]
+        out.extend(run)
+    return out
 
 
 def iteration_times_by_rank(

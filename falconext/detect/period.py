@@ -51,6 +51,24 @@ def symbol_of(record: CallRecord) -> Symbol:
     return (record.op, record.group, int(record.bytes).bit_length())
 
 
+def coarse_symbol_of(record: CallRecord) -> tuple[str, str]:
+    """A call's identity without its size: operation and group (which holds the role).
+
+    For jobs whose message sizes change from step to step (dynamic shapes: an
+    embedding all-to-all carries however many ids the batch has), the size is only a
+    soft feature; see :func:`size_agreement`."""
+    return (record.op, record.group)
+
+
+def size_agreement(bits: Sequence[int] | np.ndarray, k: int) -> float:
+    """Share of the pairs (t, t + k) whose sizes are within a factor of 4 (bit lengths
+    at most 2 apart): 1.0 when the sizes repeat with lag ``k`` up to small changes."""
+    b = np.asarray(bits, dtype=np.int64)
+    if not 1 <= k < b.size:
+        raise ValueError(f"lag must be in [1, {b.size - 1}], got {k}")
+    return float(np.count_nonzero(np.abs(b[:-k] - b[k:]) <= 2) / (b.size - k))
+
+
 class SymbolTable:
     """Stable small-int codes for symbols, in order of first appearance.
 
@@ -251,6 +269,27 @@ def phase_r2(values: np.ndarray, q: int) -> float:
     return 1.0 - (1.0 - r2) * (n - 1) / (n - q)
 
 
+def gap_spacing(t_issue: Sequence[float] | np.ndarray, min_ratio: float = 20.0) -> int | None:
+    """Calls from one long pause to the next, when the stream has long pauses; else None.
+
+    A stream of identical calls (a DDP job's gradient buckets, sizes not recorded) shows
+    its steps only in time: the optimizer step and the next batch are a pause hundreds
+    of times longer than the gaps between buckets. Long pauses are the gaps above the
+    geometric mean of the median and the longest gap, and only count when the longest
+    is ``min_ratio`` times the median; the answer is the median distance between them.
+    """
+    gaps = np.maximum(np.diff(np.asarray(t_issue, dtype=np.float64)), MIN_GAP_SECONDS)
+    if gaps.size < 3:
+        return None
+    median, top = float(np.median(gaps)), float(gaps.max())
+    if top < min_ratio * median:
+        return None
+    long_at = np.flatnonzero(gaps >= np.sqrt(top * median))
+    if long_at.size < 2:
+        return None
+    return int(np.median(np.diff(long_at)))
+
+
 def refine_by_gaps(
     period: int,
     t_issue: Sequence[float] | np.ndarray,
@@ -258,6 +297,7 @@ def refine_by_gaps(
     max_multiple: int = 256,
     min_repeats: int = 3,
     max_period: int | None = None,
+    long_pause_ratio: float = 20.0,
 ) -> int:
     """Smallest multiple q = m * period whose phase explains the inter-call gaps, else period.
 
@@ -272,9 +312,15 @@ def refine_by_gaps(
     for m in range(1, max_multiple + 1):
         q = m * period
         if (max_period is not None and q > max_period) or gaps.size < min_repeats * q:
-            break
+            return period
         if q > 1 and phase_r2(gaps, q) >= r2_threshold:
             return q
+    # beyond max_multiple (hundreds of identical buckets per step): the long pauses'
+    # spacing is the one candidate worth testing
+    q = gap_spacing(t_issue, long_pause_ratio)
+    if (q is not None and q > max_multiple * period and q % period == 0 and gaps.size >= min_repeats * q
+            and (max_period is None or q <= max_period) and phase_r2(gaps, q) >= r2_threshold):
+        return q
     return period
 
 
@@ -378,4 +424,5 @@ def detect_period(
         config.gap_profile_r2,
         min_repeats=config.acf_min_repeats,
         max_period=config.max_period_calls,
+        long_pause_ratio=config.long_pause_ratio,
     )
