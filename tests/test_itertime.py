@@ -17,6 +17,7 @@ from falconext.detect.itertime import (
 )
 from falconext.sim.calllog import (
     CallLog,
+    CallSpec,
     Slowdown,
     dp_only_spec,
     generate,
@@ -437,3 +438,26 @@ def test_generator_ground_truth_is_consistent_and_seeded() -> None:
     assert np.all(log.durations[0][log.special] > 1.2 * normal)
     assert generate(spec, 11).records == log.records
     assert generate(spec, 12).records != log.records
+
+
+# --- super-periods: calls every N iterations, evaluations ---------------------------------
+
+
+LOG_ALL_GATHER = (CallSpec("all_gather", "world", 64, 0.001),)
+
+
+@pytest.mark.parametrize("base", ["tp_pp", "dp"])
+def test_log_interval_calls_and_evaluations_leave_the_period_one_iteration(base: str) -> None:
+    """An all-gather every 10 and every 100 iterations (Megatron-LM's --log-interval timers,
+    a slower metric) and an evaluation every 50: every rank follows one iteration (not 10
+    or 100 of them), and its estimates are within 1% of the truth."""
+    spec = tp_pp_spec(iterations=260, tp=2, pp=2, micro_batches=4) if base == "tp_pp" else dp_only_spec(iterations=260)
+    spec = replace(spec, extra_every=((10, LOG_ALL_GATHER), (100, LOG_ALL_GATHER)), eval_every=50)
+    log = generate(spec, 11)
+    for rank, (period, its) in iteration_times_by_rank(log.records).items():
+        assert period == len(spec.patterns[rank]), rank
+        assert {it.period for it in its} == {period}, rank
+        errors, indices, _ = match(log, rank, its)
+        assert len(errors) >= 200 and np.median(errors) < 0.01, rank
+        # every iteration but the first few and those an insertion or evaluation broke
+        assert indices.min() < 30 and indices.max() > 250, rank

@@ -524,6 +524,18 @@ def test_inner_period_with_idle_each_block_pausing() -> None:
     assert inner_period(np.array(t), max_insert=8, idle=np.array(idle)) == 44
 
 
+def test_inner_period_an_insertion_may_take_the_steps_pause() -> None:
+    # a log all-gather issued right after the step's pause: the pause is before the
+    # inserted call, and the iteration after it starts with a short idle
+    t = [0, 1, 2, 3] * 3 + [9]
+    idle = [0.001, 0.001, 0.001, 0.001] + [1.0, 0.001, 0.001, 0.001] * 2 + [1.0]
+    assert inner_period(t, max_insert=2, idle=idle) == 4
+    # and the pause before the inserted call taken by the block before it
+    t = [9] + [0, 1, 2, 3] * 3
+    idle = [1.0] + [0.001] * 4 + [1.0, 0.001, 0.001, 0.001] * 2
+    assert inner_period(t, max_insert=2, idle=idle) == 4
+
+
 def test_inner_period_rejects_a_1f1b_unit_with_idle() -> None:
     unit = [0, 1, 2, 3, 4, 5]
     t = unit * 16 + [9]

@@ -378,10 +378,16 @@ class IterationTracker:
         if codes.size < 2 * q or self.config.max_inserted_calls <= 0:
             return q
         start, run = _longest_run(codes[q:] == codes[:-q])
-        if run < q or first_seq + start < 1:
+        if first_seq + start < 1:  # the stream's first call has no idle before it:
+            start, run = start + 1, run - 1  # take the template one call later
+        if run < q:
             return q
         lo = first_seq + start
-        idle = self._window_times(lo, lo + q) - self._window_ready(lo - 1, lo + q - 1)
+        # idle by phase, the median over the periods the run holds: one period's first
+        # call may follow an evaluation's or a checkpoint's pause
+        rows = (run + q) // q
+        idle = self._window_times(lo, lo + rows * q) - self._window_ready(lo - 1, lo + rows * q - 1)
+        idle = np.median(idle.reshape(rows, q), axis=0)
         inner = inner_period(codes[start : start + q], self.config.max_inserted_calls, idle=idle)
         return q if inner is None else inner
 

@@ -336,7 +336,8 @@ def inner_period(template: Sequence[int] | np.ndarray, max_insert: int, max_inse
     data) in every repeat; a unit inside the iteration (a 1F1B micro-batch, whose
     remainder is the step's own call or two) holds it in one repeat only. With ``idle``,
     a split is kept only when there are at least 3 repeats and every one of them pauses
-    at least half as long as the longest pause of the whole period.
+    at least half as long as the longest pause of the whole period (the blocks next to
+    the inserted run may take their pause from it).
 
     A job that adds a few calls every N iterations (Megatron-LM's ``--log-interval``
     timer barriers, a periodic evaluation's or checkpoint's handful of collectives) is
@@ -369,6 +370,10 @@ def inner_period(template: Sequence[int] | np.ndarray, max_insert: int, max_inse
             gaps = np.roll(np.asarray(idle, dtype=float), -start)
             longest = float(gaps.max())
             block_max = gaps[: reps * q].reshape(reps, q).max(axis=1)
+            # the inserted calls sit between the last block and the first (cyclic): the
+            # step's pause may come before them (a log all-gather after the last call)
+            # or after them, so their idle counts for both neighbours
+            block_max[[0, -1]] = np.maximum(block_max[[0, -1]], gaps[reps * q :].max())
             if reps < 3 or (longest > 0 and np.count_nonzero(block_max >= 0.5 * longest) < reps):
                 continue
         return q

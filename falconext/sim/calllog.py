@@ -64,6 +64,9 @@ class CallLogSpec:
     #: a checkpoint save (pause, then a barrier) follows every checkpoint_every-th iteration
     checkpoint_every: int = 0
     checkpoint_pause: float = 0.5
+    #: (N, calls): every rank issues the calls at the end of every N-th iteration, after
+    #: its last call (Megatron-LM's --log-interval timer all-gather, a periodic metric)
+    extra_every: tuple[tuple[int, Pattern], ...] = ()
     slowdowns: tuple[Slowdown, ...] = ()
     #: (iteration, patterns): from that iteration on every rank follows the new patterns
     pattern_change: tuple[int, Mapping[int, Pattern]] | None = None
@@ -82,6 +85,8 @@ class CallLogSpec:
             raise ValueError("every rank needs a non-empty pattern")
         if self.jitter < 0 or self.step_compute < 0:
             raise ValueError("jitter and step_compute must be >= 0")
+        if any(every < 1 or not calls for every, calls in self.extra_every):
+            raise ValueError("extra_every needs N >= 1 and at least one call")
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,9 @@ def generate(spec: CallLogSpec, seed: int | np.random.Generator = 0) -> CallLog:
         for rank in ranks:
             stretch = _stretch(spec.slowdowns, n, rank)
             t = walk(rank, patterns[rank], t0, stretch)
+            for every, calls in spec.extra_every:
+                if (n + 1) % every == 0:
+                    t = walk(rank, calls, t, stretch)
             t += spec.step_compute * float(jittered(1)[0]) * stretch
             end = max(end, t)
         if spec.eval_every and (n + 1) % spec.eval_every == 0:
