@@ -163,6 +163,8 @@ class FalconConfig:
     # --- slide-window baseline (detect/baselines.py) -----------------------------------
     #: recent iterations averaged and compared with the reference median
     slide_window: int = 10
+    #: persistence baseline: this many iterations in a row, each slow (or each healthy)
+    persistence_iterations: int = 12
     #: iterations before the recent window whose median is the reference
     slide_reference: int = 100
 
@@ -231,6 +233,7 @@ class FalconConfig:
             f"mitigation_strategies must name S2, S3 or S4 separated by commas, got {self.mitigation_strategies!r}",
         )
         _check(self.slide_window >= 1, "slide_window must be >= 1")
+        _check(self.persistence_iterations >= 1, "persistence_iterations must be >= 1")
         _check(self.slide_reference >= 1, "slide_reference must be >= 1")
 
     def strategies(self) -> set[str]:

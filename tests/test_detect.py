@@ -242,3 +242,23 @@ def test_score_trace_rules():
     s = score_trace([stray], labels)
     assert (s.detected, s.false_alarms) == (0, 1)
     assert score_trace([], []).correct
+
+
+# -- the persistence baseline --------------------------------------------------------------
+def test_persistence_alarms_after_k_slow_iterations_in_a_row_and_ends_after_k_healthy():
+    k = FalconConfig().persistence_iterations
+    x = healthy(600, seed=3, sigma=0.01)
+    x[300:450] *= 1.5
+    (ev,) = detect(x, "persistence")
+    assert ev.onset == 300 and ev.detected_at == 300 + k - 1
+    assert ev.end == 450 and ev.slowdown == pytest.approx(1.5, rel=0.05)
+
+
+def test_persistence_ignores_a_burst_shorter_than_k_and_restarts_its_count_on_a_healthy_iteration():
+    k = FalconConfig().persistence_iterations
+    x = healthy(600, seed=4, sigma=0.01)
+    x[200 : 200 + k - 1] *= 1.8  # one short of k
+    x[400 : 400 + 2 * k] *= 1.5
+    x[400 + k - 2] /= 1.5  # healthy once inside: the count starts again after it
+    (ev,) = detect(x, "persistence")
+    assert ev.onset == 400 + k - 1 and ev.detected_at == 400 + 2 * k - 2

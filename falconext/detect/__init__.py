@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Iterable
 
 from falconext.config import FalconConfig
-from falconext.detect.baselines import PlainBOCD, SlideWindow
+from falconext.detect.baselines import Persistence, PlainBOCD, SlideWindow
 from falconext.detect.events import Detector, FailSlowEvent, InvalidSample, run_detector
 from falconext.detect.verify import VerifiedBOCD
 
-METHODS = {"bocd+v": VerifiedBOCD, "bocd": PlainBOCD, "slide-window": SlideWindow}
+METHODS = {"bocd+v": VerifiedBOCD, "bocd": PlainBOCD, "slide-window": SlideWindow, "persistence": Persistence}
 
 
 class UnknownMethod(ValueError):
@@ -39,6 +39,7 @@ __all__ = [
     "Detector",
     "FailSlowEvent",
     "InvalidSample",
+    "Persistence",
     "PlainBOCD",
     "SlideWindow",
     "UnknownMethod",

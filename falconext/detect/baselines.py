@@ -3,6 +3,9 @@
 ``slide-window`` reports a fail-slow when the median of the last few iterations is more
 than 10% above the median of the iterations before them, and its end when it falls back
 (medians, so that a single spike is not already an alarm).
+``persistence`` reports one when each of the last ``persistence_iterations`` iterations
+is more than 10% above that reference, and its end when each of as many is back within
+10%: the one-line rule operators write by hand, which a detector must beat.
 ``bocd`` reports every BOCD change point with no verification: a change point starts an
 event when none is open and ends the open one otherwise. Both are deliberately what the
 paper compared against, not tuned: their job is to show what verification buys.
@@ -22,7 +25,7 @@ class SlideWindow:
 
     def __init__(self, config: FalconConfig | None = None) -> None:
         self.cfg = config or FalconConfig()
-        w, ref = self.cfg.slide_window, self.cfg.slide_reference
+        w, ref = self._window(), self.cfg.slide_reference
         self._recent: deque[float] = deque(maxlen=w)
         self._reference: deque[float] = deque(maxlen=ref)
         self._book = EventBook()
@@ -43,24 +46,48 @@ class SlideWindow:
             if self._open is None:
                 self._reference.append(oldest)  # the reference freezes during an event
         self._recent.append(x)
-        if len(self._recent) < cfg.slide_window or len(self._reference) < cfg.min_baseline:
+        if len(self._recent) < self._recent.maxlen or len(self._reference) < cfg.min_baseline:
             return []
         level = median(self._recent)
         start = i - len(self._recent) + 1
         if self._open is None:
             ref = median(self._reference)
-            if level > ref * (1.0 + cfg.min_slowdown):
+            if self._slow(ref * (1.0 + cfg.min_slowdown)):
                 self._open = self._book.open(start, i, level / ref, ref)
                 return [self._open]
             return []
         ev = self._open
-        if level <= ev.baseline * (1.0 + cfg.min_slowdown):
+        if self._back(ev.baseline * (1.0 + cfg.min_slowdown)):
             self._open = None
             self._recent.clear()
             return [self._book.update(ev.with_(end=max(start, ev.onset + 1), ended_at=i))]
         if level / ev.baseline > ev.slowdown:
             self._open = self._book.update(ev.with_(slowdown=level / ev.baseline))
         return []
+
+    def _window(self) -> int:
+        return self.cfg.slide_window
+
+    def _slow(self, floor: float) -> bool:
+        """The recent iterations are slow: their median is above ``floor``."""
+        return median(self._recent) > floor
+
+    def _back(self, floor: float) -> bool:
+        """The recent iterations are healthy again: their median is at most ``floor``."""
+        return median(self._recent) <= floor
+
+
+class Persistence(SlideWindow):
+    name = "persistence"
+
+    def _window(self) -> int:
+        return self.cfg.persistence_iterations
+
+    def _slow(self, floor: float) -> bool:
+        return min(self._recent) > floor
+
+    def _back(self, floor: float) -> bool:
+        return max(self._recent) <= floor
 
 
 class PlainBOCD:
