@@ -22,7 +22,7 @@ from falconext.trace.logfile import write_call_log
 
 N = 600
 ONSET, END, SLOWDOWN = 200, 450, 1.5
-METHOD_NAMES = ("bocd+v", "bocd", "slide-window")
+METHOD_NAMES = ("bocd+v", "bocd", "slide-window", "persistence")
 
 
 # --- helpers -------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_detect_format_by_content_without_known_extension(tmp_path: Path, capsys
     assert json.loads(ok(capsys, "detect", csv_))["iterations"] == N
 
 
-@pytest.mark.parametrize("method", ["bocd", "slide-window", "bocd+v"])
+@pytest.mark.parametrize("method", ["bocd", "slide-window", "persistence", "bocd+v"])
 def test_detect_methods_are_accepted(tmp_path: Path, capsys, method: str) -> None:
     f = write(tmp_path / "series.csv", csv_text(slowed_series()))
     result = json.loads(ok(capsys, "detect", f, "--method", method))
