@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
@@ -110,6 +111,12 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 def _cmd_period(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     records = read_call_log(args.log)
+    counts = Counter(r.rank for r in records)
+    need = 2 * cfg.acf_min_repeats
+    short = sorted(rank for rank, n in counts.items() if n < need)
+    if short:
+        raise InputError(f"{args.log}: rank {short[0]} has {counts[short[0]]} call(s); "
+                         f"a period needs at least {need} (2 x acf_min_repeats)")
     result = {}
     for rank, (period, its) in iteration_times_by_rank(records, cfg).items():
         entry: dict = {"period": period, "iter_times": [round(it.duration, 9) for it in its]}

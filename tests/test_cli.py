@@ -562,3 +562,25 @@ def test_csv_single_rank_keeps_its_id(tmp_path: Path, capsys) -> None:
 def test_eval_detect_names_the_format_problem(tmp_path: Path, capsys) -> None:
     msg = fails(capsys, "eval-detect", write(tmp_path / "l.json", "[0.5, 0.5]"))
     assert "JSONL" in msg and "json" in msg
+
+
+def test_period_unordered_log_names_the_line(tmp_path: Path, capsys) -> None:
+    f = write(tmp_path / "calls.jsonl", "\n".join([_rec(t_issue=2.0), _rec(t_issue=3.0), _rec(t_issue=1.5)]) + "\n")
+    line = fails(capsys, "period", f)
+    assert "calls.jsonl:3" in line and "rank 0" in line and "line 2" in line and "seq" in line
+    # with seq, the order of the lines does not matter: the seq orders the calls
+    ok_log = "\n".join(_rec(t_issue=1.0 + 0.1 * k, seq=k) for k in (1, 0, 2, 3, 5, 4)) + "\n"
+    assert main(["period", write(tmp_path / "seq.jsonl", ok_log)]) == 0
+    capsys.readouterr()
+
+
+def test_period_repeated_seq_names_the_line(tmp_path: Path, capsys) -> None:
+    f = write(tmp_path / "calls.jsonl", "\n".join(_rec(t_issue=1.0 + k, seq=s) for k, s in enumerate((0, 1, 1))) + "\n")
+    line = fails(capsys, "period", f)
+    assert "calls.jsonl:3" in line and "seq 1 again" in line and "line 2" in line
+
+
+def test_period_log_with_one_call_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
+    f = write(tmp_path / "calls.jsonl", _rec() + "\n")
+    line = fails(capsys, "period", f)
+    assert f in line and "rank 0 has 1 call(s)" in line and "at least 6" in line

@@ -24,7 +24,12 @@ def write_call_log(records: Iterable[CallRecord], out: IO[str]) -> int:
 
 
 def parse_call_log(text: str, source: str = "log") -> list[CallRecord]:
+    """The records of a JSONL call log, strictly: a malformed line, a rank whose calls go
+    back in time without a ``seq`` to order them (an unordered merge), or a rank whose
+    ``seq`` repeats is a :class:`RecordError` naming the line."""
     records: list[CallRecord] = []
+    last: dict[int, tuple[CallRecord, int]] = {}  # rank -> its previous record and line
+    seen_seq: dict[int, dict[int, int]] = {}  # rank -> seq -> line
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -33,7 +38,19 @@ def parse_call_log(text: str, source: str = "log") -> list[CallRecord]:
             obj = loads_strict(line, where)
         except InputError as exc:
             raise RecordError(str(exc)) from None
-        records.append(parse_record(obj, where))
+        record = parse_record(obj, where)
+        if record.seq is not None:
+            earlier = seen_seq.setdefault(record.rank, {}).setdefault(record.seq, lineno)
+            if earlier != lineno:
+                raise RecordError(f"{where}: rank {record.rank} seq {record.seq} again (first on line {earlier})")
+        prev = last.get(record.rank)
+        if prev is not None and (record.seq is None or prev[0].seq is None) and record.t_issue < prev[0].t_issue:
+            raise RecordError(
+                f"{where}: rank {record.rank}'s call was issued {prev[0].t_issue - record.t_issue:.6g} s before its "
+                f"previous one (line {prev[1]}); sort the log by t_issue or give every record a seq"
+            )
+        last[record.rank] = (record, lineno)
+        records.append(record)
     if not records:
         raise RecordError(f"{source}: no call records")
     return records
