@@ -129,13 +129,18 @@ def test_identical_calls_are_split_by_gaps() -> None:
     assert np.median([it.duration for it in its]) == pytest.approx(0.11, rel=0.02)
 
 
-def test_single_repeated_call_without_structure_waits_for_long_evidence() -> None:
-    records = stream([("AR", 0.1)], 1500, jitter=0.02)
+def fed(records: list[CallRecord]) -> tuple[IterationTracker, int | None]:
+    """A tracker fed ``records``, and the index of the first record that completed an iteration."""
     tracker = IterationTracker()
     first_emit = None
     for i, r in enumerate(records):
         if tracker.feed(r) and first_emit is None:
             first_emit = i
+    return tracker, first_emit
+
+
+def test_single_repeated_call_without_structure_waits_for_long_evidence() -> None:
+    tracker, first_emit = fed(stream([("AR", 0.1)], 1500, jitter=0.02))
     assert tracker.period == 1
     assert first_emit is not None and first_emit >= 1000
 
@@ -145,11 +150,7 @@ def test_hundreds_of_identical_calls_per_step_are_split_by_the_long_pause() -> N
     # (optimizer, next batch); the period is beyond refine_by_gaps' multiples of 1
     pattern = [("AR", 0.2)] + [("AR", 0.0003)] * 299
     records = stream(pattern, 5, jitter=0.01)
-    tracker = IterationTracker()
-    first_emit = None
-    for i, r in enumerate(records):
-        if tracker.feed(r) and first_emit is None:
-            first_emit = i
+    tracker, first_emit = fed(records)
     assert tracker.period == 300
     # never locked on one call per iteration while fewer than 3 steps were in
     assert first_emit is not None and first_emit >= 3 * 300

@@ -311,14 +311,15 @@ class IterationTracker:
 
     def _attempt(self, seq: int) -> None:
         times = self._window_times(self._window_from, seq + 1)
-        self._codes = self._fine
-        codes = self._window_codes(self._window_from, seq + 1)
+        ring = self._fine
+        codes = self._ring_window(ring, self._window_from, seq + 1)
         q = self._search(codes, times)
-        if q is None:
-            q = self._search_without_sizes(seq, times)
+        if q is None:  # sizes may change every step: try the ops and groups alone
+            ring = self._coarse
+            codes = self._ring_window(ring, self._window_from, seq + 1)
+            q = self._search_without_sizes(codes, self._ring_window(self._bits, self._window_from, seq + 1), times)
             if q is None:
                 return
-            codes = self._window_codes(self._window_from, seq + 1)
         q = self._without_insertions(self._window_from, codes, q)
         needed = max(self.config.acf_min_repeats * q, MIN_LOCK_CALLS)
         if q == 1 and chance_match(codes) >= 1.0 - 1e-12:
@@ -334,6 +335,7 @@ class IterationTracker:
         start = self._adopt(codes, times, q, self._window_ready(self._window_from, seq + 1), self._window_from)
         if start is None:
             return
+        self._codes = ring  # the locked states match the codes the period was found on
         # process the calls from the template's start again, now LOCKED, so the
         # iterations they hold are emitted
         self._state = TrackerState.LOCKED
@@ -358,17 +360,12 @@ class IterationTracker:
             long_pause_ratio=cfg.long_pause_ratio,
         )
 
-    def _search_without_sizes(self, seq: int, times: np.ndarray) -> int | None:
-        """The period of the calls' ops and groups, taken (and the tracker switched to
-        matching them) only when the sizes agree with it too, up to small changes."""
-        codes = self._coarse[np.arange(self._window_from, seq + 1) % self._cap]
-        q = self._search(codes, times)
-        if q is None or q >= codes.size:
+    def _search_without_sizes(self, coarse: np.ndarray, bits: np.ndarray, times: np.ndarray) -> int | None:
+        """The period of the calls' ops and groups (``coarse`` codes), kept only when the
+        sizes (``bits``) agree with it too, up to small changes."""
+        q = self._search(coarse, times)
+        if q is None or q >= coarse.size or size_agreement(bits, q) < self.config.size_agreement:
             return None
-        bits = self._bits[np.arange(self._window_from, seq + 1) % self._cap]
-        if size_agreement(bits, q) < self.config.size_agreement:
-            return None
-        self._codes = self._coarse
         return q
 
     def _without_insertions(self, first_seq: int, codes: np.ndarray, q: int) -> int:
@@ -481,14 +478,18 @@ class IterationTracker:
         """Calls up to and including ``seq`` that the ring still holds."""
         return min(seq + 1, self._cap - (self._fed - 1 - seq))
 
+    def _ring_window(self, ring: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """``ring``'s entries for the calls ``start`` .. ``stop - 1``."""
+        return ring[np.arange(start, stop) % self._cap]
+
     def _window_codes(self, start: int, stop: int) -> np.ndarray:
-        return self._codes[np.arange(start, stop) % self._cap]
+        return self._ring_window(self._codes, start, stop)
 
     def _window_ready(self, start: int, stop: int) -> np.ndarray:
-        return self._ready[np.arange(start, stop) % self._cap]
+        return self._ring_window(self._ready, start, stop)
 
     def _window_times(self, start: int, stop: int) -> np.ndarray:
-        return self._times[np.arange(start, stop) % self._cap]
+        return self._ring_window(self._times, start, stop)
 
 
 def _longest_run(flags: np.ndarray) -> tuple[int, int]:

@@ -242,7 +242,6 @@ class _Job:
 def _prepare(plan: LaunchPlan) -> _Job:
     """Check the ``--falcon*`` flags and complete the script's arguments for S2 and S4."""
     from falconext.config import ConfigError, FalconConfig, config_from_args, parse_topology
-    from falconext.sim.itertime import check_roles
     from falconext.megatron_lm import contract
     from falconext.megatron_lm.hooks import FlagError, parse_flags
 
@@ -276,10 +275,7 @@ def _prepare(plan: LaunchPlan) -> _Job:
         raise InputError(f"--falcon-force-microbatches: {why}")
     forced = parse_topology(cfg.force_topology)
     if forced is not None:
-        try:
-            check_roles(forced[1], world, "--falcon-force-topology")
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
+        checked_roles(forced[1], world, "--falcon-force-topology")
         if nnodes > 1:
             raise InputError("--falcon-force-topology: a restart with new roles needs one launcher holding every rank")
     if flags.falcon_mitigation_strategies is None:
@@ -309,17 +305,21 @@ def _prepare(plan: LaunchPlan) -> _Job:
     return _Job(out, all_flags, world, rpn, config_from_args(final).to_dict())
 
 
-def restart_roles(extra: dict, world: int) -> list[int] | None:
-    """The roles an S3 restart request asks for (None: S4, roles unchanged); a request
-    whose roles are not a permutation of the job's ranks is an :class:`InputError`."""
-    if "roles" not in extra:
-        return None
+def checked_roles(roles: object, world: int, name: str) -> list[int]:
+    """``roles`` if it is a permutation of the job's ``world`` ranks; else an
+    :class:`InputError` naming ``name``."""
     from falconext.sim.itertime import check_roles
 
     try:
-        return list(check_roles(extra["roles"], world, "the restart request's roles"))
+        return list(check_roles(roles, world, name))  # type: ignore[arg-type]
     except ValueError as exc:
         raise InputError(str(exc)) from None
+
+
+def restart_roles(extra: dict, world: int) -> list[int] | None:
+    """The roles an S3 restart request asks for (None: S4, roles unchanged); a request
+    whose roles are not a permutation of the job's ranks is an :class:`InputError`."""
+    return checked_roles(extra["roles"], world, "the restart request's roles") if "roles" in extra else None
 
 
 def roles_env(roles: list[int], env: dict[str, str]) -> dict[str, str]:
@@ -328,6 +328,7 @@ def roles_env(roles: list[int], env: dict[str, str]) -> dict[str, str]:
     ``CUDA_VISIBLE_DEVICES`` in which local rank ``r`` finds the GPU of the process that
     now plays it (Megatron picks the GPU by local rank)."""
     from falconext.megatron_lm.hooks import ROLES_ENV
+    from falconext.trace.groups import processes_of
 
     out = {ROLES_ENV: json.dumps(roles)}
     if _has_cuda():
@@ -335,10 +336,7 @@ def roles_env(roles: list[int], env: dict[str, str]) -> dict[str, str]:
         gpus = [g.strip() for g in listed.split(",")] if listed.strip() else [str(i) for i in range(len(roles))]
         if len(gpus) < len(roles):
             raise InputError(f"S3 restart: {len(roles)} ranks but CUDA_VISIBLE_DEVICES lists {len(gpus)} GPUs")
-        process_of = [0] * len(roles)
-        for proc, rank in enumerate(roles):
-            process_of[rank] = proc
-        out["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[process_of[r]] for r in range(len(roles)))
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[p] for p in processes_of(roles))
     return out
 
 

@@ -63,16 +63,22 @@ _PROCESS_OF: tuple[int, ...] | None = None
 _RANK_OF: tuple[int, ...] | None = None
 
 
+def processes_of(roles: list[int]) -> list[int]:
+    """The inverse of ``roles`` (``roles[process]`` = torch rank): the process playing
+    each torch rank, by rank."""
+    inverse = [0] * len(roles)
+    for proc, role in enumerate(roles):
+        inverse[role] = proc
+    return inverse
+
+
 def set_roles(roles: list[int] | None) -> None:
     """``roles[process]`` = the torch rank that process now has (None: launch ranks)."""
     global _PROCESS_OF, _RANK_OF
     if roles is None or list(roles) == list(range(len(roles))):
         _PROCESS_OF = _RANK_OF = None
         return
-    inverse = [0] * len(roles)
-    for proc, role in enumerate(roles):
-        inverse[role] = proc
-    _PROCESS_OF, _RANK_OF = tuple(inverse), tuple(roles)
+    _PROCESS_OF, _RANK_OF = tuple(processes_of(roles)), tuple(roles)
 
 
 def to_process(rank: int) -> int:
