@@ -95,6 +95,12 @@ class FalconConfig:
     #: collectives smaller than this are latency, not bandwidth: not used to judge groups
     profile_min_bytes: int = 65536
 
+    # --- per-rank scores (detect/scores.py) -------------------------------------------------
+    #: a rank's score sample is the median over its latest this many iterations
+    score_window: int = 10
+    #: the controller publishes every rank's score this often (a ``rank_scores`` event)
+    score_interval_s: float = 5.0
+
     # --- control plane (control/) ----------------------------------------------------------
     #: run the control plane (Redis bus, agents, controller) when tracking is on
     control_plane: bool = True
@@ -186,6 +192,8 @@ class FalconConfig:
         _check(0.0 <= self.opening_pause_share <= 1.0, "opening_pause_share must be in [0, 1]")
         _check(self.max_inserted_calls >= 0, "max_inserted_calls must be >= 0")
         _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
+        _check(self.score_window >= 1, "score_window must be >= 1")
+        _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
         _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")

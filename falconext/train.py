@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(device.record(), f)
 
     report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, suffix,
-                            overhead=runtime.overhead() if runtime else None)
+                            overhead=runtime.overhead() if runtime else None,
+                            splits=runtime.monitor.splits if runtime else None)
     torch.distributed.barrier()
     if request is not None:
         if rank == 0:

@@ -56,6 +56,7 @@ from falconext.mitigate.mitigation import (
 )
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Decision, Planner
+from falconext.detect.scores import RankSample, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import validation_plan
 from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
@@ -124,6 +125,7 @@ class Controller:
         self.link_baseline: dict[tuple[int, int], float] = {}
         self._baseline_started = False
         self._first_beat: dict[int, int] = {}  # rank -> iteration of its first heartbeat seen
+        self._next_scores = -math.inf  # when the next rank_scores event is due
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -163,9 +165,28 @@ class Controller:
         return []
 
     def tick(self, now: float) -> list[Output]:
-        """Deadlines: a phase that waits for ranks never waits forever."""
+        """Deadlines (a phase that waits for ranks never waits forever), and the per-rank
+        scores every ``score_interval_s``."""
+        out = self._scores(now)
         if now < self._deadline:
+            return out
+        return out + self._deadline_passed(now)
+
+    def _scores(self, now: float) -> list[Output]:
+        """Every rank's straggler score from its latest heartbeat (detect/scores.py), once
+        per interval, whatever the state: before, during and after any fail-slow."""
+        if now < self._next_scores:
             return []
+        beats = [b for b in self.beats.values() if b.score_iteration >= 0]
+        if len(beats) < 2:
+            return []
+        self._next_scores = now + self.cfg.score_interval_s
+        samples = {b.rank: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for b in beats}
+        scores = rank_scores(samples, {b.rank: role_key(b.stage, b.role, b.tp) for b in beats})
+        return [_event("rank_scores", iteration=min(b.score_iteration for b in beats), slowest=slowest(scores),
+                       window=self.cfg.score_window, ranks={str(r): s.to_dict() for r, s in sorted(scores.items())})]
+
+    def _deadline_passed(self, now: float) -> list[Output]:
         if self.state is State.PROFILING:
             if not self._profiles:
                 return self._abort(now, "no rank sent its profile in time")

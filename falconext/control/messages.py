@@ -73,6 +73,13 @@ class Heartbeat:
     pp: int = 0
     grad_bytes: int = 0
     act_bytes: int = 0
+    #: medians over its latest iterations estimated from calls (detect/scores.py): the
+    #: iteration time, the time outside calls (compute) and inside them (waiting and
+    #: transfer), and the loop iteration of the newest of them (-1: none yet)
+    score_iteration: int = -1
+    est_iter_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

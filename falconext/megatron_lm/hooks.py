@@ -470,7 +470,8 @@ class Session:
                 json.dump(self.device.record(), f)
         report.write_rank_files(self.out, self.process, [(i, s, l) for i, s, l in self.measured],
                                 self.runtime.monitor.estimates if self.runtime else {}, self.suffix,
-                                overhead=self.runtime.overhead() if self.runtime else None)
+                                overhead=self.runtime.overhead() if self.runtime else None,
+                                splits=self.runtime.monitor.splits if self.runtime else None)
         if self.rank == 0 and self._restart is not None:
             from falconext.mitigate import restart
 

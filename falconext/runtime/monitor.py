@@ -15,6 +15,7 @@ which runs on the stopping thread, is timed there.
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any, Callable
 from falconext.config import FalconConfig
 from falconext.control.eventlog import EventLog
 from falconext.detect.events import FailSlowEvent
+from falconext.detect.scores import BusyClock, RankSample, recent_sample, split_iteration
 from falconext.detect.tracking import RankTracking
 from falconext.profile.window import RecentCollectives
 
@@ -48,6 +50,13 @@ class RankMonitor:
         self.events = events
         self.interval = interval_s
         self.estimates: dict[int, float] = {}  # loop iteration -> estimated seconds
+        #: loop iteration -> (compute, waiting) seconds of the estimated iteration
+        self.splits: dict[int, tuple[float, float]] = {}
+        self._busy = BusyClock()
+        self._recent_its: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=config.score_window)
+        #: (newest loop iteration, medians over the last score_window iterations), replaced
+        #: whole by the monitor thread so the control thread reads it without a lock
+        self.score_sample: tuple[int, RankSample] | None = None
         self._series_to_loop: dict[int, int] = {}
         self._keep = 8192
         self._calls = open(call_log_path, "w") if call_log_path else None
@@ -129,6 +138,7 @@ class RankMonitor:
             self.records += 1
             if self._calls:
                 self._calls.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
+            self._busy.feed(rec.t_issue, rec.t_end)
             try:
                 update = self.tracking.feed(rec)
             except ValueError as exc:
@@ -139,11 +149,19 @@ class RankMonitor:
                 self._series_to_loop.clear()
             if update.retract:  # the spans so far were sub-iteration units: withdraw them
                 self.estimates.clear()
+                self.splits.clear()
+                self._recent_its.clear()
             for k, it in update.iterations:
                 n = self._loop_iteration(it.t_begin, it.t_end)
                 if n is None:
                     continue
                 self.estimates[n] = it.duration
+                split = split_iteration(it.duration, self._busy.busy(it.t_begin, it.t_end))
+                self.splits[n] = split
+                self._recent_its.append((it.duration, *split))
+                sample = recent_sample(list(self._recent_its))
+                if sample is not None:
+                    self.score_sample = (n, sample)
                 if k is None:  # warm-up: estimated, not watched
                     continue
                 self._series_to_loop[k] = n

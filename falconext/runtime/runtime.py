@@ -292,6 +292,11 @@ class FalconRuntime:
 
     def beat_fields(self) -> dict[str, Any]:
         mb = sorted(self._mb_s)
+        scored = self.monitor.score_sample
+        score = {} if scored is None else {
+            "score_iteration": scored[0], "est_iter_s": scored[1].iter_s,
+            "compute_s": scored[1].compute_s, "wait_s": scored[1].wait_s,
+        }
         return {
             "replica": self.replica,
             "mb_s": mb[len(mb) // 2] if mb else 0.0,
@@ -299,6 +304,7 @@ class FalconRuntime:
             "switch_s": self.switch_s,
             **self.role,
             "micro": self._micro,
+            **score,
         }
 
     def iter_s(self) -> float:

@@ -2,7 +2,10 @@
 
 Each rank writes its own measured and estimated iteration times; rank 0 merges them into
 ``iterations.csv`` / ``estimates.csv`` (columns ``rank,iteration,iter_time_s,loss``) and
-computes ``summary.json``. The summary scores detection against the injected faults of
+computes ``summary.json``. ``estimates.csv`` adds each estimated iteration's split into
+compute and waiting (``compute_s``, ``wait_s``: time outside and inside calls) and the
+rank's straggler score against its peers at that iteration (``late_s``, ``score``:
+detect/scores.py). The summary scores detection against the injected faults of
 ``run.json``; that is evaluation after the fact, the detector never saw them.
 
 With falconext on, each rank also leaves ``ranks/overhead-<rank>.json`` (what falconext
@@ -20,6 +23,8 @@ from statistics import fmean, median, pstdev
 from typing import Any
 
 HEADER = ["rank", "iteration", "iter_time_s", "loss"]
+#: estimates.csv: the split of each estimated iteration, and the rank's score at it
+SCORE_COLUMNS = ["compute_s", "wait_s", "late_s", "score"]
 
 
 #: components of falconext's CPU time, as FalconRuntime.cpu_seconds() names them
@@ -28,10 +33,11 @@ OVERHEAD_PARTS = ("hooks", "monitor", "client", "suspension", "total")
 
 def write_rank_files(
     out: str, rank: int, measured: list[tuple[int, float, float | None]], estimates: dict[int, float], suffix: str = "",
-    overhead: dict[str, Any] | None = None,
+    overhead: dict[str, Any] | None = None, splits: dict[int, tuple[float, float]] | None = None,
 ) -> None:
     """``suffix`` names a restarted attempt's files, so they add to the first attempt's;
-    ``overhead`` (``FalconRuntime.overhead()``) goes to ``overhead-<rank><suffix>.json``."""
+    ``overhead`` (``FalconRuntime.overhead()``) goes to ``overhead-<rank><suffix>.json``;
+    ``splits`` holds each estimated iteration's (compute, waiting) seconds."""
     if overhead is not None:
         with open(os.path.join(out, "ranks", f"overhead-{rank}{suffix}.json"), "w") as f:
             json.dump(dict(overhead, rank=rank), f)
@@ -42,20 +48,47 @@ def write_rank_files(
     with open(os.path.join(out, "ranks", f"estimates-{rank}{suffix}.csv"), "w", newline="") as f:
         w = csv.writer(f)
         for it in sorted(estimates):
-            w.writerow([rank, it, f"{estimates[it]:.6f}", ""])
+            split = (splits or {}).get(it)
+            cells = ["", ""] if split is None else [f"{split[0]:.6f}", f"{split[1]:.6f}"]
+            w.writerow([rank, it, f"{estimates[it]:.6f}", "", *cells])
 
 
-def _merge(out: str, kind: str) -> list[list[str]]:
+def _merge(out: str, kind: str, run: dict | None = None) -> list[list[str]]:
+    """Every rank's ``kind`` rows in one file, by iteration then rank; estimates get
+    their scores (``run``: the run's topology names the peers)."""
     rows: list[list[str]] = []
     for path in glob.glob(os.path.join(out, "ranks", f"{kind}-*.csv")):
         with open(path, newline="") as f:
             rows.extend(csv.reader(f))
     rows.sort(key=lambda r: (int(r[1]), int(r[0])))
+    header = HEADER
+    if kind == "estimates":
+        rows, header = _scored(rows, (run or {}).get("topology") or {}), HEADER + SCORE_COLUMNS
     with open(os.path.join(out, f"{kind}.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(HEADER)
+        w.writerow(header)
         w.writerows(rows)
     return rows
+
+
+def _scored(rows: list[list[str]], topology: dict[str, Any]) -> list[list[str]]:
+    """Estimate rows with ``late_s`` and ``score`` added: each rank against its peers (same
+    pipeline stage and tensor-parallel index) at the same iteration. Rows without a split
+    (as older runs wrote them) get empty cells."""
+    from falconext.detect.scores import RankSample, rank_scores
+
+    roles = {int(d["rank"]): (int(d["pp_rank"]), int(d["tp_rank"]))
+             for d in topology.get("ranks") or [] if isinstance(d, dict) and {"rank", "pp_rank", "tp_rank"} <= set(d)}
+    by_iter: dict[str, dict[int, RankSample]] = {}
+    for r in rows:
+        if len(r) >= 6 and r[4] and r[5]:
+            by_iter.setdefault(r[1], {})[int(r[0])] = RankSample(float(r[2]), float(r[4]), float(r[5]))
+    scores = {it: rank_scores(samples, roles) for it, samples in by_iter.items()}
+    out = []
+    for r in rows:
+        score = scores.get(r[1], {}).get(int(r[0]))
+        out.append((r + ["", ""])[:6] + (["", ""] if score is None else [f"{score.late_s:.6f}", f"{score.score:.4f}"]))
+    return out
 
 
 def read_events(out: str) -> list[dict[str, Any]]:
@@ -160,10 +193,10 @@ def overhead_figures(per_rank: dict[int, dict[str, Any]], steady: dict[int, floa
 
 
 def finalize(out: str) -> dict[str, Any]:
-    measured = _merge(out, "iterations")
-    estimated = _merge(out, "estimates")
     with open(os.path.join(out, "run.json")) as f:
         run = json.load(f)
+    measured = _merge(out, "iterations")
+    estimated = _merge(out, "estimates", run)
     summary = summarize(measured, estimated, read_events(out), run, overheads=read_overheads(out))
     _add_device_figures(out, run, summary)
     with open(os.path.join(out, "summary.json"), "w") as f:
@@ -203,7 +236,7 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
     slow = [v for it, v in steady.items() if in_fault(it) and (first_fix is None or it < first_fix)]
     mitigated = [v for it, v in steady.items() if in_fault(it) and first_fix is not None and it >= first_fix + SETTLE]
     errors = []
-    for rank, it, secs, _ in estimated:
+    for rank, it, secs, *_ in estimated:
         key = (int(rank), int(it))
         if key in meas and int(it) > 0:
             errors.append(abs(float(secs) - meas[key]) / meas[key])

@@ -1,0 +1,181 @@
+"""Per-rank straggler scores: which rank is slow, and how slow, before any fail-slow.
+
+In synchronous training every rank's iteration takes as long as the slowest rank's,
+because every collective waits for its last member: iteration times cannot tell a
+straggler from its victims. What differs is how a rank's iteration splits into
+*compute* (time outside collective calls) and *waiting* (time inside them: the
+transfer, which its peers share, plus the wait for late members). A straggler computes
+longer and waits less; its peers compute as usual and wait for it. So, per rank, over
+its recent iterations:
+
+- ``compute_ratio``: its compute time over the median of its peers' (how slow: a GPU
+  running at 1/1.5 of the speed reads 1.5);
+- ``late_s``: the median of its peers' waiting time minus its own, the time per
+  iteration it keeps the others waiting (late arrival; ~0 for a healthy rank);
+- ``score``: ``late_s`` over the peers' median iteration time, the share of every
+  iteration the job loses to this rank (0 healthy; 1/3 for a 1.5x straggler whose
+  iteration is all compute).
+
+Peers are the ranks in the same role, which do the same work: the same pipeline stage
+and tensor-parallel index, in other data-parallel replicas. Only a rank's own clock is
+used (no cross-host clock comparison), so the scores hold across nodes.
+
+:class:`BusyClock` measures a rank's time inside its calls, one call at a time;
+:func:`rank_scores` compares ranks. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Hashable, Mapping
+
+
+class BusyClock:
+    """The union of a rank's call intervals ([issue, completion]), and its measure
+    over any recent span.
+
+    Calls must be fed in issue order (the tracer's drain order); overlapping calls
+    (asynchronous collectives, a send beside a receive) count once. Only the latest
+    ``capacity`` merged intervals are kept, so memory is bounded and a span older than
+    those reads as partly idle: ask about the last few iterations only.
+    """
+
+    def __init__(self, capacity: int = 8192) -> None:
+        if capacity < 2:
+            raise ValueError(f"capacity must be >= 2, got {capacity}")
+        self._starts: deque[float] = deque(maxlen=capacity)
+        self._ends: deque[float] = deque(maxlen=capacity)
+
+    def feed(self, t_issue: float, t_end: float | None) -> None:
+        """Add one call; a call whose completion is unknown (None) or precedes its issue
+        adds nothing (its time cannot be told apart from compute)."""
+        if t_end is None or not t_end >= t_issue:
+            return
+        if self._ends and t_issue <= self._ends[-1]:
+            if t_end > self._ends[-1]:
+                self._ends[-1] = t_end
+            return
+        self._starts.append(t_issue)
+        self._ends.append(t_end)
+
+    def busy(self, t0: float, t1: float) -> float:
+        """Seconds of [t0, t1) covered by calls (0 for an empty or reversed span).
+
+        Costs O(intervals that end after t0): the intervals of one iteration, when
+        asked about the latest one.
+        """
+        if not t1 > t0:
+            return 0.0
+        total = 0.0
+        for k in range(len(self._ends) - 1, -1, -1):
+            a, b = self._starts[k], self._ends[k]
+            if b <= t0:
+                break
+            lo, hi = max(a, t0), min(b, t1)
+            if hi > lo:
+                total += hi - lo
+        return total
+
+
+@dataclass(frozen=True)
+class RankSample:
+    """One rank's recent iterations, medians over the same few iterations: iteration
+    time, time outside calls (compute) and time inside them (waiting and transfer)."""
+
+    iter_s: float
+    compute_s: float
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class RankScore:
+    compute_s: float
+    wait_s: float
+    compute_ratio: float  # compute over the peers' median compute
+    late_s: float  # peers' median wait minus this rank's: the wait it imposes per iteration
+    score: float  # late_s over the peers' median iteration time
+    peers: int  # ranks it was compared with (0: no peer in its role; ratio 1, score 0)
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "compute_s": round(self.compute_s, 6),
+            "wait_s": round(self.wait_s, 6),
+            "compute_ratio": round(self.compute_ratio, 4),
+            "late_s": round(self.late_s, 6),
+            "score": round(self.score, 4),
+            "peers": self.peers,
+        }
+
+
+def split_iteration(duration_s: float, busy_s: float) -> tuple[float, float]:
+    """(compute, waiting) seconds of one iteration that spent ``busy_s`` inside calls."""
+    wait = min(max(busy_s, 0.0), max(duration_s, 0.0))
+    return max(duration_s - wait, 0.0), wait
+
+
+def recent_sample(rows: list[tuple[float, float, float]]) -> RankSample | None:
+    """The median of each of (iteration, compute, waiting) over recent iterations."""
+    if not rows:
+        return None
+    return RankSample(median(r[0] for r in rows), median(r[1] for r in rows), median(r[2] for r in rows))
+
+
+def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable] | None = None) -> dict[int, RankScore]:
+    """Every rank's score against the median of its peers (the other ranks of its role).
+
+    ``roles[rank]`` names what a rank does (ranks without an entry share one role).
+    Samples that are not finite and non-negative are left out, with the rank they
+    belong to: one bad reading must not make every other rank look slow.
+    """
+    good = {r: s for r, s in samples.items() if _valid(s)}
+    by_role: dict[Hashable, list[int]] = {}
+    for r in good:
+        by_role.setdefault((roles or {}).get(r), []).append(r)
+    out: dict[int, RankScore] = {}
+    for members in by_role.values():
+        for r in members:
+            s = good[r]
+            peers = [good[p] for p in members if p != r]
+            if not peers:
+                out[r] = RankScore(s.compute_s, s.wait_s, 1.0, 0.0, 0.0, 0)
+                continue
+            compute = median(p.compute_s for p in peers)
+            late = median(p.wait_s for p in peers) - s.wait_s
+            it = median(p.iter_s for p in peers)
+            ratio = s.compute_s / compute if compute > 0 else 1.0
+            out[r] = RankScore(s.compute_s, s.wait_s, ratio, late, late / it if it > 0 else 0.0, len(peers))
+    return out
+
+
+def slowest(scores: Mapping[int, RankScore]) -> int | None:
+    """The rank with the highest score (ties: the lower rank); None without scores."""
+    if not scores:
+        return None
+    return min(scores, key=lambda r: (-scores[r].score, r))
+
+
+def role_key(stage: int, role: int, tp: int) -> tuple[int, int] | None:
+    """Peers share a pipeline stage and a tensor-parallel index (Megatron's rank order is
+    tp fastest, so the index is ``role % tp``); None when the role is not known."""
+    if stage < 0 or role < 0:
+        return None
+    return stage, role % tp if tp > 0 else 0
+
+
+def _valid(s: RankSample) -> bool:
+    return all(math.isfinite(v) and v >= 0 for v in (s.iter_s, s.compute_s, s.wait_s))
+
+
+__all__ = [
+    "BusyClock",
+    "RankSample",
+    "RankScore",
+    "rank_scores",
+    "recent_sample",
+    "role_key",
+    "slowest",
+    "split_iteration",
+]
