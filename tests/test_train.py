@@ -160,7 +160,7 @@ def test_tensor_parallel_trains(runs):
     losses = [float(r["loss"]) for r in measured if r["loss"]]
     assert len(measured) == 4 * TP2_PP2_REFERENCE_ITERS and losses
     assert losses[-1] < losses[0]
-    assert (runs["tp2"] / "estimates.csv").read_text().strip() == "rank,iteration,iter_time_s,loss"
+    assert (runs["tp2"] / "estimates.csv").read_text().strip() == "rank,iteration,iter_time_s,loss,compute_s,wait_s,late_s,score"
 
 
 @pytest.mark.parametrize("name, gpus, links", [("compute", [1], []), ("link", [], [[0, 1]])])
