@@ -44,6 +44,12 @@ missing iteration instead of a negative or inflated duration.
 Memory: the last ``tracker_buffer_calls`` calls sit in a fixed ring (a symbol code and
 an issue time each); every buffer a state uses is a window of it.
 
+Cost: a LOCKED call is a handful of Python operations (the soak benchmark,
+``examples/soak_tracker.py``, holds the whole per-rank tracking to the hooks' 5 us
+budget). The ring is written through :mod:`array` buffers, whose item stores and loads
+are plain Python ints and floats, while the searches read the same memory as numpy
+arrays; a call's symbol codes come from a small cache keyed by its op, group and size.
+
 Ranks are independent: pipeline stages issue different numbers of calls per iteration,
 so every rank gets its own tracker (:func:`iteration_times_by_rank`).
 """
@@ -51,6 +57,7 @@ so every rank gets its own tracker (:func:`iteration_times_by_rank`).
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -84,6 +91,9 @@ MIN_ATTEMPT_GROWTH = 16
 SHAKY_BREAKS = 3
 #: LOST gives up after this many calls plus 4 periods
 LOST_SLACK_CALLS = 64
+#: (op, group, size) triples whose codes are cached; past it the cache starts over, so
+#: sizes that change every step (dynamic shapes) cannot make it grow without bound
+CODE_CACHE_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,9 @@ class TrackerState(Enum):
     LOST = "lost"
 
 
+_LOCKED = TrackerState.LOCKED  # one global lookup on the per-call path
+
+
 class IterationTracker:
     """Streaming iteration-time tracker for one rank; see the module docstring."""
 
@@ -120,19 +133,26 @@ class IterationTracker:
         self._cap = self.config.tracker_buffer_calls
         self._symbols = SymbolTable()
         self._coarse_symbols = SymbolTable()
+        # (op, group, bytes) -> (fine code, coarse code, size bit length): one dict lookup
+        # per call instead of building two symbols and looking each up
+        self._code_cache: dict[tuple[str, str, int], tuple[int, int, int]] = {}
         # ring of the last `cap` calls, indexed by seq % cap; every buffer the states use
-        # is a window of it, so memory is fixed at `cap` calls
-        self._fine = np.zeros(self._cap, dtype=np.int64)
+        # is a window of it, so memory is fixed at `cap` calls. Each ring is an array
+        # buffer (cheap per-call stores and loads of Python numbers) with a numpy view of
+        # the same memory (the searches' windows); the buffers are never resized.
+        self._fine_buf, self._fine = _ring("q", self._cap)
         # the same calls without their sizes, and the sizes' bit lengths: jobs whose
         # message sizes change every step (dynamic shapes) repeat only in op and group
-        self._coarse = np.zeros(self._cap, dtype=np.int64)
-        self._bits = np.zeros(self._cap, dtype=np.int64)
+        self._coarse_buf, self._coarse = _ring("q", self._cap)
+        self._bits_buf, self._bits = _ring("q", self._cap)
         #: the codes the states match: the fine ones, or the coarse ones once a period
-        #: was found only without sizes (until the pattern changes)
+        #: was found only without sizes (until the pattern changes); see _match()
         self._codes = self._fine
-        self._times = np.zeros(self._cap, dtype=np.float64)
+        self._codes_buf = self._fine_buf
+        self._match_index = 0  # of the matched codes in a (fine, coarse, bits) triple
+        self._times_buf, self._times = _ring("d", self._cap)
         # when the call let the host go (completion; issue time where unknown)
-        self._ready = np.zeros(self._cap, dtype=np.float64)
+        self._ready_buf, self._ready = _ring("d", self._cap)
         self._fed = 0
         self._rank: int | None = None
         self._queue: deque[int] = deque()
@@ -147,6 +167,7 @@ class IterationTracker:
 
         self._template: list[int] = []
         self._rotated: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._rotated_last = 0  # int(self._rotated[-1]) once a template is adopted
         self._anchor = 0
         self._phase = 0
         self._last_anchor: tuple[float, int] | None = None
@@ -192,44 +213,89 @@ class IterationTracker:
         return self._fed
 
     def feed(self, record: CallRecord) -> list[IterationTime]:
-        """Take the rank's next call; returns the iterations it completed (often none)."""
-        if self._rank is None:
+        """Take the rank's next call; returns the iterations it completed (often none).
+
+        O(1) while LOCKED; a call that breaks the template or completes a search costs
+        a search over the ring (see the module docstring)."""
+        if record.rank != self._rank:
+            if self._rank is not None:
+                raise ValueError(
+                    f"tracker follows rank {self._rank}, got a record of rank {record.rank}"
+                )
             self._rank = record.rank
-        elif record.rank != self._rank:
-            raise ValueError(
-                f"tracker follows rank {self._rank}, got a record of rank {record.rank}"
-            )
+        codes = self._code_cache.get((record.op, record.group, record.bytes))
+        if codes is None:
+            codes = self._new_codes(record)
         seq = self._fed
         slot = seq % self._cap
-        self._fine[slot] = self._symbols.code(record)
-        self._coarse[slot] = self._coarse_symbols.code_of(coarse_symbol_of(record))
-        self._bits[slot] = int(record.bytes).bit_length()
-        self._times[slot] = record.t_issue
-        done = record.t_end if record.t_end is not None else record.t_issue
-        self._ready[slot] = max(done, record.t_issue)
-        self._fed += 1
-        self._queue.append(seq)
+        self._fine_buf[slot] = codes[0]
+        self._coarse_buf[slot] = codes[1]
+        self._bits_buf[slot] = codes[2]
+        t_issue = record.t_issue
+        self._times_buf[slot] = t_issue
+        done = record.t_end
+        # max(completion, issue); the issue time where completion is unknown
+        self._ready_buf[slot] = t_issue if done is None or done < t_issue else done
+        self._fed = seq + 1
+        if self._state is _LOCKED and not self._queue:
+            # the common case, without the queue: match the call just stored
+            phase = self._phase
+            code = codes[self._match_index]
+            template = self._template
+            if code == template[phase] and phase != self._anchor:
+                # a matching call that is not the anchor only moves the phase on
+                phase += 1
+                self._phase = 0 if phase == len(template) else phase
+                return []
+            self._step_locked(seq, code)
+        else:
+            self._queue.append(seq)
         while self._queue:
             self._process(self._queue.popleft())
+        if not self._out:
+            return []
         out, self._out = self._out, []
         return out
+
+    def _new_codes(self, record: CallRecord) -> tuple[int, int, int]:
+        """The (fine, coarse, size bits) codes of a call not in the cache, now cached.
+
+        Codes are handed out by the symbol tables in order of first appearance, so
+        they do not depend on the cache: clearing it loses nothing but time."""
+        if len(self._code_cache) >= CODE_CACHE_ENTRIES:
+            self._code_cache.clear()
+        codes = (
+            self._symbols.code(record),
+            self._coarse_symbols.code_of(coarse_symbol_of(record)),
+            int(record.bytes).bit_length(),
+        )
+        self._code_cache[(record.op, record.group, record.bytes)] = codes
+        return codes
+
+    def _match(self, ring: np.ndarray) -> None:
+        """Match the states against ``ring`` (the fine or the coarse codes)."""
+        self._codes = ring
+        self._match_index = 1 if ring is self._coarse else 0
+        self._codes_buf = self._coarse_buf if self._match_index else self._fine_buf
 
     # --- state machine ------------------------------------------------------------
     def _process(self, seq: int) -> None:
         if self._state is TrackerState.LOCKED:
-            self._step_locked(seq)
+            self._step_locked(seq, self._codes_buf[seq % self._cap])
         elif self._state is TrackerState.LOST:
             self._step_lost(seq)
         else:
             self._step_searching(seq)
 
-    def _step_locked(self, seq: int) -> None:
-        slot = seq % self._cap
-        if self._codes[slot] != self._template[self._phase]:
+    def _step_locked(self, seq: int, code: int) -> None:
+        """Match the call at ``seq`` (its matched ``code``) against the template: O(1)."""
+        phase = self._phase
+        template = self._template
+        if code != template[phase]:
             self._break(seq)
             return
-        if self._phase == self._anchor:
-            t = float(self._ready[slot])
+        if phase == self._anchor:
+            t = self._ready_buf[seq % self._cap]
             if self._last_anchor is not None:
                 t_prev = self._last_anchor[0]
                 if t > t_prev:
@@ -238,7 +304,8 @@ class IterationTracker:
                     self.dropped += 1
             self._last_anchor = (t, seq)
             self._clean += 1
-        self._phase = (self._phase + 1) % len(self._template)
+        phase += 1
+        self._phase = 0 if phase == len(template) else phase
 
     def _break(self, seq: int) -> None:
         """The call at ``seq`` does not fit the template."""
@@ -272,7 +339,7 @@ class IterationTracker:
     def _fall_back(self, window_from: int, seq: int) -> None:
         """The pattern changed for good: search again on the calls since ``window_from``."""
         self.fallbacks += 1
-        self._codes = self._fine  # a new pattern: sizes count again
+        self._match(self._fine)  # a new pattern: sizes count again
         self._origin = None  # where the new pattern's iterations begin is not known
         self._state = TrackerState.SEARCHING
         self._template = []
@@ -288,13 +355,13 @@ class IterationTracker:
         if held > min(4 * q + LOST_SLACK_CALLS, self._cap):
             self._fall_back(self._window_from, seq)
             return
-        if held < q or self._codes[seq % self._cap] != self._rotated[-1]:
+        if held < q or self._codes_buf[seq % self._cap] != self._rotated_last:
             return
         start = seq - q + 1
         if np.array_equal(self._window_codes(start, seq + 1), self._rotated):
             self.resyncs += 1
             self._state = TrackerState.LOCKED
-            self._last_anchor = (float(self._ready[start % self._cap]), start)
+            self._last_anchor = (self._ready_buf[start % self._cap], start)
             self._phase = self._anchor
 
     def _step_searching(self, seq: int) -> None:
@@ -335,7 +402,7 @@ class IterationTracker:
         start = self._adopt(codes, times, q, self._window_ready(self._window_from, seq + 1), self._window_from)
         if start is None:
             return
-        self._codes = ring  # the locked states match the codes the period was found on
+        self._match(ring)  # the locked states match the codes the period was found on
         # process the calls from the template's start again, now LOCKED, so the
         # iterations they hold are emitted
         self._state = TrackerState.LOCKED
@@ -421,6 +488,7 @@ class IterationTracker:
         self._template = [int(c) for c in template]
         self._anchor = anchor
         self._rotated = np.roll(template, -anchor)
+        self._rotated_last = int(self._rotated[-1])
         return start
 
     def _recheck(self, seq: int) -> bool:
@@ -490,6 +558,12 @@ class IterationTracker:
 
     def _window_times(self, start: int, stop: int) -> np.ndarray:
         return self._ring_window(self._times, start, stop)
+
+
+def _ring(typecode: str, size: int) -> tuple[array, np.ndarray]:
+    """A zeroed array buffer of ``size`` items and a numpy view of the same memory."""
+    buf = array(typecode, bytes(size * array(typecode).itemsize))
+    return buf, np.frombuffer(buf, dtype=np.int64 if typecode == "q" else np.float64)
 
 
 def _longest_run(flags: np.ndarray) -> tuple[int, int]:

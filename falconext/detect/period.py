@@ -159,15 +159,16 @@ def _first_lag_within(
     tolerance = 1e-9
     block = 32
     lag = lo
+    # the prefix counts compare a block of lags x the prefix, which is memory-bound: on
+    # the narrowest integer type that holds the codes they move a fraction of the bytes
+    narrow = _narrowed(codes)
     while lag <= hi:
         last = min(hi, lag + block - 1)
         lags = np.arange(lag, last + 1)
         want = 3.0 * max_rate * n / max(1.0 - chance, 1e-3)
         probe = int(min(n - last, max(256, np.ceil(want))))
-        windows = sliding_window_view(codes, probe)[lag : last + 1]
-        prefix = np.count_nonzero(windows != codes[:probe], axis=1)
         allowed = max_rate * (n - lags) * (1.0 + tolerance) + tolerance
-        for candidate in lags[prefix <= allowed]:
+        for candidate in _within_on_prefix(narrow, lags, probe, allowed):
             k = int(candidate)
             mismatches = np.count_nonzero(codes[:-k] != codes[k:])
             if mismatches <= max_rate * (n - k) * (1.0 + tolerance) + tolerance:
@@ -175,6 +176,50 @@ def _first_lag_within(
         lag = last + 1
         block = min(2 * block, max(32, (1 << 21) // probe))
     return None
+
+
+#: pairs of the prefix counted at a time by :func:`_within_on_prefix`
+PREFIX_CHUNK = 1024
+
+
+def _within_on_prefix(codes: np.ndarray, lags: np.ndarray, probe: int, allowed: np.ndarray) -> np.ndarray:
+    """The ``lags`` (ascending, consecutive) whose first ``probe`` pairs (t, t + lag) hold
+    at most ``allowed`` (one per lag) mismatches; needs ``probe + lags[-1] <= codes.size``.
+
+    The prefix is counted a chunk at a time and a lag is dropped as soon as its count
+    passes its allowance (a count only grows), so a lag that matches by chance is done
+    after about allowed / (1 - chance) pairs rather than the whole prefix, which is
+    three times that."""
+    counts = np.zeros(lags.size, dtype=np.int64)
+    first = int(lags[0])
+    pos = 0
+    while pos < probe and lags.size:
+        step = min(PREFIX_CHUNK, probe - pos)
+        # row j: codes[pos + j : pos + j + step], the partners of codes[pos : pos + step]
+        windows = sliding_window_view(codes[pos:], step)
+        if lags.size == int(lags[-1]) - first + 1:  # none dropped yet: a view, no copy
+            rows = windows[first : first + lags.size]
+        else:
+            rows = windows[lags]
+        counts += (rows != codes[pos : pos + step]).view(np.uint8).sum(axis=1, dtype=np.int64)
+        keep = counts <= allowed
+        if not keep.all():
+            lags, counts, allowed = lags[keep], counts[keep], allowed[keep]
+        pos += step
+    return lags
+
+
+def _narrowed(codes: np.ndarray) -> np.ndarray:
+    """``codes`` as the narrowest signed integer type that holds them all (equal codes
+    stay equal, different ones different)."""
+    if codes.size == 0:
+        return codes
+    lo, hi = int(codes.min()), int(codes.max())
+    for dtype in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return codes.astype(dtype)
+    return codes
 
 
 def find_period(

@@ -19,6 +19,7 @@ of a restart is a new warm-up, during which a fail-slow is not watched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from falconext.config import FalconConfig
 from falconext.detect.events import FailSlowEvent
@@ -38,15 +39,25 @@ class TrackingUpdate:
     whole multiple of the old one, so the spans estimated so far were sub-iteration units
     and must be withdrawn; a growth to a non-multiple is the job's own change (a new
     micro-batch plan), and what was estimated before it stands.
+
+    A call that changed nothing (most calls) gets one shared update, :data:`NO_CHANGE`,
+    whose sequences are empty tuples: read an update, never modify it.
     """
 
-    iterations: list[tuple[int | None, IterationTime]]  # None: a warm-up iteration
-    events: list[FailSlowEvent]
+    iterations: Sequence[tuple[int | None, IterationTime]]  # None: a warm-up iteration
+    events: Sequence[FailSlowEvent]
     restarted: bool = False
     retract: bool = False
 
 
+#: the update of a call that completed no iteration (shared: allocating one per call
+#: would cost more than following the call)
+NO_CHANGE = TrackingUpdate((), ())
+
+
 class RankTracking:
+    """Iteration tracker and BOCD+V detector of one rank, fed its calls in issue order."""
+
     def __init__(self, config: FalconConfig | None = None) -> None:
         self.config = config or FalconConfig()
         self.tracker = IterationTracker(self.config)
@@ -57,7 +68,11 @@ class RankTracking:
         self._period: int | None = None
 
     def feed(self, record: CallRecord) -> TrackingUpdate:
+        """Take the rank's next call; the iterations it completed and the events they
+        confirmed, raised or ended (:data:`NO_CHANGE` when none)."""
         its = self.tracker.feed(record)
+        if not its:
+            return NO_CHANGE
         out_its: list[tuple[int, IterationTime]] = []
         events: list[FailSlowEvent] = []
         restarted = retract = False
