@@ -54,6 +54,12 @@ class FalconConfig:
     #: reduction, loss and norm reductions: 8 in a DP2 Megatron-LM GPT) as the remainder
     max_inserted_calls: int = 4
 
+    #: the training loop calls falconext at every iteration (the test bed, Megatron-LM);
+    #: false: a job that only has its calls, where the tracker's iteration count is the
+    #: clock for events, heartbeats and suspensions. Nothing can apply a plan without the
+    #: loop, so mitigation is then off whatever ``mitigation`` says
+    loop_hooks: bool = True
+
     #: live tracking leaves the job's first iterations (allocation, caching, warm-up)
     #: out of the detector: they set no baseline
     tracking_warmup: int = 20
@@ -192,6 +198,8 @@ class FalconConfig:
         _check(0.0 <= self.opening_pause_share <= 1.0, "opening_pause_share must be in [0, 1]")
         _check(self.max_inserted_calls >= 0, "max_inserted_calls must be >= 0")
         _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
+        if not self.loop_hooks:
+            object.__setattr__(self, "mitigation", False)  # nothing could apply a plan
         _check(self.score_window >= 1, "score_window must be >= 1")
         _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")

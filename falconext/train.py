@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         from falconext.runtime.runtime import FalconRuntime
 
         runtime = FalconRuntime(
-            cfg, rank, rank // args.ranks_per_node, out, events, loop_starts,
+            cfg, rank, rank // args.ranks_per_node, out, events, loop_starts if cfg.loop_hooks else None,
             redis_url=args.falcon_redis_url,
             matmul=device.matmul if device is not None else (
                 injector.stretch_compute(torch.matmul) if injector is not None else torch.matmul),
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             if it == first_it and restarted is not None and rank == 0:
                 events.emit("restarted", iteration=it, attempt=args.attempt, load_s=round(restarted["load_s"], 4),
                             downtime_s=round(time.time() - float(restarted.get("requested_at", time.time())), 3))
-            action = runtime.before_iteration(it) if runtime is not None else None
+            # --falcon-loop-hooks false: falconext sees the calls only, as in any other job
+            action = runtime.before_iteration(it) if runtime is not None and cfg.loop_hooks else None
             if runtime is not None and args.bench_falcon_toggle:  # benchmark: off N, on N, ...
                 runtime.set_enabled((it // args.bench_falcon_toggle) % 2 == 1)
             if forced_topology is not None and it == forced_topology[0]:

@@ -7,6 +7,14 @@ translates its indices into the training loop's iteration numbers for reporting,
 the times at which the loop started each iteration (an estimated iteration is the span
 between two anchor calls, and belongs to the loop iteration its first anchor fell in).
 
+Without loop hooks (``loop_starts`` None: a job that only has its calls) the tracker's
+own count is the clock: an estimated iteration is numbered by the calls since the
+stream began (the tracer is installed between iterations), in periods, and the next
+one by the periods since the last (occasional inserted calls round away). Every rank of
+a job counts the same iterations that way, so events, heartbeats and the first call of
+an agreed iteration (:meth:`RankMonitor.first_seq_of`, where a suspension traps) need
+nothing from the training loop.
+
 Its own cost is kept as thread CPU time (:meth:`RankMonitor.cpu_seconds`): the thread
 reads its CPU clock after each round, and the final drain in :meth:`RankMonitor.stop`,
 which runs on the stopping thread, is timed there.
@@ -35,7 +43,7 @@ class RankMonitor:
         drain: Callable[[], list],
         config: FalconConfig,
         rank: int,
-        loop_starts: list[float],
+        loop_starts: list[float] | None,
         events: EventLog,
         call_log_path: str | None,
         interval_s: float = 0.05,
@@ -46,7 +54,12 @@ class RankMonitor:
         self.first_iteration = first_iteration  # loop_starts[0] is this iteration (a resumed job)
         self.tracking = RankTracking(config)
         self.rank = rank
-        self.loop_starts = loop_starts  # appended by the training thread
+        self.loop_starts = loop_starts  # appended by the training thread; None: no loop hooks
+        #: the latest iteration number given to an estimate (-1: none yet)
+        self.tracked = -1
+        #: without loop hooks: (iteration, tracer seq of the call that ended it, calls per
+        #: iteration) of the latest estimate, replaced whole; None until one is numbered
+        self.clock: tuple[int, int, int] | None = None
         self.events = events
         self.interval = interval_s
         self.estimates: dict[int, float] = {}  # loop iteration -> estimated seconds
@@ -124,6 +137,27 @@ class RankMonitor:
                 return self.first_iteration + i + 1
         return self.first_iteration + i
 
+    def _tracker_iteration(self, seq_end: int, period: int) -> int:
+        """The number of the iteration whose last call has tracer seq ``seq_end``, counted
+        from the stream's start in periods; always after the previous number."""
+        if self.clock is None:
+            n = self.first_iteration + round((seq_end + 1) / period) - 1
+        else:
+            n0, s0, _ = self.clock
+            n = n0 + max(1, round((seq_end - s0) / period))
+        n = max(n, self.tracked + 1)
+        self.clock = (n, seq_end, period)
+        return n
+
+    def first_seq_of(self, iteration: int) -> int | None:
+        """The tracer seq of the first call of ``iteration`` as this rank's calls count
+        iterations (no loop hooks); None before the first estimate."""
+        clock = self.clock
+        if clock is None:
+            return None
+        n, seq_end, period = clock
+        return seq_end + 1 + (iteration - n - 1) * period
+
     def _process(self) -> None:
         try:
             records = self.drain()
@@ -139,6 +173,7 @@ class RankMonitor:
             if self._calls:
                 self._calls.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
             self._busy.feed(rec.t_issue, rec.t_end)
+            seq_offset = 0 if rec.seq is None else rec.seq - self.tracking.tracker.calls
             try:
                 update = self.tracking.feed(rec)
             except ValueError as exc:
@@ -151,10 +186,15 @@ class RankMonitor:
                 self.estimates.clear()
                 self.splits.clear()
                 self._recent_its.clear()
+                self.clock = None
             for k, it in update.iterations:
-                n = self._loop_iteration(it.t_begin, it.t_end)
+                if self.loop_starts is None:
+                    n = self._tracker_iteration(it.seq_end + seq_offset, it.period)
+                else:
+                    n = self._loop_iteration(it.t_begin, it.t_end)
                 if n is None:
                     continue
+                self.tracked = max(self.tracked, n)
                 self.estimates[n] = it.duration
                 split = split_iteration(it.duration, self._busy.busy(it.t_begin, it.t_end))
                 self.splits[n] = split

@@ -8,6 +8,12 @@ with the step's micro-batch count and forward seconds (what S2 balances on), and
 :meth:`FalconRuntime.close` at the end. With Megatron-LM the same calls go in
 ``train()`` (patches/).
 
+A job that cannot make those calls (any torch.distributed script, with only its calls
+to go by) passes ``loop_starts=None``: the tracker's own iteration count is then the
+clock for events, heartbeats and suspensions (:class:`falconext.runtime.monitor.RankMonitor`),
+and a suspension traps the first call of the agreed iteration by its sequence number.
+Nothing can apply a mitigation there, so the configuration turns mitigation off.
+
 Everything else runs off the training thread. A suspension traps the first collective
 of the agreed iteration; validation traffic uses a dedicated gloo group created at
 start-up (before the tracer, on every rank, so creating it cannot deadlock later) and
@@ -50,7 +56,7 @@ class FalconRuntime:
         node: int,
         out: str,
         events: EventLog,
-        loop_starts: list[float],
+        loop_starts: list[float] | None,
         *,
         redis_url: str | None = None,
         job: str | None = None,
@@ -69,6 +75,8 @@ class FalconRuntime:
         self.node = node
         self.events = events
         self.loop_starts = loop_starts
+        #: the training loop calls before_iteration (False: the calls are the clock)
+        self.hooked = loop_starts is not None
         self._iteration = -1
         self._lock = threading.Lock()
         self._pending: Suspension | None = None
@@ -116,7 +124,7 @@ class FalconRuntime:
         self.monitor.start()
         if self.client is not None:
             self.client.start()
-        events.emit("tracking_started", rank=rank, control=self.control)
+        events.emit("tracking_started", rank=rank, control=self.control, loop_hooks=self.hooked)
 
     # --- called by the training loop --------------------------------------------------------
 
@@ -288,7 +296,8 @@ class FalconRuntime:
     # --- called by the control client (its thread) ------------------------------------------
 
     def iteration(self) -> int:
-        return self._iteration
+        """The loop's iteration, or without loop hooks the latest one counted from calls."""
+        return self._iteration if self.hooked else self.monitor.tracked
 
     def beat_fields(self) -> dict[str, Any]:
         mb = sorted(self._mb_s)
@@ -311,6 +320,9 @@ class FalconRuntime:
         """Median recent loop iteration time; 0 (no heartbeat) while falconext is off."""
         if not self._enabled:
             return 0.0
+        if not self.hooked:
+            scored = self.monitor.score_sample
+            return scored[1].iter_s if scored is not None else 0.0
         starts = self.loop_starts[-12:]
         if len(starts) < 3:
             return 0.0
@@ -326,12 +338,28 @@ class FalconRuntime:
         if cmd.iteration is None or not isinstance(plan, dict):
             self.events.emit("control_error", rank=self.rank, error="suspend without iteration or plan")
             return None
+        if not self.hooked:
+            return self._schedule_by_calls(cmd, session, plan)
         if self._iteration >= cmd.iteration or not self._enabled:
             return self._iteration
         sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
                          commit=self._commit)
         with self._lock:
             self._pending = sus
+        return None
+
+    def _schedule_by_calls(self, cmd: Command, session: int, plan: dict[str, Any]) -> int | None:
+        """No loop hooks: trap the first call of ``cmd.iteration`` as this rank's calls
+        count iterations; the latest counted iteration if that call is already past."""
+        trap = self.tracer.trap
+        target = self.monitor.first_seq_of(cmd.iteration)
+        if target is None or target <= trap.seen + 1 or not self._enabled or trap.held:
+            return self.monitor.tracked
+        sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
+                         commit=self._commit)
+        self._active = sus
+        self.suspensions.append(sus)
+        trap.arm(self.cfg.suspend_deadline_s, on_hold=sus.run, at_seq=target)
         return None
 
     def signal(self, kind: str, session: int) -> None:
@@ -342,6 +370,9 @@ class FalconRuntime:
             with self._lock:
                 if self._pending is not None and self._pending.session == session:
                     self._pending = None
+            trap = self.tracer.trap
+            if not self.hooked and self._active is not None and self._active.session == session and not trap.held:
+                trap.release()  # armed at a call not reached yet: nothing to hold any more
 
     # --- internals -----------------------------------------------------------------------
 

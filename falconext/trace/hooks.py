@@ -266,10 +266,19 @@ class Trap:
     the moment the call is caught, so a validation phase that dies cannot leave
     training suspended for longer than it asked for. Any thread's next intercepted call
     is caught, so the arming thread must not issue one before ``held`` turns True.
+
+    ``at_seq`` (a job without loop hooks): the trap lets calls pass until the one whose
+    sequence number (the tracer's ``seq``) reaches it, so every rank can hold at the
+    first call of the same iteration as its own call stream counts them. The tracer
+    keeps ``seen``, the last ``seq`` it gave out, up to date for that.
     """
 
     def __init__(self) -> None:
         self.armed = False
+        #: hold no call numbered below this (None: the next call)
+        self.at_seq: int | None = None
+        #: the last sequence number the tracer gave a call (-1: none yet)
+        self.seen = -1
         #: a call is being held right now
         self.held = False
         #: calls held so far
@@ -287,8 +296,10 @@ class Trap:
         self._released = threading.Event()
         self._claim = threading.Lock()
 
-    def arm(self, deadline_s: float, on_hold: Callable[[float], None] | None = None) -> None:
-        """Catch the next intercepted call; hold it at most ``deadline_s`` seconds.
+    def arm(self, deadline_s: float, on_hold: Callable[[float], None] | None = None,
+            at_seq: int | None = None) -> None:
+        """Catch the next intercepted call (``at_seq``: the first numbered at least that);
+        hold it at most ``deadline_s`` seconds.
 
         ``on_hold(end)`` runs on the held thread, given the deadline as a
         ``time.monotonic()`` value; the call goes on as soon as it returns (a suspension
@@ -304,22 +315,28 @@ class Trap:
             raise RuntimeError("the trap is holding a call; release it before arming again")
         self._deadline_s = deadline_s
         self._on_hold = on_hold
+        self.at_seq = at_seq
         self._released.clear()
         self.armed = True
 
     def release(self) -> None:
         """Let the held call go, or cancel the arming if no call was caught yet."""
         self.armed = False
+        self.at_seq = None
         self._released.set()
 
     def _hold(self) -> None:
         """Called by a wrapper that saw ``armed``; waits on the calling thread."""
+        at = self.at_seq
+        if at is not None and self.seen + 1 < at:
+            return  # not yet: this call comes before the agreed one
         if not self._claim.acquire(blocking=False):
             return  # another thread's call is the one being held
         try:
             if not self.armed:
                 return
             self.armed = False  # one call per arming
+            self.at_seq = None
             cpu0 = time.thread_time()
             start = time.monotonic()
             end = start + self._deadline_s
@@ -569,6 +586,7 @@ class CallTracer:
     ) -> Any:
         """Append the record of one call; return what the caller should get back."""
         seq = next(self._seq)
+        self.trap.seen = seq
         ring = self._ring
         if len(ring) >= self._capacity:
             self.dropped += 1
@@ -612,6 +630,7 @@ class CallTracer:
         entries: list[list | None] = []
         for i, p in enumerate(ops):
             seq = next(self._seq)
+            self.trap.seen = seq
             if len(ring) >= self._capacity:
                 self.dropped += 1
                 entries.append(None)
