@@ -236,7 +236,8 @@ class Session:
         if self.rank == 0:
             self._write_run(topology)
         self.runtime = FalconRuntime(
-            self.cfg, self.process, self.process // self.ranks_per_node, self.out, self.events, self.loop_starts,
+            self.cfg, self.process, self.process // self.ranks_per_node, self.out, self.events,
+            self.loop_starts if self.cfg.loop_hooks else None,  # --falcon-loop-hooks false: calls only
             matmul=self.device.matmul if self.device is not None else torch.matmul,
             device="cuda" if kind == "cuda" else "cpu", replica=self.replica, calls_suffix=self.suffix,
             first_iteration=iteration,
@@ -311,7 +312,7 @@ class Session:
         self.loop_starts.append(now)
         if self.device is not None:
             self.device.iteration = iteration
-        action = self.runtime.before_iteration(iteration)
+        action = self.runtime.before_iteration(iteration) if self.cfg.loop_hooks else None
         if self._restart is None:  # operator overrides: a restart at a given iteration
             if self.flags.falcon_force_restart == iteration:
                 action = {"kind": "restart", "exclude_nodes": [], "strategy": "S4", "reason": "forced"}
