@@ -22,7 +22,7 @@ from falconext.detect.itertime import iteration_times_by_rank
 from falconext.detect.series_io import read_series
 from falconext.inputs import InputError
 from falconext.testbed.options import add_train_arguments
-from falconext.trace.logfile import read_call_log
+from falconext.trace.logfile import read_call_log_lines
 from falconext.trace.records import RecordError
 
 EXIT_BAD_INPUT = 2
@@ -110,13 +110,17 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 
 def _cmd_period(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    records = read_call_log(args.log)
+    records, lines = read_call_log_lines(args.log)
     counts = Counter(r.rank for r in records)
+    first_line: dict[int, int] = {}
+    for record, line in zip(records, lines):
+        first_line.setdefault(record.rank, line)
     need = 2 * cfg.acf_min_repeats
     short = sorted(rank for rank, n in counts.items() if n < need)
     if short:
-        raise InputError(f"{args.log}: rank {short[0]} has {counts[short[0]]} call(s); "
-                         f"a period needs at least {need} (2 x acf_min_repeats)")
+        rank = short[0]
+        raise InputError(f"{args.log}:{first_line[rank]}: rank {rank} has {counts[rank]} call(s), the first "
+                         f"on this line; a period needs at least {need} (2 x acf_min_repeats)")
     result = {}
     for rank, (period, its) in iteration_times_by_rank(records, cfg).items():
         entry: dict = {"period": period, "iter_times": [round(it.duration, 9) for it in its]}

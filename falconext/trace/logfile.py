@@ -27,16 +27,33 @@ def parse_call_log(text: str, source: str = "log") -> list[CallRecord]:
     """The records of a JSONL call log, strictly: a malformed line, a rank whose calls go
     back in time without a ``seq`` to order them (an unordered merge), or a rank whose
     ``seq`` repeats is a :class:`RecordError` naming the line."""
+    return parse_call_log_lines(text, source)[0]
+
+
+def parse_call_log_lines(text: str, source: str = "log") -> tuple[list[CallRecord], list[int]]:
+    """:func:`parse_call_log`, with the line number (from 1) of each record, so a check
+    made later on the records (too few calls for a rank) can name a line too.
+
+    A last line that is not valid JSON and has no newline after it is reported as a
+    log cut mid-record (a copy or a writer interrupted), not as some JSON syntax error."""
     records: list[CallRecord] = []
+    lines: list[int] = []
     last: dict[int, tuple[CallRecord, int]] = {}  # rank -> its previous record and line
     seen_seq: dict[int, dict[int, int]] = {}  # rank -> seq -> line
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # JSON Lines end a line at "\n" only ("\r\n" leaves a "\r", which JSON reads as
+    # whitespace): str.splitlines would also split at a raw U+2028 inside a string
+    physical = text.split("\n")
+    cut = bool(physical[-1].strip())  # no newline after the last line
+    for lineno, line in enumerate(physical, 1):
         if not line.strip():
             continue
         where = f"{source}:{lineno}"
         try:
             obj = loads_strict(line, where)
         except InputError as exc:
+            if cut and lineno == len(physical):
+                raise RecordError(f"{where}: malformed JSON and no newline after it: the log was cut "
+                                  f"mid-record (truncated)") from None
             raise RecordError(str(exc)) from None
         record = parse_record(obj, where)
         if record.seq is not None:
@@ -51,10 +68,17 @@ def parse_call_log(text: str, source: str = "log") -> list[CallRecord]:
             )
         last[record.rank] = (record, lineno)
         records.append(record)
+        lines.append(lineno)
     if not records:
         raise RecordError(f"{source}: no call records")
-    return records
+    return records, lines
 
 
 def read_call_log(path: str | Path) -> list[CallRecord]:
+    """The records of the call log at ``path`` (see :func:`parse_call_log`)."""
     return parse_call_log(read_text(path), str(path))
+
+
+def read_call_log_lines(path: str | Path) -> tuple[list[CallRecord], list[int]]:
+    """The records of the call log at ``path`` and their line numbers."""
+    return parse_call_log_lines(read_text(path), str(path))
