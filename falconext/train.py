@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(run_info, f, indent=2)
 
     runtime = None
+    estimates_file = report.EstimatesFile(out, rank, suffix)
     if args.falcon:
         from falconext.runtime.runtime import FalconRuntime
 
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             replica=trainer.replica,
             calls_suffix=suffix,
             first_iteration=first_it,
+            spill_estimates=estimates_file.write,
         )
 
     if runtime is not None:
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, suffix,
                             overhead=runtime.overhead() if runtime else None,
-                            splits=runtime.monitor.splits if runtime else None)
+                            splits=runtime.monitor.splits if runtime else None, estimates_file=estimates_file)
     torch.distributed.barrier()
     if request is not None:
         if rank == 0:

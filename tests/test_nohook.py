@@ -75,6 +75,7 @@ def _stream(iterations: int, insert_every: int = 10, seed: int = 0) -> tuple[lis
 
 
 def _monitor(tmp_path: Path, recs: list[CallRecord]) -> RankMonitor:
+    tmp_path.mkdir(exist_ok=True)
     batches = [recs[i:i + 37] for i in range(0, len(recs), 37)]
     mon = RankMonitor(lambda: batches.pop(0) if batches else [], FalconConfig(), 0, None,
                       EventLog(str(tmp_path / "events.jsonl")), None)
@@ -148,3 +149,27 @@ def test_a_job_without_loop_hooks_is_detected_localized_and_suspended_at_the_agr
         if sus["pause_s"] > 0.3:  # long enough to stand out of the iteration times
             neighbours = [times[(sus["rank"], k)] for k in (it - 2, it - 1, it + 1, it + 2)]
             assert times[(sus["rank"], it)] > max(neighbours) + 0.5 * sus["pause_s"], (sus, it)
+
+
+# --- a long job's estimates leave memory -----------------------------------------------------
+
+
+def test_the_monitor_hands_its_oldest_estimates_over_and_keeps_memory_bounded(tmp_path):
+    from falconext.testbed.report import EstimatesFile
+
+    recs, _, length = _stream(115)
+    (tmp_path / "ranks").mkdir()
+    spilled = EstimatesFile(str(tmp_path), 0)
+    batches = [recs[i:i + 37] for i in range(0, len(recs), 37)]
+    mon = RankMonitor(lambda: batches.pop(0) if batches else [], FalconConfig(), 0, None,
+                      EventLog(str(tmp_path / "events.jsonl")), None, spill=spilled.write)
+    mon._keep = 8  # 2 x 8192 in a real job
+    held = []
+    while batches:
+        mon._process()
+        held.append(len(mon.estimates))
+    assert max(held) <= 2 * mon._keep + 37  # one drained batch at most beyond the bound
+    written = [int(r.split(",")[1]) for r in open(spilled.path).read().splitlines()]
+    assert written == sorted(written) and set(written).isdisjoint(mon.estimates)
+    whole = _monitor(tmp_path / "whole", recs)  # the same stream, nothing handed over
+    assert sorted(written + list(mon.estimates)) == sorted(whole.estimates)

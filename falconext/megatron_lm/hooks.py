@@ -160,6 +160,9 @@ class Session:
         os.makedirs(os.path.join(self.out, "ranks"), exist_ok=True)
         os.makedirs(os.path.join(self.out, "calls"), exist_ok=True)
         self.events = EventLog(os.path.join(self.out, "events.jsonl"))
+        from falconext.testbed.report import EstimatesFile
+
+        self.estimates_file = EstimatesFile(self.out, self.process, self.suffix)
         self.loop_starts: list[float] = []
         self.measured: list[tuple[int, float, float | None]] = []
         self.runtime = None
@@ -240,7 +243,7 @@ class Session:
             self.loop_starts if self.cfg.loop_hooks else None,  # --falcon-loop-hooks false: calls only
             matmul=self.device.matmul if self.device is not None else torch.matmul,
             device="cuda" if kind == "cuda" else "cpu", replica=self.replica, calls_suffix=self.suffix,
-            first_iteration=iteration,
+            first_iteration=iteration, spill_estimates=self.estimates_file.write,
         )
         self.runtime.set_role(self.rank, self.stage, self.tp, self.pp, *self._traffic())
         from falconext.mitigate.restart import LAUNCH_TIME_ENV
@@ -472,7 +475,8 @@ class Session:
         report.write_rank_files(self.out, self.process, [(i, s, l) for i, s, l in self.measured],
                                 self.runtime.monitor.estimates if self.runtime else {}, self.suffix,
                                 overhead=self.runtime.overhead() if self.runtime else None,
-                                splits=self.runtime.monitor.splits if self.runtime else None)
+                                splits=self.runtime.monitor.splits if self.runtime else None,
+                                estimates_file=self.estimates_file)
         if self.rank == 0 and self._restart is not None:
             from falconext.mitigate import restart
 

@@ -49,8 +49,12 @@ class RankMonitor:
         interval_s: float = 0.05,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         first_iteration: int = 0,
+        spill: Callable[[list[tuple[int, float, tuple[float, float] | None]]], None] | None = None,
     ) -> None:
         self.drain = drain
+        #: takes the oldest estimates once more than 2 x 8192 are held (a long job's memory
+        #: stays bounded); None: they are dropped
+        self.spill = spill
         self.first_iteration = first_iteration  # loop_starts[0] is this iteration (a resumed job)
         self.tracking = RankTracking(config)
         self.rank = rank
@@ -149,6 +153,18 @@ class RankMonitor:
         self.clock = (n, seq_end, period)
         return n
 
+    def _spill(self) -> None:
+        """Hand the oldest estimates over to ``spill``, keeping the latest 8192."""
+        old = sorted(self.estimates)[: len(self.estimates) - self._keep]
+        rows = [(n, self.estimates.pop(n), self.splits.pop(n, None)) for n in old]
+        if self.spill is None:
+            return
+        try:
+            self.spill(rows)
+        except Exception as exc:  # a full disk must not stop tracking
+            self.errors += 1
+            self.events.emit("monitor_error", rank=self.rank, error=f"estimates not written: {exc!r}")
+
     def first_seq_of(self, iteration: int) -> int | None:
         """The tracer seq of the first call of ``iteration`` as this rank's calls count
         iterations (no loop hooks); None before the first estimate."""
@@ -208,6 +224,8 @@ class RankMonitor:
                 if len(self._series_to_loop) > 2 * self._keep:
                     for old in sorted(self._series_to_loop)[: self._keep]:
                         del self._series_to_loop[old]
+            if len(self.estimates) > 2 * self._keep:
+                self._spill()
             if self.tracking.period != self._period and self.tracking.period is not None:
                 self._period = self.tracking.period
                 self.events.emit("period", rank=self.rank, period=self._period)

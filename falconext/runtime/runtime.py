@@ -66,6 +66,7 @@ class FalconRuntime:
         restart_s: float = 0.0,
         calls_suffix: str = "",
         first_iteration: int = 0,
+        spill_estimates: Callable[[list], None] | None = None,
     ) -> None:
         from falconext.trace.groups import megatron_roles
         from falconext.trace.hooks import CallTracer
@@ -114,7 +115,7 @@ class FalconRuntime:
         self.monitor = RankMonitor(
             self.tracer.drain, config, rank, loop_starts, events,
             os.path.join(out, "calls", f"rank{rank}{calls_suffix}.jsonl"), on_event=self._on_event,
-            first_iteration=first_iteration,
+            first_iteration=first_iteration, spill=spill_estimates,
         )
         self.client = None
         if self.control:

@@ -31,13 +31,36 @@ SCORE_COLUMNS = ["compute_s", "wait_s", "late_s", "score"]
 OVERHEAD_PARTS = ("hooks", "monitor", "client", "suspension", "total")
 
 
+class EstimatesFile:
+    """A rank's ``ranks/estimates-<rank><suffix>.csv``, written in parts: a long job's
+    monitor hands over its oldest estimates as it goes (memory stays bounded), and
+    :func:`write_rank_files` adds the rest at the end."""
+
+    def __init__(self, out: str, rank: int, suffix: str = "") -> None:
+        self.path = os.path.join(out, "ranks", f"estimates-{rank}{suffix}.csv")
+        self.rank = rank
+        self._started = False
+
+    def write(self, rows: list[tuple[int, float, tuple[float, float] | None]]) -> None:
+        """Append (iteration, seconds, (compute, waiting) or None) rows; the first write
+        starts the file afresh."""
+        with open(self.path, "a" if self._started else "w", newline="") as f:
+            w = csv.writer(f)
+            for it, secs, split in rows:
+                cells = ["", ""] if split is None else [f"{split[0]:.6f}", f"{split[1]:.6f}"]
+                w.writerow([self.rank, it, f"{secs:.6f}", "", *cells])
+        self._started = True
+
+
 def write_rank_files(
     out: str, rank: int, measured: list[tuple[int, float, float | None]], estimates: dict[int, float], suffix: str = "",
     overhead: dict[str, Any] | None = None, splits: dict[int, tuple[float, float]] | None = None,
+    estimates_file: EstimatesFile | None = None,
 ) -> None:
     """``suffix`` names a restarted attempt's files, so they add to the first attempt's;
     ``overhead`` (``FalconRuntime.overhead()``) goes to ``overhead-<rank><suffix>.json``;
-    ``splits`` holds each estimated iteration's (compute, waiting) seconds."""
+    ``splits`` holds each estimated iteration's (compute, waiting) seconds;
+    ``estimates_file``: where the monitor already wrote its older estimates."""
     if overhead is not None:
         with open(os.path.join(out, "ranks", f"overhead-{rank}{suffix}.json"), "w") as f:
             json.dump(dict(overhead, rank=rank), f)
@@ -45,12 +68,8 @@ def write_rank_files(
         w = csv.writer(f)
         for it, secs, loss in measured:
             w.writerow([rank, it, f"{secs:.6f}", "" if loss is None else f"{loss:.6f}"])
-    with open(os.path.join(out, "ranks", f"estimates-{rank}{suffix}.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        for it in sorted(estimates):
-            split = (splits or {}).get(it)
-            cells = ["", ""] if split is None else [f"{split[0]:.6f}", f"{split[1]:.6f}"]
-            w.writerow([rank, it, f"{estimates[it]:.6f}", "", *cells])
+    (estimates_file or EstimatesFile(out, rank, suffix)).write(
+        [(it, estimates[it], (splits or {}).get(it)) for it in sorted(estimates)])
 
 
 def _merge(out: str, kind: str, run: dict | None = None) -> list[list[str]]:
