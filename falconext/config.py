@@ -114,6 +114,9 @@ class FalconConfig:
     heartbeat_s: float = 0.5
     #: the controller counts as gone when its liveness key is this old
     controller_timeout_s: float = 3.0
+    #: a fail-slow episode closes this long after its first end report, or after every
+    #: rank reads healthy again, even when other ranks' end reports were lost
+    episode_timeout_s: float = 60.0
 
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
@@ -202,6 +205,7 @@ class FalconConfig:
             object.__setattr__(self, "mitigation", False)  # nothing could apply a plan
         _check(self.score_window >= 1, "score_window must be >= 1")
         _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
+        _check(self.episode_timeout_s > 0.0, "episode_timeout_s must be > 0")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
         _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from falconext.config import FalconConfig
 from falconext.control.bus import Bus
-from falconext.control.messages import Command, Heartbeat, ProfileData, SessionAck
+from falconext.control.messages import MAX_MESSAGE_BYTES, Command, Heartbeat, MessageError, ProfileData, SessionAck, encode
 
 #: how a job's processes learn the bus: the URL (it holds the password) and the job id
 REDIS_URL_ENV = "FALCON_REDIS_URL"
@@ -64,6 +64,8 @@ class RankClient:
         self.commands = 0
         self._dropped_seen = 0
         self.dropped_out = 0
+        #: exceptions caught in the thread's rounds (the thread goes on after each)
+        self.errors = 0
         self._cpu_s = 0.0  # the thread's CPU clock, as it last read it
 
     def start(self) -> None:
@@ -96,43 +98,71 @@ class RankClient:
 
     def _run(self) -> None:
         bus = Bus(self._url, self._job, on_state=lambda ok, why: self._state("redis", ok, why))
-        stream = node_stream(self.node)
-        next_beat = next_check = 0.0
+        self._next = [0.0, 0.0]  # next heartbeat, next controller check (monotonic)
         try:
             while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    next_beat = now + self.cfg.heartbeat_s
-                    it, iter_s = self.runtime.iteration(), self.runtime.iter_s()
-                    if it >= 0 and iter_s > 0:
-                        self.post(Heartbeat(self.rank, self.node, it, iter_s, time.time(), **self.runtime.beat_fields()))
-                if now >= next_check:
-                    next_check = now + self.cfg.heartbeat_s
-                    alive = bus.alive(CONTROLLER_KEY)
-                    if alive is not None:  # None: Redis itself is down, logged as such
-                        self._state("controller", alive, "no controller heartbeat")
-                while True:
-                    try:
-                        msg = self._out.get_nowait()
-                    except queue.Empty:
-                        break
-                    if not bus.post(stream, msg):
-                        break  # Redis is down: this message is lost, like the rest will be
-                for _, cmd in bus.read([CMD_STREAM], block_ms=100, accept={"Command"}):
-                    self._command(cmd)
-                self._report_drops(bus)
-                if not bus.connected:
+                try:
+                    self._round(bus)
+                except Exception as exc:  # nothing may end this thread: heartbeats must go on
+                    self.errors += 1
+                    self.emit("control_error", rank=self.rank, error=f"client round failed: {exc!r}",
+                              errors=self.errors)
                     self._stop.wait(0.1)
                 self._cpu_s = time.thread_time()
         finally:
             bus.close()
             self._cpu_s = time.thread_time()
 
+    def _round(self, bus: Bus) -> None:
+        """One pass: heartbeat and controller check when due, queued posts, commands."""
+        stream = node_stream(self.node)
+        now = time.monotonic()
+        next_beat, next_check = self._next
+        if now >= next_beat:
+            self._next[0] = now + self.cfg.heartbeat_s
+            it, iter_s = self.runtime.iteration(), self.runtime.iter_s()
+            if it >= 0 and iter_s > 0:
+                self.post(Heartbeat(self.rank, self.node, it, iter_s, time.time(), **self.runtime.beat_fields()))
+        if now >= next_check:
+            self._next[1] = now + self.cfg.heartbeat_s
+            alive = bus.alive(CONTROLLER_KEY)
+            if alive is not None:  # None: Redis itself is down, logged as such
+                self._state("controller", alive, "no controller heartbeat")
+        while True:
+            try:
+                msg = self._out.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                posted = bus.post(stream, msg)
+            except MessageError as exc:  # too large for any reader: dropped, said
+                self.dropped_out += 1
+                self.emit("message_dropped", rank=self.rank, error=str(exc), dropped_out=self.dropped_out)
+                continue
+            if not posted:
+                break  # Redis is down: this message is lost, like the rest will be
+        for _, cmd in bus.read([CMD_STREAM], block_ms=100, accept={"Command"}):
+            self._command(cmd)
+        self._report_drops(bus)
+        if not bus.connected:
+            self._stop.wait(0.1)
+
     def _report_drops(self, bus: Bus) -> None:
         """Malformed or unexpected messages were dropped by the bus: say so, once each."""
         while bus.dropped > self._dropped_seen:
             self._dropped_seen += 1
             self.emit("message_dropped", rank=self.rank, error=bus.errors[-1] if bus.errors else "")
+
+    def _profile(self, session: int, window_s: float) -> ProfileData:
+        """This rank's profile, the newest calls only as many as fit in one message (a
+        rank with many calls would otherwise send more than any reader accepts)."""
+        limit = 1500
+        while True:
+            snap = self.runtime.profile(window_s, limit)
+            msg = ProfileData(self.rank, session, snap["roles"], snap["members"], snap["calls"])
+            if limit <= 1 or len(encode(msg).encode("utf-8")) <= MAX_MESSAGE_BYTES:
+                return msg
+            limit //= 2
 
     def _command(self, cmd: Command) -> None:
         self.commands += 1
@@ -145,8 +175,7 @@ class RankClient:
             if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 < window <= 600:
                 self.emit("control_error", rank=self.rank, error=f"profile window {window!r} out of range")
                 return
-            snap = self.runtime.profile(float(window))
-            self.post(ProfileData(self.rank, session, snap["roles"], snap["members"], snap["calls"]))
+            self.post(self._profile(session, float(window)))
         elif cmd.kind == "suspend":
             missed = self.runtime.schedule(cmd)
             if missed is not None:

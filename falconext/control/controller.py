@@ -96,6 +96,10 @@ class _Episode:
     onsets: list[int] = field(default_factory=list)
     baselines: list[float] = field(default_factory=list)
     mitigation: Mitigation | None = None
+    #: when the first reporter said the fail-slow ended (the others' ends may be lost)
+    first_end_t: float | None = None
+    #: since when every rank's heartbeat reads healthy again (None: not now)
+    healthy_since: float | None = None
 
 
 class Controller:
@@ -167,10 +171,46 @@ class Controller:
     def tick(self, now: float) -> list[Output]:
         """Deadlines (a phase that waits for ranks never waits forever), and the per-rank
         scores every ``score_interval_s``."""
-        out = self._scores(now)
+        out = self._scores(now) + self._episode_timeout(now)
         if now < self._deadline:
             return out
         return out + self._deadline_passed(now)
+
+    def _episode_timeout(self, now: float) -> list[Output]:
+        """An episode whose end reports did not all come closes ``episode_timeout_s`` after
+        the first came, or after every rank's heartbeat reads healthy again: a lost
+        report (a rank's client died, Redis dropped it) must not keep the episode open and
+        absorb every later fail-slow."""
+        ep = self.episode
+        if ep is None or ep.trigger != "fail_slow" or self.state is not State.TRACKING:
+            return []
+        mit = ep.mitigation
+        if mit is not None and (not mit.planner.finished or mit.in_flight is not None):
+            return []  # the planner decides when a mitigated fail-slow is over
+        healthy = self._beats_healthy(ep)
+        if not healthy:
+            ep.healthy_since = None
+        elif ep.healthy_since is None:
+            ep.healthy_since = now
+        limit = self.cfg.episode_timeout_s
+        reason = None
+        if ep.first_end_t is not None and now - ep.first_end_t >= limit:
+            reason = "some ranks never reported the end"
+        elif ep.healthy_since is not None and now - ep.healthy_since >= limit:
+            reason = "every rank is healthy again but the end reports did not come"
+        if reason is None:
+            return []
+        self.episode = None
+        return [_event("episode_timeout", session=self.session, reason=reason,
+                       missing=sorted(set(ep.reporters) - ep.ended), after_s=round(limit, 3))]
+
+    def _beats_healthy(self, ep: _Episode) -> bool:
+        """Every rank's latest iteration time is within min_slowdown of the episode's
+        healthy baseline (the median of the reports')."""
+        if not ep.baselines or not self.beats:
+            return False
+        base = sorted(ep.baselines)[len(ep.baselines) // 2]
+        return all(b.iter_s <= base * (1.0 + self.cfg.min_slowdown) for b in self.beats.values())
 
     def _scores(self, now: float) -> list[Output]:
         """Every rank's straggler score from its latest heartbeat (detect/scores.py), once
@@ -212,6 +252,8 @@ class Controller:
         if rep.end is not None:
             if ep is not None and ep.reporters.get(rep.rank) == rep.event_id:
                 ep.ended.add(rep.rank)
+                if ep.first_end_t is None:
+                    ep.first_end_t = now
                 if self.state is State.TRACKING:
                     return self._maybe_close()
             return []
@@ -368,17 +410,18 @@ class Controller:
     def _verdict(self, now: float) -> list[Output]:
         ep = self.episode
         flops = {r.rank: r.gemm_flops for r in self._results.values() if r.gemm_flops is not None}
-        pairs = [(int(s), int(d), float(t)) for r in self._results.values() for s, d, t in r.links]
         node_of = {r: b.node for r, b in self.beats.items()}
         errors = {str(r.rank): r.error for r in self._results.values() if r.error}
         try:
+            # rows were checked when decoded; one handed in directly (a test, a bug) is too
+            pairs = [(int(s), int(d), float(t)) for r in self._results.values() for s, d, t in r.links]
             suspects = self._findings.compute_suspects if self._findings else []
             gpus = slow_ranks(flops, self.cfg.validation_slow_factor, suspects)
             links, link_evidence = slow_links(
                 [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, self.cfg.validation_slow_factor,
                 self.cfg.validation_min_link_excess_s, baseline=self.link_baseline,
             )
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             return self._abort(now, f"bad validation results: {exc}")
         if ep is not None and ep.trigger == "baseline":
             return self._baseline_verdict(ep, link_evidence, now)

@@ -97,6 +97,13 @@ class ProfileData:
     members: dict[str, list[int]]
     calls: dict[str, list[list[float]]]
 
+    def check(self) -> None:
+        """Each call row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0."""
+        for gid, rows in self.calls.items():
+            for i, row in enumerate(rows):
+                if len(row) != 4 or not (_is_rank(row[0]) and _is_rank(row[3])) or row[2] < row[1]:
+                    raise MessageError(f"ProfileData.calls[{gid}][{i}]: expected [k, t_issue, t_end, bytes], got {row!r}")
+
 
 @dataclass(frozen=True)
 class SessionAck:
@@ -130,6 +137,12 @@ class ValidationResult:
     gemm_flops: float | None
     links: list[list[float]]
     error: str = ""
+
+    def check(self) -> None:
+        """Each links row is [src, dst, seconds]: two ranks and a time >= 0."""
+        for i, row in enumerate(self.links):
+            if len(row) != 3 or not (_is_rank(row[0]) and _is_rank(row[1])) or row[2] < 0:
+                raise MessageError(f"ValidationResult.links[{i}]: expected [src, dst, seconds], got {row!r}")
 
 
 @dataclass(frozen=True)
@@ -221,9 +234,18 @@ def decode(data: str | bytes, accept: set[str] | None = None) -> Any:
             raise MessageError(f"{name}: missing field {fname}")
         values[fname] = _check(body[fname], hints[fname], f"{name}.{fname}")
     try:
-        return cls(**values)
+        msg = cls(**values)
     except TypeError as exc:
         raise MessageError(f"{name}: {exc}") from None
+    check = getattr(msg, "check", None)
+    if check is not None:
+        check()  # the shape of rows inside lists: MessageError naming the row
+    return msg
+
+
+def _is_rank(value: float) -> bool:
+    """A whole number >= 0 (JSON lists of numbers decode as floats here)."""
+    return value >= 0 and float(value).is_integer()
 
 
 def _no_constant(name: str) -> float:

@@ -33,6 +33,7 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
 
     bus = Bus(url, job, on_state=on_state)
     ctl = Controller(cfg, world)
+    step = guarded(events)
     events.emit("controller_started", pid=os.getpid(), world=world)
     next_beat = 0.0
     dropped = 0
@@ -43,8 +44,8 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                 next_beat = time.monotonic() + cfg.heartbeat_s
             outputs = []
             for _, msg in bus.read([CTL_STREAM], block_ms=100):
-                outputs += ctl.handle(msg, time.time())
-            outputs += ctl.tick(time.time())
+                outputs += step(ctl.handle, msg, time.time())
+            outputs += step(ctl.tick, time.time())
             while bus.dropped > dropped:
                 dropped += 1
                 events.emit("message_dropped", where="controller", error=bus.errors[-1] if bus.errors else "")
@@ -59,6 +60,23 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
     finally:
         bus.close()
         events.close()
+
+
+def guarded(events: EventLog):
+    """A caller of controller steps (``handle``, ``tick``) that turns an exception into a
+    ``controller_error`` event and no output, never the end of the controller; the
+    caller's ``errors`` counts them."""
+
+    def call(step, *args):
+        try:
+            return step(*args)
+        except Exception as exc:  # a message or a state the controller cannot handle
+            call.errors += 1
+            events.emit("controller_error", error=repr(exc), errors=call.errors)
+            return []
+
+    call.errors = 0
+    return call
 
 
 def run_agent(url: str, job: str, node: int, stop: list[bool]) -> None:

@@ -232,10 +232,11 @@ class RankMonitor:
             for ev in update.events:
                 self._report(ev)
 
-    def profile_snapshot(self, window_s: float) -> dict[str, Any]:
-        """This rank's collective calls of the last ``window_s`` seconds (any thread)."""
+    def profile_snapshot(self, window_s: float, limit: int = 1500) -> dict[str, Any]:
+        """This rank's collective calls of the last ``window_s`` seconds, the newest
+        ``limit`` of them (any thread)."""
         with self._recent_lock:
-            return self._recent.snapshot(window_s)
+            return self._recent.snapshot(window_s, limit)
 
     def _map(self, k: int | None) -> int | None:
         if k is None:

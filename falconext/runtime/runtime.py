@@ -329,8 +329,9 @@ class FalconRuntime:
             return 0.0
         return statistics.median(b - a for a, b in zip(starts, starts[1:]))
 
-    def profile(self, window_s: float) -> dict[str, Any]:
-        return self.monitor.profile_snapshot(window_s)
+    def profile(self, window_s: float, limit: int = 1500) -> dict[str, Any]:
+        """ProfileData's fields: at most ``limit`` of the calls of the last ``window_s``."""
+        return self.monitor.profile_snapshot(window_s, limit)
 
     def schedule(self, cmd: Command) -> int | None:
         """Arm a suspension for ``cmd.iteration``; the current iteration if already past it."""

@@ -1,0 +1,207 @@
+"""Doing no harm (issue 15): falconext's own failures never stop its threads, never hang
+an episode, and a malformed message never takes the controller down."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from falconext.config import FalconConfig
+from falconext.control.client import RankClient
+from falconext.control.controller import Controller, State
+from falconext.control.eventlog import EventLog
+from falconext.control.messages import (
+    MAX_MESSAGE_BYTES,
+    FailSlowReport,
+    Heartbeat,
+    MessageError,
+    ProfileData,
+    SessionAck,
+    ValidationResult,
+    decode,
+    encode,
+)
+from falconext.control.service import guarded
+
+from test_controller import CFG, NODES, beats, report, to_profiling
+
+
+# --- malformed rows inside messages -------------------------------------------------------------
+
+@pytest.mark.parametrize("row", [[0, 1], [0, 1, 0.1, 4], [0.5, 1, 0.1], [0, -1, 0.1], [0, 1, -0.1]])
+def test_a_validation_result_with_a_malformed_links_row_is_refused_naming_it(row):
+    with pytest.raises(MessageError, match=r"links\[0\]"):
+        decode(encode(ValidationResult(0, 1, 1e9, [row])))
+
+
+@pytest.mark.parametrize("row", [[0, 1.0, 2.0], [0, 2.0, 1.0, 4], [-1, 1.0, 2.0, 4], [0, 1.0, 2.0, 4.5]])
+def test_a_profile_with_a_malformed_call_row_is_refused_naming_it(row):
+    with pytest.raises(MessageError, match=r"calls\[dp\]\[0\]"):
+        decode(encode(ProfileData(0, 1, {}, {}, {"dp": [row]})))
+
+
+def test_the_controller_survives_a_malformed_validation_result_handed_to_it():
+    ctl = Controller(CFG, world=4)
+    to_profiling(ctl)
+    s, it = ctl.session, ctl._iteration
+    for r in NODES:
+        ctl.handle(SessionAck(r, s, "held", it, 102.0), 102.0)
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(ValidationResult(r, s, 1e10, [[0, 2]] if r == 1 else []), 102.5)
+    assert any(o.event.get("type") == "validation_aborted" or "bad validation" in json.dumps(o.event) for o in outs)
+    assert ctl.state is State.TRACKING
+
+
+def test_a_message_burst_of_garbage_never_stops_the_controller_and_it_answers_the_next(tmp_path):
+    """Random, truncated and oversized messages, decoded as the bus does and handed to the
+    controller's guarded step, then one valid report: the controller starts an episode."""
+    rng = random.Random(15)
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    step = guarded(events)
+    ctl = Controller(CFG, world=4)
+    beats(ctl)
+    good = [encode(m) for m in (Heartbeat(0, 0, 50, 0.3, 1.0), ValidationResult(0, 1, 1e9, [[0, 1, 0.1]]),
+                                ProfileData(0, 1, {}, {}, {"dp": [[0, 1.0, 2.0, 4]]}))]
+    refused = 0
+    for k in range(20_000):
+        base = rng.choice(good)
+        kind = k % 4
+        if kind == 0:
+            data = base[: rng.randrange(len(base))]  # truncated
+        elif kind == 1:
+            data = "".join(chr(rng.randrange(32, 127)) for _ in range(rng.randrange(1, 80)))
+        elif kind == 2:
+            data = base.replace("0.3", "NaN").replace("[0,1,0.1]", "[0,1]").replace("[0,1.0,2.0,4]", "[0]")
+        else:
+            data = base[:-1] + " " * MAX_MESSAGE_BYTES + "}"  # oversized
+        try:
+            msg = decode(data)
+        except MessageError:
+            refused += 1
+            continue
+        step(ctl.handle, msg, 100.5)
+    assert refused >= 15_000
+    out = step(ctl.handle, FailSlowReport(1, 40, 54, 2.0, 0.3, 101.0), 101.0)
+    assert ctl.state is State.PROFILING and any(o.kind == "command" for o in out)
+
+
+def test_a_step_that_raises_is_an_event_not_the_end(tmp_path):
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    step = guarded(events)
+
+    def broken(*args):
+        raise KeyError("boom")
+
+    assert step(broken, 1) == [] and step(broken, 2) == []
+    events.close()
+    lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in lines] == ["controller_error", "controller_error"] and lines[-1]["errors"] == 2
+
+
+# --- an episode whose end reports are lost --------------------------------------------------------
+
+def _localized_episode(cfg: FalconConfig) -> Controller:
+    """Reports from ranks 1 and 3, validated (nothing slow found), back to tracking."""
+    ctl = Controller(cfg, world=4)
+    to_profiling(ctl)
+    ctl.handle(report(rank=3), 101.3)
+    s, it = ctl.session, ctl._iteration
+    for r in NODES:
+        ctl.handle(SessionAck(r, s, "held", it, 102.0), 102.0)
+    for r in NODES:
+        ctl.handle(ValidationResult(r, s, 1e10, []), 102.5)
+    assert ctl.state is State.TRACKING and ctl.episode is not None
+    return ctl
+
+
+def _types(outs):
+    return [o.event.get("type") for o in outs if o.kind == "event"]
+
+
+def test_an_episode_whose_other_end_reports_are_lost_times_out():
+    cfg = FalconConfig(link_baseline_iteration=0, episode_timeout_s=30.0)
+    ctl = _localized_episode(cfg)
+    ctl.handle(report(rank=1, t=110.0, end=90), 110.0)  # rank 3's end never comes
+    assert ctl.episode is not None
+    assert "episode_timeout" not in _types(ctl.tick(139.0))
+    outs = ctl.tick(140.5)
+    assert "episode_timeout" in _types(outs)
+    (ev,) = [o.event for o in outs if o.event.get("type") == "episode_timeout"]
+    assert ev["missing"] == [3]
+    assert ctl.episode is None
+    # a later fail-slow gets its own episode again
+    assert any(o.kind == "command" for o in ctl.handle(report(rank=2, t=150.0), 150.0))
+
+
+def test_an_episode_with_no_end_report_at_all_times_out_once_every_rank_is_healthy():
+    cfg = FalconConfig(link_baseline_iteration=0, episode_timeout_s=30.0)
+    ctl = _localized_episode(cfg)
+    beats(ctl, t=110.0)  # 0.3 s/iter: the reports' baseline
+    ctl.tick(110.0)
+    assert "episode_timeout" not in _types(ctl.tick(139.0))
+    assert "episode_timeout" in _types(ctl.tick(140.5))
+
+
+def test_a_fail_slow_that_lasts_keeps_its_episode():
+    cfg = FalconConfig(link_baseline_iteration=0, episode_timeout_s=30.0)
+    ctl = _localized_episode(cfg)
+    for t in range(110, 400, 10):
+        for r, n in NODES.items():
+            ctl.handle(Heartbeat(r, n, 60 + t, 0.6, float(t)), float(t))
+        assert "episode_timeout" not in _types(ctl.tick(float(t)))
+    assert ctl.episode is not None
+
+
+# --- the rank's control thread ------------------------------------------------------------------
+
+class _Runtime:
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def iteration(self) -> int:
+        return 10
+
+    def iter_s(self) -> float:
+        return 0.5
+
+    def beat_fields(self) -> dict:
+        return {}
+
+    def profile(self, window_s: float, limit: int = 1500) -> dict:
+        n = min(self.rows, limit)
+        calls = {f"group-{g}": [[k, 1000.123456 + k, 1000.234567 + k, 1 << 20] for k in range(n // 8)] for g in range(8)}
+        return {"roles": {}, "members": {}, "calls": calls}
+
+
+def test_a_profile_too_large_for_one_message_is_cut_to_fit(tmp_path):
+    client = RankClient("redis://127.0.0.1:1/0", "job", 0, 0, FalconConfig(), _Runtime(4000),
+                        EventLog(str(tmp_path / "e.jsonl")).emit)
+    msg = client._profile(1, 3.0)
+    size = len(encode(msg).encode())
+    assert size <= MAX_MESSAGE_BYTES
+    assert sum(len(v) for v in msg.calls.values()) >= 100  # cut, not emptied
+    assert decode(encode(msg)) == msg
+
+
+def test_the_control_thread_survives_an_exception_in_its_round(tmp_path, monkeypatch):
+    client = RankClient("redis://127.0.0.1:1/0", "job", 0, 0, FalconConfig(heartbeat_s=0.05), _Runtime(10),
+                        EventLog(str(tmp_path / "e.jsonl")).emit)
+    calls = {"n": 0}
+
+    def failing_round(bus):
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise OSError("disk full")
+
+    monkeypatch.setattr(client, "_round", failing_round)
+    client.start()
+    import time
+
+    deadline = time.monotonic() + 5
+    while calls["n"] < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.stop()
+    assert calls["n"] >= 6 and client.errors == 3
