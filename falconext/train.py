@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                 request = _apply(action, it, trainer, events, rank, out, layout, args)
                 if request is not None:
                     break
-            if runtime is not None and it == first_it + 2 and cfg.mitigation:
+            # S4's cost, measured by a save and load, only where S4 may be chosen
+            if runtime is not None and it == first_it + 2 and cfg.mitigation and "S4" in cfg.strategies():
                 disk_s = restart.probe_cost(os.path.join(out, "checkpoint-probe"), rank, layout, trainer.model,
                                             trainer.optimizer)
                 runtime.restart_s = startup_s + disk_s

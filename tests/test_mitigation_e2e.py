@@ -88,6 +88,14 @@ def test_s2_does_not_change_what_the_model_learns(runs):
     assert_same_trajectory(losses(runs["s2"]), losses(runs["ref4"]), S2_ITERS)
 
 
+def test_no_checkpoint_is_written_to_price_s4_where_s4_is_not_allowed(runs):
+    """The S2-only job never saves: the probe of S4's cost is a full checkpoint on the
+    training thread, work nobody asked for when S4 cannot be chosen."""
+    assert not events(runs["s2"], "restart_probe")
+    assert not (runs["s2"] / "checkpoint-probe").exists()
+    assert events(runs["s4"], "restart_probe")  # where S4 may be chosen, its cost is measured
+
+
 def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
     out = runs["s4"]
     applied = events(out, "mitigation")

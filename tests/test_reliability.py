@@ -205,3 +205,32 @@ def test_the_control_thread_survives_an_exception_in_its_round(tmp_path, monkeyp
         time.sleep(0.05)
     client.stop()
     assert calls["n"] >= 6 and client.errors == 3
+
+
+# --- the monitor thread ---------------------------------------------------------------------------
+
+class _FullDisk:
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_monitor_thread_goes_on_when_its_call_log_cannot_be_written(tmp_path):
+    from falconext.runtime.monitor import RankMonitor
+    from falconext.trace.records import CallRecord
+
+    batches = [[CallRecord(0, "all_reduce", "dp:0,1", 4096, float(k), None, k + 0.1, k)] for k in range(6)]
+    mon = RankMonitor(lambda: batches.pop(0) if batches else [], FalconConfig(), 0, None,
+                      EventLog(str(tmp_path / "e.jsonl")), None, interval_s=0.01)
+    mon._calls = _FullDisk()
+    mon.start()
+    import time
+
+    deadline = time.monotonic() + 5
+    while batches and time.monotonic() < deadline:
+        time.sleep(0.02)
+    mon.stop()
+    assert not batches, "the thread stopped draining"
+    assert mon.errors >= 5 and mon._thread.is_alive() is False

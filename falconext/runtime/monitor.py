@@ -100,10 +100,14 @@ class RankMonitor:
         self._stop.set()
         self._thread.join(timeout=30)
         cpu0 = time.thread_time()
-        self._process()
+        self._round()
         self._stop_cpu_s += time.thread_time() - cpu0
         if self._calls:
-            self._calls.close()
+            try:
+                self._calls.close()
+            except OSError as exc:  # the end of training must not fail on falconext's log
+                self.errors += 1
+                self.events.emit("monitor_error", rank=self.rank, error=f"call log not closed: {exc!r}")
 
     def pause(self, paused: bool) -> None:
         """Stop (True) or resume (False) draining and analysing; records wait in the ring."""
@@ -118,10 +122,23 @@ class RankMonitor:
         try:
             while not self._stop.wait(self.interval):
                 if not self._paused:
-                    self._process()
+                    self._round()
                 self._thread_cpu_s = time.thread_time()
         finally:
             self._thread_cpu_s = time.thread_time()
+
+    def _round(self) -> None:
+        """One drain and analysis; whatever it raises (a full disk under the call log, a
+        bug) is counted and logged, and the thread goes on with the next round."""
+        try:
+            self._process()
+        except Exception as exc:
+            self.errors += 1
+            try:
+                self.events.emit("monitor_error", rank=self.rank, error=f"monitor round failed: {exc!r}",
+                                 errors=self.errors)
+            except Exception:  # the event log itself failed: the count is all that is left
+                pass
 
     def _loop_iteration(self, t_begin: float, t_end: float) -> int | None:
         """The loop iteration an anchor-to-anchor span overlaps most.
