@@ -234,3 +234,43 @@ def test_the_monitor_thread_goes_on_when_its_call_log_cannot_be_written(tmp_path
     mon.stop()
     assert not batches, "the thread stopped draining"
     assert mon.errors >= 5 and mon._thread.is_alive() is False
+
+
+# --- secrets ------------------------------------------------------------------------------------
+
+def _train_args(**kw):
+    import argparse
+
+    from falconext.testbed.options import add_train_arguments
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p, launcher=True)
+    args = p.parse_args([])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_a_redis_password_on_the_command_line_is_refused():
+    from falconext.testbed.options import check_train_arguments
+
+    with pytest.raises(ValueError, match="password on the command line"):
+        check_train_arguments(_train_args(falcon_redis_url="redis://:secret@10.0.0.1:6379/0"), 4)
+    check_train_arguments(_train_args(falcon_redis_url="redis://10.0.0.1:6379/0"), 4)  # no password: fine
+
+
+def test_the_redis_url_comes_from_a_file_and_never_reaches_a_command_line(tmp_path):
+    from falconext.testbed.launch import falcon_argv, rank_argv
+    from falconext.testbed.options import check_train_arguments
+
+    secret = tmp_path / "redis-url"
+    secret.write_text("redis://:s3cret@10.0.0.1:6379/0\n")
+    args = _train_args(falcon_redis_url_file=str(secret))
+    check_train_arguments(args, 4)
+    assert args.falcon_redis_url == "redis://:s3cret@10.0.0.1:6379/0"
+    assert not any("s3cret" in a or "redis-url" in a for a in rank_argv(args) + falcon_argv(args))
+    with pytest.raises(ValueError, match="redis-url-file"):
+        check_train_arguments(_train_args(falcon_redis_url_file=str(tmp_path / "missing")), 4)
+    (tmp_path / "bad").write_text("hunter2")
+    with pytest.raises(ValueError, match="expected a redis:// URL"):
+        check_train_arguments(_train_args(falcon_redis_url_file=str(tmp_path / "bad")), 4)

@@ -44,7 +44,7 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
     """The per-rank command line: every option but the launcher's own."""
     out: list[str] = []
     for key, value in vars(args).items():
-        if key in ("command", "nproc", "falcon_redis_url") or value is None:
+        if key in ("command", "nproc", "falcon_redis_url", "falcon_redis_url_file") or value is None:
             continue
         flag = "--" + key.replace("_", "-")
         if key == "falcon":
@@ -58,7 +58,7 @@ def falcon_argv(args: argparse.Namespace) -> list[str]:
     """The ``--falcon-*`` threshold options, for the controller's command line."""
     out: list[str] = []
     for key, value in vars(args).items():
-        if key.startswith("falcon_") and key != "falcon_redis_url" and value is not None:
+        if key.startswith("falcon_") and key not in ("falcon_redis_url", "falcon_redis_url_file") and value is not None:
             out += ["--" + key.replace("_", "-"), str(value)]
     return out
 

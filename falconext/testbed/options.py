@@ -43,9 +43,12 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="inter-node link bytes/s (default: see falconext.testbed.device)")
     p.add_argument(
         "--falcon-redis-url", default=None,
-        help="control-plane Redis (redis://:PASSWORD@HOST:PORT/0); default: $FALCON_REDIS_URL, "
-        "else the launcher starts a private one on loopback",
+        help="control-plane Redis without a password (redis://HOST:PORT/0); one with a password comes from "
+        "--falcon-redis-url-file or $FALCON_REDIS_URL, never the command line; default: the launcher starts "
+        "a private one on loopback",
     )
+    p.add_argument("--falcon-redis-url-file", default=None,
+                   help="a file holding the control-plane Redis URL (redis://:PASSWORD@HOST:PORT/0)")
     p.add_argument("--resume", default=None, help="resume from this falconext checkpoint directory (S4 restarts)")
     p.add_argument("--attempt", type=int, default=0, help="restart count of this job (set by the launcher)")
     p.add_argument("--bench-falcon-toggle", type=int, default=None, metavar="N",
@@ -53,8 +56,30 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     add_config_arguments(p)
 
 
+def redis_url_from(args: argparse.Namespace) -> None:
+    """``args.falcon_redis_url`` from ``--falcon-redis-url-file`` when given; a URL with a
+    password on the command line (readable by every user in ``ps``) is refused."""
+    from urllib.parse import urlparse
+
+    given = getattr(args, "falcon_redis_url", None)
+    if given and urlparse(given).password:
+        raise ValueError("--falcon-redis-url: a password on the command line is visible to every user; "
+                         "put the URL in $FALCON_REDIS_URL or a file given by --falcon-redis-url-file")
+    path = getattr(args, "falcon_redis_url_file", None)
+    if path:
+        try:
+            with open(path) as f:
+                url = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"--falcon-redis-url-file {path}: {exc.strerror or exc}") from None
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--falcon-redis-url-file {path}: expected a redis:// URL on its first line")
+        args.falcon_redis_url = url
+
+
 def check_train_arguments(args: argparse.Namespace, world: int) -> None:
     """Reject impossible layouts up front, before any process starts."""
+    redis_url_from(args)
     for name in ("tp", "pp", "micro_batch_size", "global_batch_size", "iters", "hidden", "layers", "heads", "seq_len", "vocab", "ranks_per_node"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
