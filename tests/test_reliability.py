@@ -274,3 +274,34 @@ def test_the_redis_url_comes_from_a_file_and_never_reaches_a_command_line(tmp_pa
     (tmp_path / "bad").write_text("hunter2")
     with pytest.raises(ValueError, match="expected a redis:// URL"):
         check_train_arguments(_train_args(falcon_redis_url_file=str(tmp_path / "bad")), 4)
+
+
+# --- the node agent speaks only for its node's ranks ---------------------------------------------
+
+def test_the_agent_forwards_only_its_own_ranks_messages(redis_server):
+    from falconext.control.agent import NodeAgent
+    from falconext.control.bus import Bus
+    from falconext.control.client import CTL_STREAM, node_stream
+
+    rank_bus, agent_bus, ctl_bus = (Bus(redis_server.url, "job") for _ in range(3))
+    agent = NodeAgent(agent_bus, node=1, health=lambda: [], ranks={2, 3})
+    posts = [Heartbeat(2, 1, 10, 0.3, 1.0),  # its own rank
+             Heartbeat(0, 1, 10, 0.3, 1.0),  # rank 0 lives on node 0
+             Heartbeat(3, 0, 10, 0.3, 1.0),  # its rank, naming another node
+             FailSlowReport(1, 40, 54, 2.0, 0.3, 1.0),  # rank 1: node 0
+             FailSlowReport(3, 40, 54, 2.0, 0.3, 1.0)]
+    for m in posts:
+        assert rank_bus.post(node_stream(1), m)
+    deadline = __import__("time").monotonic() + 3
+    while agent.forwarded + agent.refused < len(posts) and __import__("time").monotonic() < deadline:
+        agent.step(block_ms=100)
+    got = [m for _, m in ctl_bus.read([CTL_STREAM], block_ms=200)]
+    assert [(type(m).__name__, m.rank) for m in got] == [("Heartbeat", 2), ("FailSlowReport", 3)]
+    assert agent.refused == 3
+
+
+def test_the_launcher_tells_each_agent_its_ranks(tmp_path):
+    from falconext.control.plane import ControlPlane
+
+    plane = ControlPlane(str(tmp_path), world=8, nodes=2, falcon_argv=[])
+    assert plane._argv("agent1")[-2:] == ["--ranks", "4,5,6,7"]

@@ -73,7 +73,10 @@ class ControlPlane:
         if name == "controller":
             return base + ["controller", "--job", self.job, "--world", str(self.world),
                            "--events", os.path.join(self.out, "events.jsonl"), *self.falcon_argv]
-        return base + ["agent", "--job", self.job, "--node", name[len("agent"):]]
+        node = int(name[len("agent"):])
+        per_node = self.world // self.nodes if self.nodes else self.world
+        ranks = ",".join(str(r) for r in range(node * per_node, (node + 1) * per_node))
+        return base + ["agent", "--job", self.job, "--node", str(node), "--ranks", ranks]
 
     def _spawn(self, name: str) -> None:
         env = dict(os.environ, **self.env())

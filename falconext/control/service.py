@@ -79,11 +79,11 @@ def guarded(events: EventLog):
     return call
 
 
-def run_agent(url: str, job: str, node: int, stop: list[bool]) -> None:
+def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] | None = None) -> None:
     from falconext.control.agent import NodeAgent
     from falconext.validate.health import gpu_health
 
-    agent = NodeAgent(Bus(url, job), node, gpu_health)
+    agent = NodeAgent(Bus(url, job), node, gpu_health, ranks)
     while not stop[0]:
         agent.step()
     agent.bus.close()
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=None, help="ranks in the job (controller)")
     p.add_argument("--events", default=None, help="events.jsonl to append to (controller)")
     p.add_argument("--node", type=int, default=0, help="this agent's node")
+    p.add_argument("--ranks", default=None, help="the ranks on this agent's node, comma-separated (agent)")
     add_config_arguments(p)
     args = p.parse_args(argv)
     url = os.environ.get(REDIS_URL_ENV)
@@ -115,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         run_controller(url, args.job, args.world, args.events, config_from_args(args), stop)
     else:
-        run_agent(url, args.job, args.node, stop)
+        try:
+            ranks = None if args.ranks is None else {int(r) for r in args.ranks.split(",") if r.strip()}
+        except ValueError:
+            print(f"falconext.control.service: error: --ranks {args.ranks!r} is not a list of ranks", file=sys.stderr)
+            return 2
+        run_agent(url, args.job, args.node, stop, ranks)
     return 0
 
 
