@@ -100,6 +100,10 @@ class FalconConfig:
     profile_timeout_s: float = 3.0
     #: collectives smaller than this are latency, not bandwidth: not used to judge groups
     profile_min_bytes: int = 65536
+    #: a compute suspect imposes at least this share of all the waiting in the window ...
+    wait_causer_share: float = 0.5
+    #: ... and this many times as much as any other rank
+    wait_causer_dominance: float = 3.0
 
     # --- per-rank scores (detect/scores.py) -------------------------------------------------
     #: a rank's score sample is the median over its latest this many iterations
@@ -117,6 +121,13 @@ class FalconConfig:
     #: a fail-slow episode closes this long after its first end report, or after every
     #: rank reads healthy again, even when other ranks' end reports were lost
     episode_timeout_s: float = 60.0
+    #: times a suspension is tried when a rank missed the agreed iteration
+    suspend_tries: int = 3
+    #: seconds the controller waits for ranks beyond their own deadlines
+    control_slack_s: float = 2.0
+    #: heartbeats kept per rank (at one per heartbeat_s, longer than detection takes from
+    #: a fail-slow's onset to planning): S3 reads each process's compute before the onset
+    heartbeat_history: int = 64
 
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
@@ -206,6 +217,11 @@ class FalconConfig:
         _check(self.score_window >= 1, "score_window must be >= 1")
         _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
         _check(self.episode_timeout_s > 0.0, "episode_timeout_s must be > 0")
+        _check(self.suspend_tries >= 1, "suspend_tries must be >= 1")
+        _check(0.0 < self.wait_causer_share <= 1.0, "wait_causer_share must be in (0, 1]")
+        _check(self.wait_causer_dominance >= 1.0, "wait_causer_dominance must be >= 1")
+        _check(self.control_slack_s >= 0.0, "control_slack_s must be >= 0")
+        _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
         _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from falconext.config import FalconConfig
-from falconext.control.controller import MAX_SUSPEND_TRIES, Controller, State
+from falconext.control.controller import Controller, State
 from falconext.control.messages import (
     Command,
     FailSlowReport,
@@ -113,13 +113,13 @@ def test_one_episode_per_fail_slow_and_it_ends_with_every_reporter():
 def test_a_rank_that_missed_the_iteration_gets_a_later_retry_then_an_abort():
     ctl = Controller(CFG, world=4)
     to_profiling(ctl)
-    for attempt in range(1, MAX_SUSPEND_TRIES + 1):
+    for attempt in range(1, FalconConfig().suspend_tries + 1):
         s, it = ctl.session, ctl._iteration
         ctl.handle(SessionAck(0, s, "held", it, 102.0), 102.0)
         out = ctl.handle(SessionAck(2, s, "missed", it + 1, 102.0), 102.0)
         (rel,) = commands(out, "release")
         assert rel.args["session"] == s
-        if attempt < MAX_SUSPEND_TRIES:
+        if attempt < FalconConfig().suspend_tries:
             (again,) = commands(out, "suspend")
             assert again.args["session"] == s + 1 and again.iteration > it
             assert not commands(ctl.handle(SessionAck(1, s, "held", it, 102.0), 102.0))  # stale session

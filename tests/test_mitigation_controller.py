@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from falconext.config import FalconConfig
-from falconext.control.controller import MAX_SUSPEND_TRIES, Controller, State
+from falconext.control.controller import Controller, State
 from falconext.control.messages import (
     Command,
     FailSlowReport,
@@ -440,11 +440,11 @@ def test_a_rank_that_keeps_missing_fails_the_mitigation():
     job = Job()
     _, sus = s2_decided(job)
     ctl = job.ctl
-    for attempt in range(1, MAX_SUSPEND_TRIES + 1):
+    for attempt in range(1, FalconConfig().suspend_tries + 1):
         s, k = ctl.session, ctl._iteration
         out = ctl.handle(SessionAck(3, s, "missed", k + 1, job.t), job.t)
         assert commands(out, "release")
-        if attempt < MAX_SUSPEND_TRIES:
+        if attempt < FalconConfig().suspend_tries:
             assert commands(out, "suspend") and ctl.state is State.MITIGATING
         else:
             assert not commands(out, "suspend")

@@ -49,3 +49,33 @@ def test_suspicious_groups_compare_only_comparable_groups():
     assert suspicious_groups(barely) == []
     with pytest.raises(ValueError, match="dp:bad"):
         suspicious_groups([GroupTiming("dp:bad", "dp", 4, 1, float("nan"))])
+
+
+# --- wait_causers: the rank that imposes the waiting -----------------------------------------------
+
+from falconext.profile.analysis import ArrivalStats, wait_causers  # noqa: E402
+
+
+def _caused(**by_rank: float) -> dict[int, ArrivalStats]:
+    return {int(r[1:]): ArrivalStats(100, 10, 0.01, s) for r, s in by_rank.items()}
+
+
+def test_wait_causers_names_the_rank_that_imposes_most_of_the_wait():
+    assert wait_causers(_caused(r0=0.1, r1=3.0, r2=0.2, r3=0.1)) == [1]
+
+
+def test_wait_causers_names_nobody_when_two_ranks_impose_alike():
+    # 2.0 and 1.5: neither is 3x the other (two stragglers, or noise)
+    assert wait_causers(_caused(r0=0.1, r1=2.0, r2=1.5, r3=0.1)) == []
+    assert wait_causers(_caused(r0=0.1, r1=2.0, r2=1.5, r3=0.1), dominance=1.2) == [1]
+
+
+def test_wait_causers_needs_a_share_of_all_the_wait():
+    # rank 1 is 3x every other rank, yet only 1.0 of 2.4 (42%) of all the waiting
+    stats = _caused(r0=0.3, r1=1.0, r2=0.3, r3=0.3, r4=0.25, r5=0.25)
+    assert wait_causers(stats) == []
+    assert wait_causers(stats, min_share=0.4) == [1]
+
+
+def test_wait_causers_without_waiting_names_nobody():
+    assert wait_causers(_caused(r0=0.0, r1=0.0)) == [] and wait_causers({}) == []

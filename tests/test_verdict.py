@@ -9,7 +9,27 @@ import random
 
 import pytest
 
-from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
+from falconext.config import FalconConfig
+from falconext.validate import verdict
+from falconext.validate.verdict import link_baseline
+
+#: the factor these cases are drawn for; the functions' own default is the config's
+FACTOR = 1.3
+
+
+def slow_ranks(flops, factor=FACTOR, *args, **kwargs):
+    return verdict.slow_ranks(flops, factor, *args, **kwargs)
+
+
+def slow_links(pairs, node_of, factor=FACTOR, *args, **kwargs):
+    return verdict.slow_links(pairs, node_of, factor, *args, **kwargs)
+
+
+def test_the_verdicts_default_factor_is_the_configs():
+    cfg = FalconConfig()
+    flops = {0: 100.0, 1: 100.0, 2: 100.0 / 1.4}  # slow by 1.3, not by the config's 1.5
+    assert verdict.slow_ranks(flops) == verdict.slow_ranks(flops, cfg.validation_slow_factor) == []
+    assert verdict.slow_ranks(flops, 1.3) == [2]
 
 # ------------------------------------------------------------------------------ slow_ranks
 

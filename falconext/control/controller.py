@@ -61,13 +61,6 @@ from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import validation_plan
 from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
-#: times a suspension is retried after a rank missed the agreed iteration
-MAX_SUSPEND_TRIES = 3
-#: extra seconds the controller gives ranks beyond their own deadlines
-SLACK_S = 2.0
-#: heartbeats kept per rank: at one per 0.5 s, about 30 s, longer than detection takes
-#: from a fail-slow's onset to planning
-HISTORY_BEATS = 64
 
 
 class State(str, Enum):
@@ -142,7 +135,7 @@ class Controller:
         if isinstance(msg, Heartbeat):
             self.beats[msg.rank] = msg
             self._first_beat.setdefault(msg.rank, msg.iteration)
-            self.history.setdefault(msg.rank, collections.deque(maxlen=HISTORY_BEATS)).append(msg)
+            self.history.setdefault(msg.rank, collections.deque(maxlen=self.cfg.heartbeat_history)).append(msg)
             return self._observe(msg, now) + self._maybe_baseline(now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
@@ -318,7 +311,9 @@ class Controller:
 
     def _profiled(self, now: float) -> list[Output]:
         try:
-            findings = analyze_window(list(self._profiles.values()), self.cfg.suspicious_factor, self.cfg.profile_min_bytes)
+            c = self.cfg
+            findings = analyze_window(list(self._profiles.values()), c.suspicious_factor, c.profile_min_bytes,
+                                      c.wait_causer_share, c.wait_causer_dominance)
         except ValueError as exc:
             return self._abort(now, f"bad profile data: {exc}")
         self._findings = findings
@@ -356,7 +351,7 @@ class Controller:
         self._acks = {"held": {}, "resumed": {}}
         self._go_sent = False
         wait = (self._iteration - latest + 1) * max(iter_s, 0.05)
-        self._deadline = now + wait + self.cfg.suspend_deadline_s + SLACK_S
+        self._deadline = now + wait + self.cfg.suspend_deadline_s + self.cfg.control_slack_s
         if state is State.MITIGATING and self._action is not None:
             self._action["session"] = self.session  # a retry is a new session
         plan = self._plan if state is State.VALIDATING else {"action": self._action}
@@ -376,7 +371,7 @@ class Controller:
                 Output("command", Command("release", 0.0, args={"session": self.session})),
                 _event("suspend_missed", session=self.session, rank=ack.rank, iteration=self._iteration, at=ack.iteration),
             ]
-            if self._tries >= MAX_SUSPEND_TRIES:
+            if self._tries >= self.cfg.suspend_tries:
                 if self.state is State.MITIGATING:
                     return out + self._mitigated(now, timed_out=True)
                 return out + self._abort(now, f"rank {ack.rank} kept missing the suspension")

@@ -120,6 +120,8 @@ def analyze_window(
     windows: Sequence[RankWindow],
     suspicious_factor: float = 1.1,
     min_bytes: int = 0,
+    causer_share: float = 0.5,
+    causer_dominance: float = 3.0,
 ) -> Findings:
     """Compute suspects (ranks the others wait for) and suspicious groups (slow transfers).
 
@@ -146,7 +148,7 @@ def analyze_window(
     ]
     arrivals = last_arrivers(arrivals_in)
     return Findings(
-        compute_suspects=wait_causers(arrivals),
+        compute_suspects=wait_causers(arrivals, causer_share, causer_dominance),
         suspicious_groups=sorted(set(suspicious_groups([t for t in timings if t.bytes >= min_bytes], suspicious_factor))),
         timings=timings,
         arrivals=arrivals,

@@ -13,6 +13,11 @@ import numbers
 import statistics
 from typing import Mapping, Sequence
 
+from falconext.config import FalconConfig
+
+#: the defaults of the configuration, the one source of thresholds
+_DEFAULT = FalconConfig()
+
 
 def _check_factor(factor: float, who: str) -> None:
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 1:
@@ -30,7 +35,7 @@ def _positive(value: object) -> bool:
 
 def slow_ranks(
     flops: Mapping[int, float],
-    factor: float = 1.3,
+    factor: float = _DEFAULT.validation_slow_factor,
     suspects: Sequence[int] = (),
     confirm_factor: float | None = None,
 ) -> list[int]:
@@ -94,7 +99,7 @@ def _key(a: int, b: int) -> str:
 def slow_links(
     pairs: Sequence[tuple[int, int, float]],
     node_of: Mapping[int, int],
-    factor: float = 1.3,
+    factor: float = _DEFAULT.validation_slow_factor,
     min_excess_s: float = 0.0,
     baseline: Mapping[tuple[int, int], float] | None = None,
 ) -> tuple[list[tuple[int, int]], dict]:
