@@ -60,6 +60,14 @@ class FalconConfig:
     #: loop, so mitigation is then off whatever ``mitigation`` says
     loop_hooks: bool = True
 
+    #: a call whose completion is still unknown this long after its issue (a handle never
+    #: waited on, a CUDA event not reached) is logged without it, so the calls behind it
+    #: go on to the detector; at least this many seconds ...
+    pending_timeout_s: float = 2.0
+    #: ... and at least this many of the rank's recent iterations (a 5 s iteration's
+    #: gradient all-reduce may complete long after 2 s)
+    pending_timeout_iterations: float = 3.0
+
     #: live tracking leaves the job's first iterations (allocation, caching, warm-up)
     #: out of the detector: they set no baseline
     tracking_warmup: int = 20
@@ -212,6 +220,8 @@ class FalconConfig:
         _check(0.0 <= self.opening_pause_share <= 1.0, "opening_pause_share must be in [0, 1]")
         _check(self.max_inserted_calls >= 0, "max_inserted_calls must be >= 0")
         _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
+        _check(self.pending_timeout_s > 0.0, "pending_timeout_s must be > 0")
+        _check(self.pending_timeout_iterations >= 0.0, "pending_timeout_iterations must be >= 0")
         if not self.loop_hooks:
             object.__setattr__(self, "mitigation", False)  # nothing could apply a plan
         _check(self.score_window >= 1, "score_window must be >= 1")

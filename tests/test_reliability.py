@@ -305,3 +305,37 @@ def test_the_launcher_tells_each_agent_its_ranks(tmp_path):
 
     plane = ControlPlane(str(tmp_path), world=8, nodes=2, falcon_argv=[])
     assert plane._argv("agent1")[-2:] == ["--ranks", "4,5,6,7"]
+
+
+# --- pending completions wait as long as a few iterations ----------------------------------------
+
+def test_the_wait_for_a_calls_completion_scales_with_the_iteration_time(tmp_path):
+    """Iterations of 3 s: a 2 s wait for a completion would log every gradient all-reduce
+    without its end; the runtime's monitor raises the tracer's wait to 3 iterations."""
+    from falconext.runtime.monitor import RankMonitor
+    from test_nohook import _stream
+
+    recs, _, _ = _stream(60)
+    slow = [CallRecord_scaled(r, 12.0) for r in recs]  # 12x: ~3.85 s iterations
+    told: list[float] = []
+    batches = [slow[i:i + 50] for i in range(0, len(slow), 50)]
+    mon = RankMonitor(lambda: batches.pop(0) if batches else [], FalconConfig(), 0, None,
+                      EventLog(str(tmp_path / "e.jsonl")), None, on_iteration_s=told.append)
+    while batches:
+        mon._process()
+    assert told and 3.5 < told[-1] < 4.2, told[-3:]
+    from types import SimpleNamespace
+
+    from falconext.runtime.runtime import FalconRuntime
+
+    rt = SimpleNamespace(cfg=FalconConfig(), tracer=SimpleNamespace(pending_timeout_s=2.0))
+    FalconRuntime._pending_timeout(rt, told[-1])
+    assert rt.tracer.pending_timeout_s == pytest.approx(3 * told[-1])
+    FalconRuntime._pending_timeout(rt, 0.1)  # fast iterations: never below the floor
+    assert rt.tracer.pending_timeout_s == 2.0
+
+
+def CallRecord_scaled(rec, k: float):
+    from dataclasses import replace
+
+    return replace(rec, t_issue=rec.t_issue * k, t_end=rec.t_end * k)

@@ -50,11 +50,14 @@ class RankMonitor:
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         first_iteration: int = 0,
         spill: Callable[[list[tuple[int, float, tuple[float, float] | None]]], None] | None = None,
+        on_iteration_s: Callable[[float], None] | None = None,
     ) -> None:
         self.drain = drain
         #: takes the oldest estimates once more than 2 x 8192 are held (a long job's memory
         #: stays bounded); None: they are dropped
         self.spill = spill
+        #: told the rank's recent iteration time (median) whenever it is re-estimated
+        self.on_iteration_s = on_iteration_s
         self.first_iteration = first_iteration  # loop_starts[0] is this iteration (a resumed job)
         self.tracking = RankTracking(config)
         self.rank = rank
@@ -235,6 +238,8 @@ class RankMonitor:
                 sample = recent_sample(list(self._recent_its))
                 if sample is not None:
                     self.score_sample = (n, sample)
+                    if self.on_iteration_s is not None:
+                        self.on_iteration_s(sample.iter_s)
                 if k is None:  # warm-up: estimated, not watched
                     continue
                 self._series_to_loop[k] = n

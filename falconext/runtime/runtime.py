@@ -115,7 +115,7 @@ class FalconRuntime:
         self.monitor = RankMonitor(
             self.tracer.drain, config, rank, loop_starts, events,
             os.path.join(out, "calls", f"rank{rank}{calls_suffix}.jsonl"), on_event=self._on_event,
-            first_iteration=first_iteration, spill=spill_estimates,
+            first_iteration=first_iteration, spill=spill_estimates, on_iteration_s=self._pending_timeout,
         )
         self.client = None
         if self.control:
@@ -396,6 +396,11 @@ class FalconRuntime:
                 int(fields["event_id"]), None if end is None else int(end),
             )
         )
+
+    def _pending_timeout(self, iter_s: float) -> None:
+        """How long the tracer waits for a call's completion: scaled to the iteration."""
+        c = self.cfg
+        self.tracer.pending_timeout_s = max(c.pending_timeout_s, c.pending_timeout_iterations * iter_s)
 
     def _bench(self) -> Bench:
         from falconext.trace.groups import to_process, to_rank

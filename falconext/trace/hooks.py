@@ -60,14 +60,16 @@ import warnings
 from collections import deque
 from typing import Any, Callable, NamedTuple
 
+from falconext.config import FalconConfig
 from falconext.trace.groups import GroupInfo, describe_group, megatron_roles, to_process
 from falconext.trace.records import CallRecord
 
 __all__ = ["CallTracer", "HookCost", "Trap", "megatron_roles", "rebind_aliases", "restore_aliases"]
 
 #: an async record whose completion is still unknown this long after issue is drained
-#: with t_end None (its handle was dropped or never waited on)
-PENDING_TIMEOUT_S = 2.0
+#: with t_end None (its handle was dropped or never waited on); the runtime raises it to
+#: a few iterations (FalconConfig.pending_timeout_s / pending_timeout_iterations)
+PENDING_TIMEOUT_S = FalconConfig().pending_timeout_s
 #: modules whose import-time aliases of torch.distributed functions are rebound
 ALIAS_MODULE_PREFIXES = ("megatron",)
 #: the trap's wait loop wakes up this often (keeps signals and Ctrl-C responsive)
