@@ -68,6 +68,10 @@ class FalconConfig:
     #: gradient all-reduce may complete long after 2 s)
     pending_timeout_iterations: float = 3.0
 
+    #: each rank's call log (calls/rank*.jsonl) is rotated at this size, keeping one
+    #: older file: a long job keeps at most twice this on disk; 0: no cap
+    call_log_max_mb: float = 256.0
+
     #: live tracking leaves the job's first iterations (allocation, caching, warm-up)
     #: out of the detector: they set no baseline
     tracking_warmup: int = 20
@@ -221,6 +225,7 @@ class FalconConfig:
         _check(self.max_inserted_calls >= 0, "max_inserted_calls must be >= 0")
         _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
         _check(self.pending_timeout_s > 0.0, "pending_timeout_s must be > 0")
+        _check(self.call_log_max_mb >= 0.0, "call_log_max_mb must be >= 0")
         _check(self.pending_timeout_iterations >= 0.0, "pending_timeout_iterations must be >= 0")
         if not self.loop_hooks:
             object.__setattr__(self, "mitigation", False)  # nothing could apply a plan

@@ -339,3 +339,28 @@ def CallRecord_scaled(rec, k: float):
     from dataclasses import replace
 
     return replace(rec, t_issue=rec.t_issue * k, t_end=rec.t_end * k)
+
+
+# --- call logs have a size cap ---------------------------------------------------------------------
+
+def test_a_call_log_rotates_at_its_cap_and_keeps_one_older_file(tmp_path):
+    from falconext.runtime.monitor import CallLog
+    from test_nohook import _stream
+
+    recs, _, _ = _stream(40)
+    path = str(tmp_path / "rank0.jsonl")
+    log = CallLog(path, max_bytes=4096)
+    for r in recs:
+        log.write(r)
+    log.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["rank0.jsonl", "rank0.jsonl.1"] and log.rotations >= 5
+    assert all(p.stat().st_size <= 4096 for p in tmp_path.iterdir())
+    # the newest calls are in the live file, whole lines, in order
+    newest = [json.loads(x) for x in open(path).read().splitlines()]
+    assert newest[-1]["seq"] == recs[-1].seq
+    unlimited = CallLog(str(tmp_path / "all.jsonl"), max_bytes=0)
+    for r in recs:
+        unlimited.write(r)
+    unlimited.close()
+    assert len(open(tmp_path / "all.jsonl").read().splitlines()) == len(recs)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import collections
 import json
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -35,6 +36,33 @@ from falconext.detect.events import FailSlowEvent
 from falconext.detect.scores import BusyClock, RankSample, recent_sample, split_iteration
 from falconext.detect.tracking import RankTracking
 from falconext.profile.window import RecentCollectives
+
+
+class CallLog:
+    """A rank's call log (JSON lines), rotated at ``max_bytes``: the full file becomes
+    ``<path>.1`` (replacing the previous one) and writing starts afresh, so a job of weeks
+    keeps at most twice the cap on disk. ``max_bytes`` 0: no cap."""
+
+    def __init__(self, path: str, max_bytes: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.rotations = 0
+        self._f = open(path, "w")
+        self._size = 0
+
+    def write(self, rec: Any) -> None:
+        line = json.dumps(rec.to_dict(), separators=(",", ":")) + "\n"
+        if self.max_bytes and self._size + len(line) > self.max_bytes and self._size:
+            self._f.close()
+            os.replace(self.path, self.path + ".1")
+            self._f = open(self.path, "w")
+            self._size = 0
+            self.rotations += 1
+        self._f.write(line)
+        self._size += len(line)
+
+    def close(self) -> None:
+        self._f.close()
 
 
 class RankMonitor:
@@ -79,7 +107,7 @@ class RankMonitor:
         self.score_sample: tuple[int, RankSample] | None = None
         self._series_to_loop: dict[int, int] = {}
         self._keep = 8192
-        self._calls = open(call_log_path, "w") if call_log_path else None
+        self._calls = CallLog(call_log_path, int(config.call_log_max_mb * 2**20)) if call_log_path else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"falcon-monitor-{rank}", daemon=True)
         self.records = 0
@@ -207,7 +235,7 @@ class RankMonitor:
         for rec in records:
             self.records += 1
             if self._calls:
-                self._calls.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
+                self._calls.write(rec)
             self._busy.feed(rec.t_issue, rec.t_end)
             seq_offset = 0 if rec.seq is None else rec.seq - self.tracking.tracker.calls
             try:
