@@ -75,15 +75,17 @@ def _tp_layer(layers: int, backward: bool) -> list[Call]:
 
 
 def iteration_template(calls: int) -> list[Call]:
-    """One training iteration of a middle pipeline stage (1F1B), padded to ``calls``.
+    """One training iteration of a middle pipeline stage (1F1B) of ``calls`` calls (at
+    least 21).
 
-    Eight micro-batches, each a recv, the layers' tensor-parallel calls and a send, in
-    forward and backward; then the gradient reduce-scatter in buckets, the parameter
-    all-gather, the layer-norm gradients' all-reduce and the grad norm. The number of
-    layers is the largest that fits ``calls``; tensor-parallel all-reduces (one per
-    micro-batch forward, as for a tied-weight gradient) fill the rest."""
+    Up to eight micro-batches, each a recv, the layers' tensor-parallel calls and a send,
+    in forward and backward; then the gradient reduce-scatter in buckets, the parameter
+    all-gather, the layer-norm gradients' all-reduce and the grad norm. Micro-batches
+    and layers are the most that fit ``calls``; tensor-parallel all-reduces before the
+    gradient reduction fill the rest."""
     fixed = 2 * 3 + 3  # dp reduce-scatters, dp all-gathers, layer-norm all-reduce, norm x2
-    # a micro-batch is a recv, 4 tp calls per layer and a send, forward and backward
+    # a micro-batch is a recv, 4 tp calls per layer and a send, forward and backward:
+    # 8 * layers + 4 calls
     micro_batches, layers = 8, 1
     if calls - fixed < micro_batches * 12:
         micro_batches = max(1, (calls - fixed) // 12)
