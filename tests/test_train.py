@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from statistics import median
 
 import pytest
 
@@ -106,20 +105,16 @@ def test_estimates_match_the_loop(runs):
 
 
 def test_no_fault_no_event(runs):
-    """Nothing injected, nothing raised, unless the host itself slowed the loop down.
-
-    This shared 2-core VM drifts: in one CI run the healthy PP2 loop went from 0.24 s to
-    0.32 s per iteration for its last 25 iterations, and all four ranks reported it. That
-    is a real fail-slow (CPU contention), so an event is allowed only where the loop's
-    own measured times show it: at least 10% slower over the 15 iterations from the
-    onset than over the 20 before."""
-    loop = {int(r["iteration"]): float(r["iter_time_s"]) for r in rows(runs["pp2"] / "iterations.csv")
-            if r["rank"] == "0"}
-    for e in events(runs["pp2"], "fail_slow"):
-        onset = e["onset"]
-        before = [loop[i] for i in range(max(0, onset - 20), onset) if i in loop]
-        after = [loop[i] for i in range(onset, onset + 15) if i in loop]
-        assert before and after and median(after) >= 1.1 * median(before), (e, before, after)
+    """Nothing injected, nothing raised. On the emulated device each rank's compute takes
+    the device model's time, so the loop cannot drift as the CPU bed's did; only a host
+    too loaded to keep its CPU work inside the device time (overruns, which summary.json
+    counts, and warns about above 2%) would make the timings a host's, not a GPU's."""
+    device = json.loads((runs["pp2"] / "summary.json").read_text())["device"]
+    found = events(runs["pp2"], "fail_slow")
+    if found and device["worst_rank_overrun_share"] > 0.05:
+        pytest.skip(f"host overloaded: a rank's CPU work overran its device time by "
+                    f"{device['worst_rank_overrun_share']:.0%}; the run's timings are not a GPU's")
+    assert found == [], found
 
 
 @pytest.mark.parametrize("name", ["compute", "link"])
