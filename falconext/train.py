@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime = None
     estimates_file = report.EstimatesFile(out, rank, suffix)
+    from falconext.testbed.chaos import BusChaos, kill_now, parse_chaos
+
+    chaos = parse_chaos(args.chaos)  # checked by the launcher
     if args.falcon:
         from falconext.runtime.runtime import FalconRuntime
 
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             calls_suffix=suffix,
             first_iteration=first_it,
             spill_estimates=estimates_file.write,
+            chaos=BusChaos(chaos, rank, events.emit) if chaos.bus else None,
         )
 
     if runtime is not None:
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                 device.iteration = it
             if shaper is not None:
                 shaper.set_iteration(it)
+            if rank == 0:  # chaos mode: the control plane's processes die at their iterations
+                for kill in (k for k in chaos.kills if k.iteration == it):
+                    events.emit("chaos", iteration=it, **kill_now(kill, out))
             if it == first_it and restarted is not None and rank == 0:
                 events.emit("restarted", iteration=it, attempt=args.attempt, load_s=round(restarted["load_s"], 4),
                             downtime_s=round(time.time() - float(restarted.get("requested_at", time.time())), 3))

@@ -114,3 +114,15 @@ def test_trap_runs_on_hold_on_the_held_thread_with_its_deadline():
     assert trap.errors == 1 and trap.holds == 1 and not trap.armed and not trap.held
     trap._hold()  # one call per arming
     assert trap.holds == 1
+
+
+def test_a_held_rank_says_held_again_until_go_so_one_lost_ack_costs_nothing():
+    posted = []
+    bench = Bench(lambda n, r: 1e9, lambda *a: [], lambda: None)
+    sus = Suspension(0, 7, 40, {}, bench, posted.append, lambda *a, **k: None, resend_s=0.1)
+    threading.Timer(0.45, sus.signal, args=("go",)).start()
+    sus.run(time.monotonic() + 3.0)
+    held = [m for m in posted if m.status == "held"]
+    assert 4 <= len(held) <= 6, len(held)
+    assert all(m.session == 7 and m.iteration == 40 for m in held)
+    assert posted[-1].status == "resumed" and not sus.expired

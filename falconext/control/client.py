@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig
-from falconext.control.bus import Bus
+from falconext.control.bus import FIELD, Bus
 from falconext.control.messages import MAX_MESSAGE_BYTES, Command, Heartbeat, MessageError, ProfileData, SessionAck, encode
 
 #: how a job's processes learn the bus: the URL (it holds the password) and the job id
@@ -50,6 +50,7 @@ class RankClient:
         config: FalconConfig,
         runtime: Any,
         emit: Callable[..., Any],
+        chaos: Any = None,
     ) -> None:
         self.rank = rank
         self.node = node
@@ -57,6 +58,8 @@ class RankClient:
         self.runtime = runtime
         self.emit = emit
         self._url, self._job = url, job
+        #: chaos mode (falconext/testbed/chaos.py BusChaos): what befalls each post
+        self.chaos = chaos
         self._out: queue.Queue = queue.Queue(maxsize=10000)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"falcon-control-{rank}", daemon=True)
@@ -134,7 +137,7 @@ class RankClient:
             except queue.Empty:
                 break
             try:
-                posted = bus.post(stream, msg)
+                posted = self._post(bus, stream, msg)
             except MessageError as exc:  # too large for any reader: dropped, said
                 self.dropped_out += 1
                 self.emit("message_dropped", rank=self.rank, error=str(exc), dropped_out=self.dropped_out)
@@ -146,6 +149,20 @@ class RankClient:
         self._report_drops(bus)
         if not bus.connected:
             self._stop.wait(0.1)
+
+    def _post(self, bus: Bus, stream: str, msg: Any) -> bool:
+        """``bus.post``, unless chaos mode drops, delays or damages the message first."""
+        chaos = self.chaos
+        if chaos is None:
+            return bus.post(stream, msg)
+        if chaos.spec.delay_ms:
+            time.sleep(chaos.spec.delay_ms / 1000.0)
+        fate = chaos.fate(type(msg).__name__)
+        if fate == "drop":
+            return True  # lost on the way, as far as this rank can tell
+        if fate == "corrupt":
+            return bus.post_raw(stream, {FIELD: chaos.damage(encode(msg))}) is not None
+        return bus.post(stream, msg)
 
     def _report_drops(self, bus: Bus) -> None:
         """Malformed or unexpected messages were dropped by the bus: say so, once each."""

@@ -96,11 +96,13 @@ class _Episode:
 
 
 class Controller:
-    def __init__(self, config: FalconConfig, world: int | None = None) -> None:
+    def __init__(self, config: FalconConfig, world: int | None = None, first_session: int = 0) -> None:
+        """``first_session``: sessions are numbered from it (a restarted controller starts
+        elsewhere than its predecessor, so no rank can take its commands for the old ones)."""
         self.cfg = config
         self.world = world
         self.state = State.TRACKING
-        self.session = 0
+        self.session = first_session
         self.beats: dict[int, Heartbeat] = {}
         #: recent heartbeats per rank: S3 reads each process's compute before the onset
         self.history: dict[int, collections.deque[Heartbeat]] = {}

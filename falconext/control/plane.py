@@ -100,6 +100,16 @@ class ControlPlane:
     def _supervise(self) -> None:
         while not self._stop.wait(0.5):
             with self._lock:
+                redis = self.redis
+                if redis is not None and not redis.alive() and not self._stop.is_set() \
+                        and self.restarts.get("redis", 0) < MAX_RESTARTS:
+                    # the same port and password: every client's reconnection finds it
+                    self.restarts["redis"] = self.restarts.get("redis", 0) + 1
+                    try:
+                        redis.restart()
+                    except Exception:  # noqa: BLE001 - counted; the next round tries again
+                        pass
+                    self._write()
                 for name, proc in list(self.procs.items()):
                     if proc.poll() is None or self._stop.is_set():
                         continue

@@ -32,7 +32,8 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             events.emit("controller_redis", connected=ok, reason=why)
 
     bus = Bus(url, job, on_state=on_state)
-    ctl = Controller(cfg, world)
+    # sessions of a restarted controller must not be taken for its predecessor's
+    ctl = Controller(cfg, world, first_session=10_000 * (1 + int(time.time()) % 100_000))
     step = guarded(events)
     events.emit("controller_started", pid=os.getpid(), world=world)
     next_beat = 0.0
@@ -84,8 +85,15 @@ def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] |
     from falconext.validate.health import gpu_health
 
     agent = NodeAgent(Bus(url, job), node, gpu_health, ranks)
+    said = (0, 0)
     while not stop[0]:
         agent.step()
+        counts = (agent.bus.dropped, agent.refused)
+        if counts != said:  # its log (agent<N>.log) says what it refused, as it happens
+            errors = agent.bus.errors
+            print(f"agent {node}: dropped {counts[0]} malformed message(s), refused {counts[1]} from other "
+                  f"nodes' ranks; latest: {errors[-1] if errors else ''}", flush=True)
+            said = counts
     agent.bus.close()
 
 

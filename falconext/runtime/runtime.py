@@ -67,6 +67,7 @@ class FalconRuntime:
         calls_suffix: str = "",
         first_iteration: int = 0,
         spill_estimates: Callable[[list], None] | None = None,
+        chaos: Any = None,
     ) -> None:
         from falconext.trace.groups import megatron_roles
         from falconext.trace.hooks import CallTracer
@@ -121,7 +122,8 @@ class FalconRuntime:
         if self.control:
             from falconext.control.client import RankClient
 
-            self.client = RankClient(url, job or os.environ.get(JOB_ENV, "falcon"), rank, node, config, self, events.emit)
+            self.client = RankClient(url, job or os.environ.get(JOB_ENV, "falcon"), rank, node, config, self, events.emit,
+                                     chaos=chaos)
         self.monitor.start()
         if self.client is not None:
             self.client.start()
@@ -345,7 +347,7 @@ class FalconRuntime:
         if self._iteration >= cmd.iteration or not self._enabled:
             return self._iteration
         sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
-                         commit=self._commit)
+                         commit=self._commit, resend_s=self.cfg.heartbeat_s)
         with self._lock:
             self._pending = sus
         return None
@@ -358,7 +360,7 @@ class FalconRuntime:
         if target is None or target <= trap.seen + 1 or not self._enabled or trap.held:
             return self.monitor.tracked
         sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
-                         commit=self._commit)
+                         commit=self._commit, resend_s=self.cfg.heartbeat_s)
         self._active = sus
         self.suspensions.append(sus)
         trap.arm(self.cfg.suspend_deadline_s, on_hold=sus.run, at_seq=target)

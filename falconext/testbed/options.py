@@ -49,6 +49,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     )
     p.add_argument("--falcon-redis-url-file", default=None,
                    help="a file holding the control-plane Redis URL (redis://:PASSWORD@HOST:PORT/0)")
+    p.add_argument("--chaos", default=None, metavar="SPEC",
+                   help="break the control plane on purpose: kill-redis@I, kill-controller@I, kill-agent:N@I, "
+                   "drop:P, delay:MS, corrupt:P, comma-separated (falconext/testbed/chaos.py)")
     p.add_argument("--resume", default=None, help="resume from this falconext checkpoint directory (S4 restarts)")
     p.add_argument("--attempt", type=int, default=0, help="restart count of this job (set by the launcher)")
     p.add_argument("--bench-falcon-toggle", type=int, default=None, metavar="N",
@@ -80,6 +83,12 @@ def redis_url_from(args: argparse.Namespace) -> None:
 def check_train_arguments(args: argparse.Namespace, world: int) -> None:
     """Reject impossible layouts up front, before any process starts."""
     redis_url_from(args)
+    from falconext.testbed.chaos import ChaosError, parse_chaos
+
+    try:
+        parse_chaos(getattr(args, "chaos", None), world, -(-world // max(1, args.ranks_per_node)))
+    except ChaosError as exc:
+        raise ValueError(str(exc)) from None
     for name in ("tp", "pp", "micro_batch_size", "global_batch_size", "iters", "hidden", "layers", "heads", "seq_len", "vocab", "ranks_per_node"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

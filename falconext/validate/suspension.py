@@ -8,7 +8,8 @@ validation plan (a GEMM if it is a suspect's group member, its send or receive i
 each P2P pass), reports, and lets the trapped call go on.
 
 Deadlines: the wait for "go" ends at the trap's deadline whatever happens to the
-controller or Redis; a "release" ends it at once. The validation traffic runs on a
+controller or Redis; a "release" ends it at once. While it waits, the rank says "held"
+again every ``resend_s``: one lost message must not cost the whole suspension. The validation traffic runs on a
 dedicated process group whose timeout bounds a pass that loses its peer.
 """
 
@@ -43,6 +44,7 @@ class Suspension:
         post: Callable[[Any], None],
         emit: Callable[..., Any],
         commit: Callable[[dict[str, Any]], None] | None = None,
+        resend_s: float = 0.5,
     ) -> None:
         self.rank = rank
         self.session = session
@@ -52,6 +54,7 @@ class Suspension:
         self.post = post
         self.emit = emit
         self.commit = commit
+        self.resend_s = resend_s
         self.committed = False
         self._go = threading.Event()
         self._release = threading.Event()
@@ -68,11 +71,16 @@ class Suspension:
         """Runs on the trapped training thread; ``end`` is the deadline (monotonic)."""
         t0 = time.monotonic()
         self.post(SessionAck(self.rank, self.session, "held", self.iteration, time.time()))
+        next_ack = t0 + self.resend_s
         while not (self._go.is_set() or self._release.is_set()):
-            left = end - time.monotonic()
+            now = time.monotonic()
+            left = end - now
             if left <= 0:
                 self.expired = True
                 break
+            if now >= next_ack:  # the controller may not have heard: say it again
+                self.post(SessionAck(self.rank, self.session, "held", self.iteration, time.time()))
+                next_ack = now + self.resend_s
             self._wake.wait(min(left, 0.05))
         outcome = "released" if self._release.is_set() else "expired" if self.expired else "validated"
         if self._go.is_set() and not self._release.is_set():

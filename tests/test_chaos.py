@@ -1,0 +1,97 @@
+"""Chaos mode (falconext/testbed/chaos.py): the control plane is broken on purpose and
+training does not care; falconext comes back and still finds the fault."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from falconext.control.messages import Heartbeat, MessageError, decode, encode
+from falconext.testbed.chaos import BusChaos, ChaosError, ChaosSpec, Kill, parse_chaos
+
+from jobs import events, launch
+
+
+def test_a_spec_reads_every_action():
+    spec = parse_chaos("kill-redis@20, kill-controller@30,kill-agent:1@40,drop:0.1,delay:50ms,corrupt:0.02",
+                       world=4, nodes=2)
+    assert spec.kills == (Kill("redis", 20), Kill("controller", 30), Kill("agent", 40, 1))
+    assert (spec.drop, spec.delay_ms, spec.corrupt) == (0.1, 50.0, 0.02) and spec.bus
+    assert parse_chaos(spec.to_text()) == spec
+    assert parse_chaos(None) == ChaosSpec() and parse_chaos("") == ChaosSpec() and not ChaosSpec().bus
+
+
+@pytest.mark.parametrize("text, says", [
+    ("kill-gpu@3", "expected kill-redis@I"),
+    ("kill-redis", "expected kill-redis@I"),
+    ("kill-agent@3", "kill-agent:N@I"),
+    ("kill-redis:1@3", "kill-agent only"),
+    ("kill-agent:5@3", r"2 node\(s\)"),
+    ("drop:1.5", "probability"),
+    ("corrupt:-0.1", "probability"),
+    ("drop:lots", "not a number"),
+    ("delay:99999", "0 to 10000"),
+])
+def test_a_bad_spec_is_one_line_naming_the_part(text, says):
+    with pytest.raises(ChaosError, match=says) as exc:
+        parse_chaos(text, world=4, nodes=2)
+    assert "\n" not in str(exc.value) and text.split(":")[0] in str(exc.value)
+
+
+def test_damaged_messages_are_refused_by_every_reader_and_each_action_is_an_event():
+    seen = []
+    chaos = BusChaos(ChaosSpec(drop=0.2, corrupt=0.3), 1, lambda type_, **f: seen.append((type_, f)))
+    fates = [chaos.fate("Heartbeat") for _ in range(2000)]
+    assert 0.15 < fates.count("drop") / 2000 < 0.25
+    assert 0.2 < fates.count("corrupt") / 2000 < 0.3  # of what was not dropped: 0.8 x 0.3
+    assert len(seen) == fates.count("drop") + fates.count("corrupt")
+    assert all(t == "chaos" and f["rank"] == 1 for t, f in seen)
+    data = encode(Heartbeat(1, 0, 10, 0.3, 1.0))
+    for _ in range(300):
+        with pytest.raises(MessageError):
+            decode(chaos.damage(data))
+
+
+def test_the_launcher_refuses_a_bad_spec_before_anything_starts(tmp_path):
+    proc = launch(tmp_path / "run", "--iters", "5", "--chaos", "kill-agent:9@3", nproc=2)
+    assert proc.returncode != 0
+    assert "kill-agent:9@3" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "events.jsonl").exists()
+
+
+FAULT_START = 50
+CHAOS = "kill-redis@22,kill-controller@30,kill-agent:1@36,drop:0.05,corrupt:0.03"
+
+
+@pytest.fixture(scope="module")
+def chaos_run(jobs):
+    """Emulated DP4 (two nodes), rank 1 2x slow from 50, S2 allowed: Redis, the controller
+    and node 1's agent die before the fault, and 8% of the ranks' messages are lost or
+    damaged all along."""
+    return jobs.train("--iters", "110", "--global-batch-size", "16", "--micro-batch-size", "1",
+                      "--falcon-mitigation-strategies", "S2", "--chaos", CHAOS,
+                      faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": FAULT_START}],
+                      device="emulated")
+
+
+def test_training_survives_the_chaos_and_falconext_still_finds_and_fixes_the_fault(chaos_run):
+    summary = json.loads((chaos_run / "summary.json").read_text())
+    assert summary["iterations"] == 110
+    acted = events(chaos_run, "chaos")
+    kills = {e["action"]: e for e in acted if e["action"].startswith("kill-")}
+    assert set(kills) == {"kill-redis", "kill-controller", "kill-agent1"}
+    assert all(isinstance(e["pid"], int) and "error" not in e for e in kills.values()), kills
+    assert any(e["action"] == "drop" for e in acted) and any(e["action"] == "corrupt" for e in acted)
+    control = json.loads((chaos_run / "control.json").read_text())
+    assert control["restarts"] == {"redis": 1, "controller": 1, "agent1": 1}
+    assert len(events(chaos_run, "controller_started")) == 2
+    # the damaged messages were refused by the agents (their logs say so), never acted on
+    logs = "".join((chaos_run / f"agent{n}.log").read_text() for n in (0, 1))
+    assert "malformed message" in logs, logs[-500:]
+    # after the restarts the fault is detected, localized and mitigated
+    found = [e for e in events(chaos_run, "fail_slow") if e["onset"] >= FAULT_START - 2]
+    assert found, "no fail-slow after the restarts"
+    assert any(e["gpus"] == [1] for e in events(chaos_run, "localized"))
+    assert [e["strategy"] for e in events(chaos_run, "mitigation")][:1] == ["S2"]
