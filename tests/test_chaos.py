@@ -90,6 +90,9 @@ def test_training_survives_the_chaos_and_falconext_still_finds_and_fixes_the_fau
     # the damaged messages were refused by the agents (their logs say so), never acted on
     logs = "".join((chaos_run / f"agent{n}.log").read_text() for n in (0, 1))
     assert "malformed message" in logs, logs[-500:]
+    rel = summary["reliability"]  # and the summary counts what happened to falconext
+    assert rel["restarts"] == control["restarts"] and rel["controller_starts"] == 2
+    assert rel["chaos_actions"] == len(acted) and rel["bus_disconnects"] >= 1
     # after the restarts the fault is detected, localized and mitigated
     found = [e for e in events(chaos_run, "fail_slow") if e["onset"] >= FAULT_START - 2]
     assert found, "no fail-slow after the restarts"

@@ -217,6 +217,10 @@ def finalize(out: str) -> dict[str, Any]:
     measured = _merge(out, "iterations")
     estimated = _merge(out, "estimates", run)
     summary = summarize(measured, estimated, read_events(out), run, overheads=read_overheads(out))
+    control = os.path.join(out, "control.json")
+    if os.path.exists(control):  # the supervisor's restarts of Redis, controller and agents
+        with open(control) as f:
+            summary["reliability"]["restarts"] = dict(json.load(f).get("restarts") or {})
     _add_device_figures(out, run, summary)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -277,6 +281,7 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
         },
         "detection": detection_figures(fail_slows, faults),
         "localization": localization_figures(events),
+        "reliability": reliability_figures(events),
     }
     summary["mitigated_iter_s"] = round(median(mitigated), 6) if mitigated else None
     summary["slowdown_removed"] = None
@@ -370,6 +375,33 @@ def switch_figures(events: list[dict]) -> list[dict[str, Any]]:
         row["shorter_than_disk"] = round(disk_s / slowest["pause_s"], 2) if disk_s and slowest["pause_s"] > 0 else None
         rows.append(row)
     return rows
+
+
+def reliability_figures(events: list[dict]) -> dict[str, Any]:
+    """What went wrong inside falconext during the run, counted (every one of these left
+    training alone): messages dropped (malformed, too large, or lost to chaos), control
+    links lost, suspensions released by their deadline, localizations and plans given up,
+    episodes closed by their deadline, errors caught in the monitor, the control thread
+    and the controller, chaos actions (and :func:`finalize` adds the supervisor's restarts
+    of Redis, the controller and the agents, from control.json)."""
+    def count(type_: str, **match: Any) -> int:
+        return sum(1 for e in events if e.get("type") == type_ and all(e.get(k) == v for k, v in match.items()))
+
+    return {
+        "dropped_messages": count("message_dropped"),
+        "bus_disconnects": count("control_lost", what="redis") + count("controller_redis", connected=False),
+        "controller_lost": count("control_lost", what="controller"),
+        "deadline_releases": sum(1 for e in events if e.get("type") == "suspension" and e.get("outcome") == "expired"),
+        "localizations_failed": count("localization_failed"),
+        "aborted_plans": sum(1 for e in events if e.get("type") == "suspension" and e.get("committed") is False),
+        "episode_timeouts": count("episode_timeout"),
+        "monitor_errors": count("monitor_error"),
+        "control_errors": count("control_error"),
+        "controller_errors": count("controller_error"),
+        "controller_starts": count("controller_started"),
+        "chaos_actions": count("chaos"),
+        "restarts": {},
+    }
 
 
 def localization_figures(events: list[dict]) -> dict[str, Any]:
@@ -478,6 +510,11 @@ def format_summary(s: dict[str, Any]) -> str:
                 + (f"; the best S2 plan on the true device times, {s['s2_best_plan']}, removes "
                    f"{s['slowdown_removed_max']}" if s.get("slowdown_removed_max") is not None else "")
             )
+    rel = s.get("reliability") or {}
+    troubles = {k: v for k, v in rel.items() if v and k != "controller_starts"}
+    if troubles:
+        lines.append("falconext's own troubles (training went on): "
+                     + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in troubles.items()))
     dev = s.get("device")
     if dev:
         lines.append(f"emulated device: {dev['windows']} device windows, {dev['overruns']} overran "
