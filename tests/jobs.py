@@ -115,6 +115,22 @@ def s2_reference(jobs: JobCache) -> Path:
     return jobs.train(*S2_JOB, "--no-falcon")
 
 
+#: the calls-only job's fault: rank 2's device 1.5x slow from iteration 35
+CALLS_ONLY_SLOW_RANK, CALLS_ONLY_ONSET = 2, 35
+
+
+def calls_only_job(jobs: JobCache) -> Path:
+    """Emulated DP4, 4 micro-batches per replica, rank 2 1.5x slow from 35, and
+    --falcon-loop-hooks false: the trainer never calls falconext, which has only the calls
+    (mitigation is off without the loop). test_nohook's detection, localization and
+    suspension without loop hooks, and test_scores' per-rank scores, read it."""
+    return jobs.train("--iters", "75", "--global-batch-size", "16", "--micro-batch-size", "1",
+                      "--falcon-loop-hooks", "false", "--falcon-score-interval-s", "3",
+                      faults=[{"kind": "compute", "rank": CALLS_ONLY_SLOW_RANK, "factor": 1.5,
+                               "start": CALLS_ONLY_ONSET}],
+                      device="emulated")
+
+
 #: TP1 x DP2 x PP2 on four one-rank nodes, 16 samples per global batch
 PP2_JOB = ("--pp", "2", "--global-batch-size", "16", "--ranks-per-node", "1")
 PP2_REFERENCE_ITERS = 130

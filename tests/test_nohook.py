@@ -17,7 +17,7 @@ from falconext.runtime.monitor import RankMonitor
 from falconext.trace.hooks import Trap
 from falconext.trace.records import CallRecord
 
-from jobs import events
+from jobs import CALLS_ONLY_ONSET, CALLS_ONLY_SLOW_RANK, calls_only_job, events
 
 # --- the trap ---------------------------------------------------------------------------------
 
@@ -116,17 +116,14 @@ def test_loop_hooks_off_turns_mitigation_off():
 
 # --- a DP4 job whose loop never calls falconext ------------------------------------------------
 
-FAULT_START = 45
+FAULT_START = CALLS_ONLY_ONSET
 
 
 @pytest.fixture(scope="module")
 def nohook_run(jobs):
-    """Emulated DP4, 4 micro-batches per replica, rank 1's device 2x slow from 45;
-    --falcon-loop-hooks false: the trainer never calls before_iteration."""
-    return jobs.train("--iters", "85", "--global-batch-size", "16", "--micro-batch-size", "1",
-                      "--falcon-loop-hooks", "false",
-                      faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": FAULT_START}],
-                      device="emulated")
+    """Emulated DP4, rank 2's device 1.5x slow from 35; --falcon-loop-hooks false: the
+    trainer never calls falconext (tests/jobs.py calls_only_job)."""
+    return calls_only_job(jobs)
 
 
 def test_a_job_without_loop_hooks_is_detected_localized_and_suspended_at_the_agreed_iteration(nohook_run):
@@ -136,7 +133,7 @@ def test_a_job_without_loop_hooks_is_detected_localized_and_suspended_at_the_agr
     assert all(FAULT_START - 2 <= e["onset"] <= FAULT_START + 2 for e in found), found
     starts = [e for e in events(nohook_run, "controller_state") if e.get("trigger") == "fail_slow"]
     assert starts, "the reports never reached the controller"
-    assert events(nohook_run, "localized")[-1]["gpus"] == [1]
+    assert events(nohook_run, "localized")[-1]["gpus"] == [CALLS_ONLY_SLOW_RANK]
     assert not events(nohook_run, "mitigation")
     # every rank held once per session, at the session's iteration in the loop's own count
     rows = list(csv.DictReader(open(nohook_run / "iterations.csv", newline="")))

@@ -22,7 +22,7 @@ from falconext.detect.scores import (
     split_iteration,
 )
 
-from jobs import events
+from jobs import CALLS_ONLY_ONSET, CALLS_ONLY_SLOW_RANK, calls_only_job, events
 
 
 # --- BusyClock ------------------------------------------------------------------------------
@@ -146,17 +146,15 @@ def test_heartbeat_score_fields_survive_the_bus_and_are_checked():
 
 # --- a DP4 job on the emulated device ---------------------------------------------------------
 
-SLOW_RANK, ONSET = 2, 35
+SLOW_RANK, ONSET = CALLS_ONLY_SLOW_RANK, CALLS_ONLY_ONSET
 
 
 @pytest.fixture(scope="module")
 def scored_run(jobs):
-    """DP4, 4 micro-batches per replica, rank 2's device 1.5x slow from iteration 35;
-    detection and validation on, mitigation off (the plan stays even)."""
-    return jobs.train("--iters", "75", "--global-batch-size", "16", "--micro-batch-size", "1",
-                      "--falcon-mitigation", "false", "--falcon-score-interval-s", "3",
-                      faults=[{"kind": "compute", "rank": SLOW_RANK, "factor": 1.5, "start": ONSET}],
-                      device="emulated")
+    """DP4, rank 2's device 1.5x slow from iteration 35, the plan even throughout
+    (tests/jobs.py calls_only_job: falconext has nothing but the calls, so the scores
+    come from them alone)."""
+    return calls_only_job(jobs)
 
 
 def test_a_1_5x_slow_rank_has_the_highest_score_in_every_interval_after_the_onset(scored_run):
