@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=2000, help="iterations per trace")
     p.add_argument("--seed", type=int, default=0)
 
+    p = sub.add_parser("report", help="draw a run's figures and report.html (iteration time, scores, plan)")
+    p.add_argument("dir", help="a run's folder (--out of falconext train, --falcon-out of falconext launch)")
     p = sub.add_parser("megatron-patch", help="check or apply falconext's patch to a Megatron-LM checkout")
     p.add_argument("action", choices=("check", "apply"), help="check: report only; apply: patch the checkout")
     p.add_argument("dir", help="the Megatron-LM checkout (holding megatron/core/package_info.py)")
@@ -221,6 +223,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return launch_training(args)
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from falconext.testbed.figures import write_report
+
+    print(write_report(args.dir))
+    return 0
+
+
 def _cmd_megatron_patch(args: argparse.Namespace) -> int:
     from falconext.megatron_lm import patching  # PatchError is an InputError: exit 2
 
@@ -236,6 +245,7 @@ _COMMANDS = {
     "eval-detect": _cmd_eval,
     "gen-traces": _cmd_gen_traces,
     "megatron-patch": _cmd_megatron_patch,
+    "report": _cmd_report,
 }
 
 

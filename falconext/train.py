@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     elif rank == 0:
         summary = report.finalize(out)
         print(report.format_summary(summary), flush=True)
+        if args.report:
+            from falconext.testbed.figures import report_at_end
+
+            print(report_at_end(out), flush=True)
     events.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

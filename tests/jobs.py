@@ -21,11 +21,12 @@ from pathlib import Path
 
 
 def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
-           timeout: int = 500, device: str = "cpu") -> subprocess.CompletedProcess:
+           timeout: int = 500, device: str = "cpu", report: bool = False) -> subprocess.CompletedProcess:
     """Run one job; the caller judges the exit status. ``device``: the test bed's
-    ``--device`` (the tests not yet moved to the emulated device keep the CPU bed)."""
+    ``--device`` (the tests not yet moved to the emulated device keep the CPU bed);
+    ``report``: draw its figures at the end (1.5 s a job: only where a test reads them)."""
     cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out),
-           "--device", device, *args]
+           "--device", device, "--report" if report else "--no-report", *args]
     if faults is not None:
         inject = out.parent / f"{out.name}-faults.json"
         inject.write_text(json.dumps(faults))
@@ -35,9 +36,9 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
 
 
 def train(out: Path, *args: str, nproc: int = 4, faults: list | None = None, timeout: int = 500,
-          device: str = "cpu") -> Path:
+          device: str = "cpu", report: bool = False) -> Path:
     """Run one job that must succeed; its output is kept in ``stdout.txt``."""
-    proc = launch(out, *args, nproc=nproc, faults=faults, timeout=timeout, device=device)
+    proc = launch(out, *args, nproc=nproc, faults=faults, timeout=timeout, device=device, report=report)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (out / "stdout.txt").write_text(proc.stdout)
     return out
@@ -83,11 +84,12 @@ class JobCache:
         self.base = base
         self._runs: dict[str, Path] = {}
 
-    def train(self, *args: str, nproc: int = 4, faults: list | None = None, device: str = "cpu") -> Path:
-        key = json.dumps([list(args), nproc, faults, device])
+    def train(self, *args: str, nproc: int = 4, faults: list | None = None, device: str = "cpu",
+              report: bool = False) -> Path:
+        key = json.dumps([list(args), nproc, faults, device, report])
         if key not in self._runs:
             self._runs[key] = train(self.base / f"job{len(self._runs)}", *args, nproc=nproc, faults=faults,
-                                    device=device)
+                                    device=device, report=report)
         return self._runs[key]
 
 
@@ -106,7 +108,7 @@ def s2_job(jobs: JobCache) -> Path:
     detection and localization of a compute fault)."""
     return jobs.train(*S2_JOB, "--falcon-mitigation-strategies", "S2",
                       faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": S2_FAULT_START}],
-                      device="emulated")
+                      device="emulated", report=True)
 
 
 def s2_reference(jobs: JobCache) -> Path:

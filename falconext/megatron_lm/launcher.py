@@ -420,3 +420,6 @@ def _finalize(out: str) -> None:
         return
     summary = report.finalize(out)
     print(report.format_summary(summary), flush=True)
+    from falconext.testbed.figures import report_at_end
+
+    print(report_at_end(out), flush=True)

@@ -47,8 +47,8 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
         if key in ("command", "nproc", "falcon_redis_url", "falcon_redis_url_file") or value is None:
             continue
         flag = "--" + key.replace("_", "-")
-        if key == "falcon":
-            out.append("--falcon" if value else "--no-falcon")
+        if key in ("falcon", "report"):  # --X / --no-X switches
+            out.append(flag if value else "--no-" + key)
         else:
             out += [flag, str(value)]
     return out

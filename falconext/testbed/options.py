@@ -49,6 +49,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     )
     p.add_argument("--falcon-redis-url-file", default=None,
                    help="a file holding the control-plane Redis URL (redis://:PASSWORD@HOST:PORT/0)")
+    p.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                   help="draw report.html and its figures at the end (falconext report DIR)")
     p.add_argument("--chaos", default=None, metavar="SPEC",
                    help="break the control plane on purpose: kill-redis@I, kill-controller@I, kill-agent:N@I, "
                    "drop:P, delay:MS, corrupt:P, comma-separated (falconext/testbed/chaos.py)")
