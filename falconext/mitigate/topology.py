@@ -288,7 +288,7 @@ class _Search:
             slots.extend(range(k, k + self.tp) for k in range(lo, hi, self.tp))
         return slots
 
-    def link_candidates(self) -> list[tuple[str, np.ndarray]]:
+    def link_candidates(self, stage_major: bool = False) -> list[tuple[str, np.ndarray]]:
         """Fill blocks pipeline-major along node orders that make slow links adjacent.
 
         Filling stage after stage of one pipeline along consecutive slots makes node
@@ -296,6 +296,14 @@ class _Search:
         link come one after the other puts that link on a p2p boundary instead of inside
         a DP ring. The cyclic offset moves where pipelines start relative to the node
         boundaries, so that the slow boundary does not fall between two pipelines.
+
+        ``stage_major``: fill replica after replica of one stage instead (offsets by whole
+        stages). When a node holds more blocks than a pipeline has stages, pipeline-major
+        filling puts whole pipelines on each node and every DP ring then spans the node
+        boundary whatever the offset (two nodes of TP2 x DP4 x PP2: each ring crosses the
+        slow link, and the planner used to answer "nothing to move" although Megatron's
+        own stage-per-node order is 3x faster). Stage-major filling keeps each stage's DP
+        ring on as few nodes as possible and puts the slow boundary between two stages.
         """
         links = sorted(
             ((e, k) for k, e in self.model.slow_links.items() if e > 0), key=lambda x: (-x[0], x[1])
@@ -322,11 +330,14 @@ class _Search:
                     node = nxt[0] if nxt else None
             rest = [n for n in range(n_nodes) if n not in chain]
             orders.append(("all slow links moved onto pipeline boundaries", chain + rest))
-        seq = [d + self.dp * s for d in range(self.dp) for s in range(self.pp)]
+        if stage_major:
+            seq, offsets = list(range(self.n_blocks)), range(0, self.n_blocks, self.dp)
+        else:
+            seq, offsets = [d + self.dp * s for d in range(self.dp) for s in range(self.pp)], range(self.pp)
         out = []
         for label, order in orders:
             slots = self._node_slots(order)
-            for off in range(self.pp):
+            for off in offsets:
                 proc = np.empty(self.world, dtype=np.intp)
                 for i, slot in enumerate(slots):
                     b = seq[(i + off) % self.n_blocks]
@@ -513,6 +524,20 @@ def plan_topology(
         climbed, t = search.climb(p, max_rounds)
         if not np.array_equal(climbed, p):
             found.append((t, f"{label}, then pairwise swaps", climbed))
+
+    # 2b. stage-major link candidates and a climb from their best, after everything above
+    #     so that they only add to it (same evaluations and climbs as without them first)
+    if search.lay.dp > 1:  # with dp = 1 both fills are the same
+        stage_link = sorted(
+            ((search.score(p), label, p) for label, p in search.link_candidates(stage_major=True)),
+            key=lambda x: (x[0], search.roles(x[2])),
+        )
+        found += stage_link
+        if stage_link and search.roles(stage_link[0][2]) not in seen:
+            _, label, p = stage_link[0]
+            climbed, t = search.climb(p, max_rounds)
+            if not np.array_equal(climbed, p):
+                found.append((t, f"{label}, then pairwise swaps", climbed))
 
     # 3. pick among those that gain more than REL_EPS: fastest; near-ties -> fewest moved,
     #    then smallest roles (determinism)
