@@ -91,8 +91,30 @@ class FalconConfig:
     # --- verification (detect/verify.py) -----------------------------------------------
     #: a change below this relative size is jitter (paper: 10%)
     min_slowdown: float = 0.10
-    #: a slowdown must hold for this many iterations before it is an event
-    min_duration: int = 13
+    #: a slowdown must hold for this many iterations before it is an event (healthy
+    #: bursts last up to min_duration - 1 iterations)
+    min_duration: int = 11
+    #: a step larger than this (slow/healthy) may be confirmed before min_duration: w
+    #: slow iterations at level L weigh w * ln(L / fast_confirm_floor); 10-iteration
+    #: bursts (up to 1.8x) stay under the evidence needed. Set it above any step (e.g.
+    #: 100) to confirm every fail-slow after min_duration iterations
+    fast_confirm_floor: float = 1.5
+    #: ... and it is confirmed once that weight reaches this (2x: 9 iterations)
+    fast_confirm_evidence: float = 2.45
+    #: never confirmed on fewer slow iterations than this, nor than min_duration (two
+    #: spikes of up to 3 iterations can adjoin)
+    min_duration_fast: int = 7
+    #: ... and only a clean step is: its level at least this many robust standard
+    #: deviations of its own iterations (log terms) above healthy
+    fast_confirm_snr: float = 4.0
+    #: an iteration of a slow run counts fully towards its duration only when it is
+    #: within this many robust standard deviations (log terms) of the run's level and
+    #: this many healthy standard deviations over the baseline (verify.trailing_run)
+    run_band_sigmas: float = 3.0
+    #: ... the standard deviation taken as at least this (log terms: 0.02 = 2%)
+    run_band_floor: float = 0.02
+    #: a BOCD candidate is watched for a slow run for this x min_duration iterations
+    run_watch_factor: int = 2
     #: healthy iterations before a change point used as the baseline
     baseline_window: int = 100
     #: fewest healthy iterations a baseline may be computed from
@@ -249,6 +271,12 @@ class FalconConfig:
         _check(self.min_duration >= 1, "min_duration must be >= 1")
         _check(self.sustain_chunks >= 1, "sustain_chunks must be >= 1")
         _check(self.min_duration >= self.sustain_chunks, "min_duration must be >= sustain_chunks")
+        _check(self.fast_confirm_floor > 1.0, "fast_confirm_floor must be > 1")
+        _check(self.fast_confirm_evidence > 0.0, "fast_confirm_evidence must be > 0")
+        _check(self.min_duration_fast >= 1, "min_duration_fast must be >= 1")
+        _check(self.fast_confirm_snr >= 0.0, "fast_confirm_snr must be >= 0")
+        _check(self.run_band_sigmas > 0.0 and self.run_band_floor > 0.0, "run_band_sigmas and run_band_floor must be > 0")
+        _check(self.run_watch_factor >= 1, "run_watch_factor must be >= 1")
         _check(self.min_baseline >= 2, "min_baseline must be >= 2")
         _check(self.baseline_window >= self.min_baseline, "baseline_window must be >= min_baseline")
         _check(

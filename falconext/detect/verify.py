@@ -2,24 +2,44 @@
 
 BOCD proposes change points; most of them are jitter (spikes, bursts, periodic
 fluctuation, drift). Verification turns a candidate into a fail-slow only when the
-iterations after it are at least ``min_slowdown`` (10%) slower than the healthy
-iterations before it, and stay so: the post-change window of ``min_duration`` iterations
-is split into ``sustain_chunks`` chunks and every chunk must be slow by the same 10%, so
-a burst that ends inside the window is rejected. A noisy candidate that is slow overall
-but fails a chunk is checked again on two, three and four times longer windows (larger chunks,
-steadier medians) before it is dropped. Levels are medians (a robust mean):
-one checkpoint-save spike in the window must not turn jitter into an event, nor hide one.
+iterations since it form a sustained *slow run* (:func:`trailing_run`), judged every
+iteration while the candidate is recent:
+
+- the run is the latest stretch of iterations all at least ``min_slowdown`` (10%) over
+  the healthy baseline (the median of the healthy iterations before the candidate);
+- its duration counts the iterations from its first to its last one *at its level*
+  (near the median of its newer half, nearer to it than to healthy, and clear of healthy
+  noise); iterations before those count only the fraction of the way they rose (a ramp),
+  and a spike or a noisy neighbour at either end counts nothing;
+- it is confirmed once its duration reaches ``run_needed``: ``min_duration`` iterations
+  (11; generated healthy bursts last up to 10) for a step up to ``fast_confirm_floor``
+  (1.5x, and bursts reach 1.8x), and fewer for a larger clean step, as evidence
+  ``duration * ln(level / 1.5) >= fast_confirm_evidence`` grows with both size and
+  duration (a 2x step: 9 iterations; 2.5x: the floor of 7).
+
+So the size of a step buys speed only where no healthy burst reaches, and the duration
+needed is the burst's plus one, with both ends of the run checked so that a burst
+extended by one noisy or spiky neighbour is not one iteration longer. A noisy candidate
+that never shows such a run but is slow overall is checked again on two, three and four
+times ``min_duration`` windows split into ``sustain_chunks`` chunks, at least half of
+each chunk slow (larger chunks, where no burst can fill every one) before it is dropped.
+Levels are (lower) medians: one checkpoint-save spike must not turn jitter into an
+event, nor hide one.
 
 An open event ends when the level is back within ``recovery_margin`` of the baseline
 for a whole window, found either from a BOCD change point or, so an event can never stay
 open because BOCD missed the relief, from the latest window itself. A sustained further
 rise (a ladder-shaped fail-slow) raises the event's ``slowdown`` instead of opening a
 second event.
+
+Cost per iteration: one BOCD update (O(bocd_max_run_length)) plus, while a candidate is
+watched, one pass over at most ``run_watch_factor * min_duration`` iterations.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from falconext.config import FalconConfig
@@ -28,22 +48,124 @@ from falconext.detect.events import EventBook, FailSlowEvent, check_sample, medi
 
 
 # -- pure checks over plain windows -------------------------------------------------------
-def chunk_levels(post: Sequence[float], chunks: int) -> list[float]:
-    """Median of each of ``chunks`` consecutive, near-equal parts of the window."""
+def chunk_levels(post: Sequence[float], chunks: int, low: bool = False) -> list[float]:
+    """Median of each of ``chunks`` consecutive, near-equal parts of the window.
+
+    ``low``: the lower median (the middle value of an odd chunk, the lower of the two of
+    an even one), so "the chunk is over the line" means at least half of its iterations
+    are; the plain median of an even chunk averages a spike with a healthy iteration.
+    """
     n = len(post)
     bounds = [round(i * n / chunks) for i in range(chunks + 1)]
-    return [median(post[bounds[i] : bounds[i + 1]]) for i in range(chunks) if bounds[i + 1] > bounds[i]]
+    pick = _low_median if low else median
+    return [pick(post[bounds[i] : bounds[i + 1]]) for i in range(chunks) if bounds[i + 1] > bounds[i]]
+
+
+def _low_median(values: Sequence[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def slow_level(baseline: float, post: Sequence[float], cfg: FalconConfig) -> float | None:
-    """The sustained slowdown (post level / baseline) if the window is a fail-slow, else None."""
+    """The sustained slowdown (post level / baseline) if the window is a fail-slow, else None.
+
+    Sustained: at least half of the iterations of each of ``sustain_chunks`` chunks are
+    ``min_slowdown`` over the baseline, so a burst that ends inside the window, or spikes
+    at its ends, cannot pass for a fail-slow.
+    """
     level = median(post) / baseline
     if level < 1.0 + cfg.min_slowdown:
         return None
     floor = baseline * (1.0 + cfg.min_slowdown)
-    if min(chunk_levels(post, cfg.sustain_chunks)) < floor:
+    if min(chunk_levels(post, cfg.sustain_chunks, low=True)) < floor:
         return None
     return level
+
+
+@dataclass(frozen=True)
+class SlowRun:
+    """The slow run a window ends with (see :func:`trailing_run`)."""
+
+    offset: int  #: index in the window of its first iteration at its level
+    weight: float  #: its duration: iterations at its level, plus part credit (see there)
+    level: float  #: median / baseline
+    spread: float  #: robust standard deviation of its iterations' logs around the level
+
+
+def run_needed(run: SlowRun, cfg: FalconConfig) -> int:
+    """Duration (in iterations at its level) a slow run needs to be confirmed.
+
+    Evidence grows with both size and duration, as in a sequential test: ``w``
+    iterations at level ``L`` (slow/healthy) weigh ``w * ln(L / fast_confirm_floor)``,
+    and the run is confirmed once that reaches ``fast_confirm_evidence``, or after
+    ``min_duration`` iterations whatever its size. With the defaults, 10 iterations at
+    up to ~1.9x (the largest healthy burst, 1.8x, plus noise) stay short of the
+    evidence, a 2x step needs 9 and a 2.5x step the floor, ``min_duration_fast`` (7:
+    longer than two adjoining spikes). Only a clean step is confirmed early: its level
+    at least ``fast_confirm_snr`` robust standard deviations of its own iterations above
+    healthy, which a burst with spikes glued to it is not.
+    """
+    level = run.level
+    if level <= cfg.fast_confirm_floor or cfg.fast_confirm_snr * run.spread > math.log(level):
+        return cfg.min_duration
+    need = math.ceil(cfg.fast_confirm_evidence / math.log(level / cfg.fast_confirm_floor) - 1e-9)
+    return min(cfg.min_duration, max(cfg.min_duration_fast, need))
+
+
+def trailing_run(
+    window: Sequence[float], baseline: float, cfg: FalconConfig, healthy_spread: float = 0.0
+) -> SlowRun | None:
+    """The slow run that ``window`` ends with, or None if the window does not end slow.
+
+    The run is the longest suffix of the window over the 10% line (``min_slowdown``). Its
+    level ``L`` is where it is now: the (lower) median of its newer half, over the
+    baseline, so a ramp or a spike cluster before a burst does not set it. An iteration
+    is *at the level* when it is within ``run_band_sigmas`` robust standard deviations of
+    ``L`` in log terms (the newer half's own spread, at least ``run_band_floor``), never
+    nearer to healthy or to ``L**2`` than to ``L``, and clear of healthy noise: over the
+    baseline by ``run_band_sigmas`` x ``healthy_spread`` (the healthy iterations' robust
+    log standard deviation).
+
+    The run's duration (``weight``) is the span from its first to its last iteration at
+    the level, everything in between included (a spike or a dip inside a fail-slow is
+    the fail-slow), plus, for each earlier iteration clear of healthy noise and not over
+    the level, the fraction of the way it rose, ``ln(x) / ln(L)`` (a congestion ramp).
+    A spike or a noisy iteration glued to either end of a healthy burst therefore never
+    makes the burst count one iteration longer, unless it is itself at the burst's level.
+    """
+    line = baseline * (1.0 + cfg.min_slowdown)
+    start = len(window)
+    while start > 0 and window[start - 1] >= line:
+        start -= 1
+    if start == len(window):
+        return None
+    logs = [math.log(v) for v in window[start:]]
+    # lower medians: the plain median of an even count averages a spike with the level
+    recent = logs[len(logs) // 2 :]
+    centre = _low_median(recent)
+    spread = max(cfg.run_band_floor, 1.4826 * _low_median([abs(v - centre) for v in recent]))
+    lb = math.log(baseline)
+    step = centre - lb  # ln(L) > 0: every iteration of the run is over the line
+    width = min(cfg.run_band_sigmas * spread, 0.5 * step)
+    top, bottom = centre + width, max(centre - width, lb + cfg.run_band_sigmas * healthy_spread)
+    at_level = [k for k, v in enumerate(logs) if bottom <= v <= top]
+    if not at_level:
+        return None
+    first, last = at_level[0], at_level[-1]
+    clear = lb + cfg.run_band_sigmas * healthy_spread
+    weight = float(last - first + 1)
+    for v in logs[:first]:
+        if clear <= v <= top:  # over the level: a spike glued to the front counts nothing
+            weight += min(1.0, (v - lb) / step)
+    return SlowRun(start + first, weight, math.exp(step), spread)
+
+
+def log_spread(values: Sequence[float], centre: float | None = None) -> float:
+    """Robust standard deviation of log(values) around ``centre`` (their median if None):
+    1.4826 x the median absolute deviation, which is sigma for normal noise."""
+    logs = [math.log(v) for v in values]
+    if centre is None:
+        centre = median(logs)
+    return 1.4826 * median([abs(v - centre) for v in logs])
 
 
 def best_split(values: Sequence[float], before: float, after: float) -> int:
@@ -84,6 +206,17 @@ def is_recovered(baseline: float, post: Sequence[float], cfg: FalconConfig, befo
 
 
 # -- the online detector ------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Watch:
+    """The stretch around recent BOCD candidates, checked every iteration for a slow run."""
+
+    first: int  #: first index of the stretch (a little before the first candidate)
+    until: int  #: last iteration to watch it
+    baseline: float  #: median of the healthy iterations before it
+    spread: float  #: their robust log standard deviation
+    samples: list[float]  #: those healthy iterations
+
+
 class VerifiedBOCD:
     """BOCD+V, online. Feed iteration times; get events when confirmed, raised or ended."""
 
@@ -106,6 +239,8 @@ class VerifiedBOCD:
         self._open: FailSlowEvent | None = None
         self._healthy_from = 0  # first index after the last event
         self._prev_healthy: list[float] = []  # baseline samples from before the last event
+        # the stretch around recent candidates watched every iteration for a slow run:
+        self._watch: _Watch | None = None
 
     @property
     def events(self) -> list[FailSlowEvent]:
@@ -129,6 +264,13 @@ class VerifiedBOCD:
             if start is not None and start != self._last_candidate and start >= self._healthy_from:
                 self._last_candidate = start
                 self._pending.setdefault(start, 0)
+                if self._open is None:
+                    self._watch_from(start, i)
+
+        if self._open is None and self._watch is not None:
+            ev = self._check_run(i)
+            if ev is not None:
+                changed.append(ev)
 
         due = [c for c, k in self._pending.items() if i == c + (k + 1) * cfg.min_duration - 1]
         # newest first: when an older candidate's longer retry window and a newer
@@ -161,6 +303,39 @@ class VerifiedBOCD:
             samples = self._prev_healthy[-(want - len(samples)) :] + samples
         return samples
 
+    def _watch_from(self, c: int, i: int) -> None:
+        """Watch the iterations from just before candidate ``c`` for a sustained slow run."""
+        cfg = self.cfg
+        until = c + cfg.run_watch_factor * cfg.min_duration - 1
+        if self._watch is not None and i <= self._watch.until:
+            # the same stretch: keep the baseline from before its first candidate
+            self._watch = replace(self._watch, until=max(until, self._watch.until))
+            return
+        # BOCD's start may be late (a slow ramp) or early (a spike): look a little back
+        lo = max(c - cfg.bocd_recent_window, self._healthy_from, self._hist0)
+        pre = self._healthy_before(lo)
+        if len(pre) < cfg.min_baseline:
+            return
+        self._watch = _Watch(lo, until, median(pre), log_spread(pre), pre)
+
+    def _check_run(self, i: int) -> FailSlowEvent | None:
+        """Confirm a fail-slow when the watched stretch ends with a long enough slow run."""
+        w = self._watch
+        assert w is not None
+        cfg = self.cfg
+        if i > w.until:
+            self._watch = None
+            return None
+        # bounded: a run longer than this has been confirmed (or rejected) already
+        lo = max(w.first, i - cfg.run_watch_factor * cfg.min_duration + 1)
+        run = trailing_run(self._window(lo, i + 1), w.baseline, cfg, w.spread)
+        if run is None or run.weight < run_needed(run, cfg):
+            return None
+        self._watch = None
+        self._prev_healthy = w.samples
+        self._open = self._book.open(lo + run.offset, i, run.level, w.baseline)
+        return self._open
+
     def _check_candidate(self, c: int, checked: int, i: int) -> FailSlowEvent | None:
         cfg = self.cfg
         post = self._window(c, i + 1)
@@ -169,7 +344,10 @@ class VerifiedBOCD:
             if len(pre) < cfg.min_baseline:
                 return None
             base = median(pre)
-            level = slow_level(base, post, cfg)
+            # the first window is the slow run's (watched every iteration); chunk medians
+            # judge only the longer windows of noisy candidates, where a burst cannot fill
+            # every chunk
+            level = slow_level(base, post, cfg) if checked > 0 else None
             if level is None:
                 if checked < self.retries and median(post) >= base * (1.0 + cfg.min_slowdown):
                     self._pending[c] = checked + 1
