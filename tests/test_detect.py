@@ -11,7 +11,16 @@ from falconext.config import ConfigError, FalconConfig
 from falconext.detect import METHODS, InvalidSample, UnknownMethod, detect, make_detector
 from falconext.detect.bocd import BOCD
 from falconext.detect.evaluate import score_trace, summarize
-from falconext.detect.verify import VerifiedBOCD, best_split, chunk_levels, is_recovered, slow_level
+from falconext.detect.verify import (
+    SlowRun,
+    VerifiedBOCD,
+    best_split,
+    chunk_levels,
+    is_recovered,
+    run_needed,
+    slow_level,
+    trailing_run,
+)
 from falconext.sim.traces import generate_traces
 
 
@@ -200,7 +209,7 @@ def trace_set():
     return generate_traces(45, "mixed", seed=11, n=1500)
 
 
-def test_bocdv_beats_both_baselines(trace_set):
+def test_bocdv_beats_the_baselines(trace_set):
     summaries = {}
     for method in METHODS:
         scores = [score_trace(detect(t.iter_times, method), t.events) for t in trace_set]
@@ -210,6 +219,11 @@ def test_bocdv_beats_both_baselines(trace_set):
     for base in ("bocd", "slide-window"):
         assert v.accuracy > summaries[base].accuracy
         assert v.false_alarms < summaries[base].false_alarms
+    # persistence: at least as accurate, no more false alarms, and sooner
+    p = summaries["persistence"]
+    assert v.accuracy >= p.accuracy and v.fpr <= p.fpr
+    assert v.median_delay is not None and p.median_delay is not None
+    assert v.median_delay <= 12 and v.median_delay < p.median_delay
 
 
 def test_generator_labels_match_series(trace_set):
@@ -262,3 +276,122 @@ def test_persistence_ignores_a_burst_shorter_than_k_and_restarts_its_count_on_a_
     x[400 + k - 2] /= 1.5  # healthy once inside: the count starts again after it
     (ev,) = detect(x, "persistence")
     assert ev.onset == 400 + k - 1 and ev.detected_at == 400 + 2 * k - 2
+
+
+# -- the slow-run rule (issue 14): size buys speed only where no healthy burst reaches ----
+def confirmation_delay(x, onset: int) -> int | None:
+    """Iterations from ``onset`` to the first event BOCD+V confirms (None: no event)."""
+    det = VerifiedBOCD()
+    for i, v in enumerate(x):
+        for ev in det.feed(float(v)):
+            if ev.end is None and ev.detected_at == i:
+                return i - onset
+    return None
+
+
+def run_of(values, healthy_spread: float = 0.01) -> SlowRun | None:
+    return trailing_run([1.0] * 5 + list(values), 1.0, FalconConfig(), healthy_spread)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_clean_2x_step_is_confirmed_in_fewer_than_10_iterations(seed):
+    x = healthy(800, seed=seed)
+    x[300:600] *= 2.0
+    delay = confirmation_delay(x, 300)
+    assert delay is not None and delay < 10  # 9 iterations at 2x: delay 8
+    (ev,) = detect(x)
+    assert ev.onset == 300 and ev.detected_at - 300 == delay
+
+
+@pytest.mark.parametrize("factor", [1.15, 1.3, 1.5, 1.8])
+def test_a_step_up_to_the_burst_level_needs_min_duration(factor):
+    """Healthy bursts last up to 10 iterations at up to 1.8x: such steps wait 11."""
+    x = healthy(800, seed=9)
+    x[300:600] *= factor
+    assert confirmation_delay(x, 300) == FalconConfig().min_duration - 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("factor", [1.2, 1.5, 1.8, 1.85])
+def test_a_10_iteration_burst_is_not_a_fail_slow(seed, factor):
+    x = healthy(600, seed=20 + seed)
+    x[300:310] *= factor
+    assert detect(x) == []
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_burst_with_a_noisy_or_spiky_neighbour_is_not_a_fail_slow(where):
+    """Ten iterations at 1.4x and one more over the 10% line, but not at the burst's
+    level (healthy noise at 1.12x, a 2.5x spike): the 11th does not count."""
+    for neighbour in (1.12, 1.25, 2.5):
+        x = healthy(600, seed=31, sigma=0.01)
+        x[300:310] *= 1.4
+        x[299 if where == "before" else 310] *= neighbour
+        assert detect(x) == [], neighbour
+
+
+def test_a_spike_cluster_glued_to_a_burst_is_not_a_fail_slow():
+    """Seen in generated healthy traces: 9 iterations at 1.6x then 3 spikes (4.7x, 3x),
+    and 5 spike iterations at 4x before a burst: 12 and 10 iterations over the line."""
+    x = healthy(800, seed=32, sigma=0.015)
+    x[300:309] *= 1.6
+    x[309:312] *= [4.7, 3.0, 3.0]
+    x[500:505] *= 4.0
+    x[505:510] *= 1.75
+    assert detect(x) == []
+
+
+def test_a_ramped_fail_slow_counts_its_ramp_in_part():
+    """A congestion ramp (1.25, 1.5, 1.75) before a 2x plateau is part of the evidence:
+    confirmed sooner than the plateau alone would allow, and the onset is the ramp's."""
+    x = healthy(800, seed=33)
+    x[300:303] *= [1.25, 1.5, 1.75]
+    x[303:600] *= 2.0
+    delay = confirmation_delay(x, 300)
+    plateau_alone = 9 + 3 - 1  # nine plateau iterations after a three-iteration ramp
+    assert delay is not None and delay < plateau_alone
+    (ev,) = detect(x)
+    assert 300 <= ev.onset <= 302
+
+
+def test_a_spike_inside_a_fail_slow_neither_breaks_nor_delays_it():
+    x = healthy(800, seed=34, sigma=0.01)
+    x[300:600] *= 1.3
+    x[304:307] *= 3.0  # a checkpoint save during the fail-slow
+    assert confirmation_delay(x, 300) == FalconConfig().min_duration - 1
+
+
+def test_run_needed_shrinks_with_the_step_above_the_floor_only():
+    cfg = FalconConfig()
+    clean = dict(offset=0, weight=0.0, spread=0.02)
+    needed = {level: run_needed(SlowRun(level=level, **clean), cfg) for level in (1.2, 1.5, 1.9, 2.0, 2.5, 4.0)}
+    assert needed == {1.2: 11, 1.5: 11, 1.9: 11, 2.0: 9, 2.5: 7, 4.0: 7}
+    # a noisy "step" (a burst with spikes glued to it) waits the full min_duration
+    assert run_needed(SlowRun(0, 0.0, 2.5, 0.3), cfg) == cfg.min_duration
+    # without the early path every step waits min_duration
+    assert run_needed(SlowRun(level=2.5, **clean), cfg.replace(fast_confirm_floor=100.0)) == cfg.min_duration
+
+
+def test_trailing_run_counts_from_the_first_to_the_last_iteration_at_the_level():
+    run = run_of([1.4] * 10)
+    assert (run.offset, run.weight) == (5, 10.0) and run.level == pytest.approx(1.4)
+    # a spike or a noisy iteration at either end: not at the level, not counted
+    for edge in (1.12, 2.5):
+        assert run_of([1.4] * 10 + [edge]).weight == 10.0
+    assert run_of([2.5] + [1.4] * 10).weight == 10.0
+    # before the run, 1.12 may be a ramp: it counts the part of the way it rose, < 1
+    assert run_of([1.12] + [1.4] * 10).weight == pytest.approx(10 + math.log(1.12) / math.log(1.4))
+    # inside the run they are the fail-slow
+    assert run_of([1.4] * 4 + [3.0, 1.15] + [1.4] * 4).weight == 10.0
+    # a ramp counts the fraction of the way it rose
+    ramp = run_of([2.0**0.5] + [2.0] * 8)
+    assert ramp.offset == 5 and ramp.weight == pytest.approx(8.5)
+    # iterations within healthy noise of the baseline count nothing, even at the level
+    assert run_of([1.12] + [1.4] * 10, healthy_spread=0.04).weight == 10.0
+    assert run_of([1.15] * 10 + [1.12], healthy_spread=0.01).weight == 11.0
+    assert run_of([1.15] * 10 + [1.12], healthy_spread=0.04).weight == 10.0
+    # the level is where the run is now: its newer half, not a long ramp before it
+    ramped = run_of([1.3] * 6 + [2.0] * 5)
+    assert ramped.level == pytest.approx(2.0)
+    assert ramped.weight == pytest.approx(5 + 6 * math.log(1.3) / math.log(2.0))
+    assert run_of([1.0] * 3) is None and run_of([1.4, 1.05]) is None

@@ -85,7 +85,7 @@ def slow_level(baseline: float, post: Sequence[float], cfg: FalconConfig) -> flo
 class SlowRun:
     """The slow run a window ends with (see :func:`trailing_run`)."""
 
-    offset: int  #: index in the window of its first iteration at its level
+    offset: int  #: index in the window of its first counted iteration (a ramp's first)
     weight: float  #: its duration: iterations at its level, plus part credit (see there)
     level: float  #: median / baseline
     spread: float  #: robust standard deviation of its iterations' logs around the level
@@ -153,10 +153,12 @@ def trailing_run(
     first, last = at_level[0], at_level[-1]
     clear = lb + cfg.run_band_sigmas * healthy_spread
     weight = float(last - first + 1)
-    for v in logs[:first]:
+    onset = first
+    for k, v in enumerate(logs[:first]):
         if clear <= v <= top:  # over the level: a spike glued to the front counts nothing
             weight += min(1.0, (v - lb) / step)
-    return SlowRun(start + first, weight, math.exp(step), spread)
+            onset = min(onset, k)
+    return SlowRun(start + onset, weight, math.exp(step), spread)
 
 
 def log_spread(values: Sequence[float], centre: float | None = None) -> float:
