@@ -395,3 +395,13 @@ def test_trailing_run_counts_from_the_first_to_the_last_iteration_at_the_level()
     assert ramped.level == pytest.approx(2.0)
     assert ramped.weight == pytest.approx(5 + 6 * math.log(1.3) / math.log(2.0))
     assert run_of([1.0] * 3) is None and run_of([1.4, 1.05]) is None
+
+
+def test_a_fail_slow_soon_after_the_series_begins_is_confirmed_as_soon():
+    """In a live job the series starts after the tracker's warm-up, and a fault may come
+    25 iterations later: too few iterations before BOCD's look-back for a baseline there,
+    so it comes from before the candidate, and the run is confirmed at min_duration (a
+    replayed 4-rank training run once waited for the 22-iteration chunk check instead)."""
+    x = healthy(300, seed=35, sigma=0.02)
+    x[24:] *= 1.5
+    assert confirmation_delay(x, 24) == FalconConfig().min_duration - 1

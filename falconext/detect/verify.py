@@ -313,9 +313,13 @@ class VerifiedBOCD:
             # the same stretch: keep the baseline from before its first candidate
             self._watch = replace(self._watch, until=max(until, self._watch.until))
             return
-        # BOCD's start may be late (a slow ramp) or early (a spike): look a little back
+        # BOCD's start may be late (a slow ramp) or early (a spike): look a little back,
+        # and take the baseline from before that, unless too few iterations precede it
+        # (a fail-slow soon after the series began): then from before the candidate
         lo = max(c - cfg.bocd_recent_window, self._healthy_from, self._hist0)
         pre = self._healthy_before(lo)
+        if len(pre) < cfg.min_baseline:
+            pre = self._healthy_before(c)
         if len(pre) < cfg.min_baseline:
             return
         self._watch = _Watch(lo, until, median(pre), log_spread(pre), pre)
