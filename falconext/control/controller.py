@@ -573,7 +573,12 @@ class Controller:
         """The action's suspension is over: applied on every rank, or on none."""
         action, self._action = self._action or {}, None
         acks = self._acks.get("resumed", {})
-        committed = set(acks) >= self.ranks() and all(a.committed for a in acks.values())
+        # A rank commits only past a barrier that every rank must enter (Suspension._agree),
+        # so one rank's "committed" means all committed: a lost ack must not turn an action
+        # applied everywhere into a failure in the controller's books (seen under chaos).
+        committed = bool(acks) and all(a.committed for a in acks.values()) and (
+            set(acks) >= self.ranks() or self._go_sent)
+        unheard = sorted(self.ranks() - set(acks))
         self._deadline = math.inf
         out = [self._set(State.TRACKING, now, mitigated=committed)]
         ep = self.episode
@@ -600,7 +605,8 @@ class Controller:
         out.append(_event("mitigation", strategy=strategy, session=self.session, iteration=effective,
                           pause_s=round(pause, 4), overhead_s=round(overhead, 4),
                           impact_s=None if mit is None else round(mit.planner.impact_s, 4),
-                          trigger="operator" if d is None else "planner", **fields))
+                          trigger="operator" if d is None else "planner",
+                          **({"acks_lost": unheard} if unheard else {}), **fields))
         if mit is not None and d is not None and d.action == "apply":
             mit.applied.append({"strategy": strategy, "iteration": effective})
             again = mit.planner.applied(strategy, effective, overhead)
