@@ -58,7 +58,7 @@ def scenario(tmp_path_factory):
     out = tmp_path_factory.mktemp("control") / "run"
     redis = start_redis()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FALCON_REDIS_URL=redis.url, FALCON_JOB=JOB)
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", "4", "--pp", "2", "--iters", "110",
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--no-report", "--nproc", "4", "--pp", "2", "--iters", "110",
            "--device-gflops", "4",
            "--out", str(out), "--falcon-suspend-deadline-s", str(DEADLINE_S)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

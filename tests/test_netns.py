@@ -283,7 +283,7 @@ def test_cleanup_stale_removes_what_a_killed_run_left() -> None:
 
 
 def train_cmd(out: Path, *extra: str, nproc: int = 4, ranks_per_node: int = 2) -> list[str]:
-    return [sys.executable, "-m", "falconext.cli", "train", "--device", "cpu", "--net", "netns", "--nproc", str(nproc),
+    return [sys.executable, "-m", "falconext.cli", "train", "--no-report", "--device", "cpu", "--net", "netns", "--nproc", str(nproc),
             "--ranks-per-node", str(ranks_per_node), "--tp", "1", "--pp", "2", "--global-batch-size", "8",
             "--micro-batch-size", "1", "--out", str(out), *extra]
 
@@ -351,7 +351,7 @@ def test_a_congested_node_link_is_localized_and_s3_moves_the_pipeline_off_it(tmp
     out = tmp_path / "run"
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps([{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": 45}]))
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--device", "emulated", "--net", "netns", "--nproc", "4",
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--no-report", "--device", "emulated", "--net", "netns", "--nproc", "4",
            "--ranks-per-node", "2", "--tp", "1", "--pp", "2", "--layers", "2", "--hidden", "32", "--seq-len", "256",
            "--global-batch-size", "16", "--micro-batch-size", "1", "--link-bandwidth", "5e6", "--iters", "100",
            "--falcon-mitigation-strategies", "S3", "--inject", str(faults), "--out", str(out)]
