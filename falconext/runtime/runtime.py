@@ -346,11 +346,15 @@ class FalconRuntime:
             return self._schedule_by_calls(cmd, session, plan)
         if self._iteration >= cmd.iteration or not self._enabled:
             return self._iteration
-        sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
-                         commit=self._commit, resend_s=self.cfg.heartbeat_s)
+        sus = self._suspension(cmd, session, plan)
         with self._lock:
             self._pending = sus
         return None
+
+    def _suspension(self, cmd: Command, session: int, plan: dict[str, Any]) -> Suspension:
+        """This rank's side of the suspension ``cmd`` asks for (either way of trapping)."""
+        return Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
+                          commit=self._commit, resend_s=self.cfg.heartbeat_s)
 
     def _schedule_by_calls(self, cmd: Command, session: int, plan: dict[str, Any]) -> int | None:
         """No loop hooks: trap the first call of ``cmd.iteration`` as this rank's calls
@@ -359,8 +363,7 @@ class FalconRuntime:
         target = self.monitor.first_seq_of(cmd.iteration)
         if target is None or target <= trap.seen + 1 or not self._enabled or trap.held:
             return self.monitor.tracked
-        sus = Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
-                         commit=self._commit, resend_s=self.cfg.heartbeat_s)
+        sus = self._suspension(cmd, session, plan)
         self._active = sus
         self.suspensions.append(sus)
         trap.arm(self.cfg.suspend_deadline_s, on_hold=sus.run, at_seq=target)

@@ -25,6 +25,7 @@ from statistics import median
 from typing import Any
 
 from falconext.inputs import InputError
+from falconext.testbed.report import read_events
 
 FIGURES = ("iterations.png", "scores.png", "plan.png")
 
@@ -45,11 +46,7 @@ def read_run(out: str) -> dict[str, Any]:
     try:
         with open(os.path.join(out, "run.json")) as f:
             run = json.load(f)
-        events = []
-        with open(os.path.join(out, "events.jsonl")) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    events.append(json.loads(line))
+        events = read_events(out)
         summary = {}
         if os.path.exists(os.path.join(out, "summary.json")):
             with open(os.path.join(out, "summary.json")) as f:
