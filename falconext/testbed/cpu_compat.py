@@ -12,11 +12,17 @@ essential to what the schedules compute, so on CPU (and only there: ``--device c
   seeds the CPU generator.
 
 Everything else runs unmodified. ``enable()`` is idempotent; ``disable()`` undoes it.
+
+``enable()`` imports megatron-core itself when nothing has yet (:func:`import_megatron_core`),
+without compiling the few fusion kernels it decorates with ``torch.compile`` at import
+time: on CPU they are never called with this layer's configuration, and preparing them
+costs each rank 1.2 s of CPU (torch's dynamo and inductor) before its first iteration.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch
@@ -50,10 +56,33 @@ class _CudaToCpu(TorchFunctionMode):
 _state: dict[str, Any] = {}
 
 
+def _no_compile(model: Any = None, **_: Any) -> Any:
+    """``torch.compile`` while megatron-core is imported: the function, unchanged (also
+    in the decorator-factory form ``torch.compile(**options)``)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron_core() -> None:
+    """Import megatron-core with ``torch.compile`` a no-op during the import only, so the
+    functions it decorates at import time (its ``jit_fuser``) stay plain Python: same
+    results, and no dynamo/inductor import. Nothing is done when megatron-core is already
+    imported; ``torch.compile`` is restored whatever the import raises."""
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _no_compile  # type: ignore[assignment]
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_  # type: ignore[assignment]
+
+
 def enable() -> None:
-    """Apply the CPU compatibility layer to this process (idempotent)."""
+    """Apply the CPU compatibility layer to this process (idempotent); imports
+    megatron-core first if nothing has (:func:`import_megatron_core`)."""
     if _state:
         return
+    import_megatron_core()
     from megatron.core.tensor_parallel import random as mrandom
 
     mode = _CudaToCpu()

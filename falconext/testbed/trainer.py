@@ -155,16 +155,16 @@ class Trainer:
 
 
 def init_distributed(opts: TrainOptions) -> None:
-    from megatron.core import parallel_state as ps
-
     if opts.device in ("cpu", "emulated"):
         from falconext.testbed import cpu_compat
 
-        cpu_compat.enable()
+        cpu_compat.enable()  # first: it imports megatron-core the cheap way on CPU
         backend = "gloo"
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
+    from megatron.core import parallel_state as ps
+
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend=backend)
     world = torch.distributed.get_world_size()
