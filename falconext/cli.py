@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
 from falconext.config import ConfigError, add_config_arguments, config_from_args
-from falconext.detect import METHODS, UnknownMethod, detect
+from falconext.detect import METHOD_NAMES, UnknownMethod, detect
 from falconext.detect.evaluate import TraceScore, score_trace, summarize
 from falconext.detect.itertime import iteration_times_by_rank
 from falconext.detect.series_io import read_series
@@ -37,9 +37,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _method(value: str) -> str:
-    if value not in METHODS:
+    if value not in METHOD_NAMES:
         raise argparse.ArgumentTypeError(
-            f"unknown method {value!r} (choose from {', '.join(METHODS)})"
+            f"unknown method {value!r} (choose from {', '.join(METHOD_NAMES)})"
         )
     return value
 
@@ -144,7 +144,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     unlabelled = [s.id for s in data.series if s.labels is None]
     if unlabelled:
         raise InputError(f"{args.traces}: every line needs 'events' labels (missing on id {unlabelled[0]!r})")
-    methods = args.method or list(METHODS)
+    methods = args.method or list(METHOD_NAMES)
     groups = sorted({s.kind for s in data.series if s.kind})
     report: dict[str, dict] = {}
     jobs = [(s.iter_times, m, cfg, s.labels or [], args.tolerance) for m in methods for s in data.series]

@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     if device is None and faults:
         bw = args.link_bandwidth or faults_mod.DEFAULT_LINK_BANDWIDTH
         injected = [f for f in faults if f.kind != "link"] if shaper is not None else faults
-        injector = faults_mod.FaultInjector(injected, rank, args.ranks_per_node, bw)
+        from falconext.testbed.injector import FaultInjector
+
+        injector = FaultInjector(injected, rank, args.ranks_per_node, bw)
         injector.install()  # below the tracer: injected delays look like slow transfers
 
     loop_starts: list[float] = []

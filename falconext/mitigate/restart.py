@@ -26,8 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
+# torch and numpy are imported where a checkpoint is made or read: the launcher reads
+# restart requests with this module before anything else needs torch
+
 
 RESTART_FILE = "restart.json"
 #: the launcher's wall clock when it started torchrun: a rank's start-up, part of S4's
@@ -61,6 +62,9 @@ def shard_path(directory: str, rank: int) -> str:
 
 
 def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
     state = {
         "torch": torch.get_rng_state(),
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
@@ -75,6 +79,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((int(version), tuple(int(v) for v in internal), gauss))
@@ -124,6 +131,8 @@ def restore_payload(payload: Any, where: str, rank: int, layout: dict[str, int],
 
 
 def payload_to_bytes(payload: dict[str, Any]) -> bytes:
+    import torch
+
     buf = io.BytesIO()
     torch.save(payload, buf)
     return buf.getvalue()
@@ -137,6 +146,8 @@ def payload_from_bytes(data: bytes, where: str) -> Any:
 def save_shard(directory: str, rank: int, layout: dict[str, int], iteration: int, model: Any, optimizer: Any,
                extra: dict[str, Any] | None = None) -> float:
     """Write this rank's shard; returns the seconds it took."""
+    import torch
+
     t0 = time.perf_counter()
     os.makedirs(directory, exist_ok=True)
     payload = state_payload(rank, layout, iteration, model, optimizer, extra)
@@ -160,6 +171,8 @@ def _read(path: str) -> Any:
 
 
 def _load(source: Any, where: str, kind: str) -> Any:
+    import torch
+
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:
