@@ -144,6 +144,21 @@ def pp2_reference(jobs: JobCache) -> Path:
     return jobs.train(*PP2_JOB, "--iters", str(PP2_REFERENCE_ITERS), "--no-falcon")
 
 
+#: the forced PP2 job: an uneven plan from the start, and a 4-cycle of roles at iteration 10
+FORCED_PLAN, FORCED_SWITCH_AT, FORCED_ROLES = [3, 5], 10, [1, 2, 3, 0]
+
+
+def forced_pp2_job(jobs: JobCache) -> Path:
+    """PP2_JOB for 20 iterations on the CPU bed with both of an operator's forced changes:
+    replicas 0 and 1 run 3 and 5 micro-batches (--falcon-force-microbatches) and, at
+    iteration 10, every process hands its role on (--falcon-force-topology); falconext
+    traces and tracks throughout, automatic mitigation off. test_switch's live switch and
+    test_mitigation_e2e's uneven 1F1B plan, both against the shared PP2 reference."""
+    return jobs.train(*PP2_JOB, "--iters", "20", "--falcon-mitigation", "false",
+                      "--falcon-force-microbatches", ",".join(map(str, FORCED_PLAN)),
+                      "--falcon-force-topology", f"{FORCED_SWITCH_AT}:{','.join(map(str, FORCED_ROLES))}")
+
+
 #: TP2 x DP1 x PP2 on two nodes of two ranks (a TP group within a node)
 TP2_PP2_JOB = ("--tp", "2", "--pp", "2", "--ranks-per-node", "2")
 TP2_PP2_REFERENCE_ITERS = 10

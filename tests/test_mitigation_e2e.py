@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 from jobs import (
-    PP2_JOB,
     S2_FAULT_START,
     S2_ITERS,
     assert_same_trajectory,
     events,
+    forced_pp2_job,
     launch,
     losses,
     pp2_reference,
@@ -120,9 +120,19 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
     assert summary["mitigation"]["restarts"][0]["downtime_s"] > 0
 
 
-def test_forced_uneven_plan_learns_the_same_dp2_pp2(tmp_path, jobs):
-    forced = train(tmp_path / "forced", *PP2_JOB, "--iters", "20", "--no-falcon", "--falcon-force-microbatches", "3,5")
+def test_forced_uneven_plan_learns_the_same_dp2_pp2(jobs):
+    """A 3,5 plan under 1F1B (the run also switches roles at iteration 10: tests/jobs.py)."""
+    forced = forced_pp2_job(jobs)
     assert_same_trajectory(losses(forced), losses(pp2_reference(jobs)), 20)
+    # the plan was in force: a replica's call period grows with its micro-batches, so
+    # each stage's replica 1 (5 micro-batches) repeats later than its replica 0 (3)
+    first: dict[int, int] = {}
+    for e in events(forced, "period"):
+        first.setdefault(e["rank"], e["period"])
+    topo = json.loads((forced / "run.json").read_text())["topology"]["ranks"]
+    for stage in (0, 1):
+        by_replica = {r["dp_rank"]: first[r["rank"]] for r in topo if r["pp_rank"] == stage}
+        assert by_replica[0] < by_replica[1], (stage, by_replica)
 
 
 def test_forced_plan_must_fit_the_job(tmp_path):
