@@ -135,7 +135,7 @@ def calls_only_job(jobs: JobCache) -> Path:
 
 #: TP1 x DP2 x PP2 on four one-rank nodes, 16 samples per global batch
 PP2_JOB = ("--pp", "2", "--global-batch-size", "16", "--ranks-per-node", "1")
-PP2_REFERENCE_ITERS = 130
+PP2_REFERENCE_ITERS = 105  # the longest run compared with it: test_topology_e2e's
 
 
 def pp2_reference(jobs: JobCache) -> Path:

@@ -41,7 +41,9 @@ from jobs import (
 )
 
 FAULT_START = 45
-S4_JOB = ("--iters", "130", "--global-batch-size", "24", "--micro-batch-size", "2")
+#: S4 restarts near iteration 77; 33 iterations after it measure the healthy speed again
+S4_ITERS = 110
+S4_JOB = ("--iters", str(S4_ITERS), "--global-batch-size", "24", "--micro-batch-size", "2")
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +112,9 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
     assert (out / "restart-1.json").exists() and not (out / "restart.json").exists()
     kept = json.loads((out / "faults-r1.json").read_text())
     assert kept == []  # the replaced node has no fault
-    assert_same_trajectory(losses(out), losses(runs["ref"]), 130)
+    assert_same_trajectory(losses(out), losses(runs["ref"]), S4_ITERS)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["iterations"] == 130
+    assert summary["iterations"] == S4_ITERS
     # back to its healthy speed without the faulty node (on the CPU bed a fault-free run
     # itself moved between 0.24 and 0.36 s per iteration, and this was loosened to
     # "removed >= 0.65"; devices that keep their speed measured 1.01x)
