@@ -139,7 +139,7 @@ PP2_REFERENCE_ITERS = 105  # the longest run compared with it: test_topology_e2e
 
 
 def pp2_reference(jobs: JobCache) -> Path:
-    """PP2_JOB undisturbed for 130 iterations on the CPU bed: the reference of the S3
+    """PP2_JOB undisturbed for PP2_REFERENCE_ITERS iterations on the CPU bed: the reference of the S3
     runs, of forced topology switches and of forced uneven micro-batch plans."""
     return jobs.train(*PP2_JOB, "--iters", str(PP2_REFERENCE_ITERS), "--no-falcon")
 
