@@ -174,6 +174,8 @@ def test_fault_is_localized_in_job(runs, name, gpus, links):
     world = json.loads((runs[name] / "run.json").read_text())["topology"]["world"]
     assert sorted(e["rank"] for e in held) == list(range(world))
     assert {e["outcome"] for e in held} == {"validated"}
+    if name == "link":  # the P2P passes ran on the job's fabric (NCCL on GPUs: tests/test_gpu.py)
+        assert {e.get("fabric") for e in held} == {"gloo:cpu"}, held
     assert len({e["iteration"] for e in held}) == 1  # one boundary for everyone
     states = [e["new"] for e in events(runs[name], "controller_state")]
     assert states[:3] == ["profiling", "validating", "tracking"]

@@ -106,10 +106,10 @@ class FalconRuntime:
         url = redis_url or os.environ.get(REDIS_URL_ENV) or None
         self.control = bool(config.control_plane and url)
         self._vgroup = None
+        self._bgroup = None
         if self.control:
-            # every rank creates it, even one whose Redis is unreachable: new_group is collective
-            timeout = datetime.timedelta(seconds=max(10.0, 2 * config.suspend_deadline_s))
-            self._vgroup = torch.distributed.new_group(backend="gloo", timeout=timeout)
+            # every rank creates them, even one whose Redis is unreachable: new_group is collective
+            self._new_groups()
 
         self.tracer = CallTracer(rank, roles=megatron_roles(), cuda_events=device == "cuda")
         self.tracer.install()
@@ -275,9 +275,24 @@ class FalconRuntime:
         training traffic and must not enter the call log."""
         return {name: self.tracer.original(name) for name in ("all_gather", "all_reduce", "isend", "irecv")}
 
+    def bench_group(self) -> Any:
+        """The group P2P validation sends over: NCCL on GPUs, the gloo group on CPU (None
+        without a control plane: the default group)."""
+        return self._bgroup
+
+    def _new_groups(self) -> None:
+        """The groups a suspension uses, bounded by a timeout from the config: gloo for the
+        agreement, and for the P2P benchmark the job's own fabric (NCCL on GPUs: gloo's CPU
+        tensors would measure the host network, not the links training uses)."""
+        timeout = datetime.timedelta(seconds=max(10.0, 2 * self.cfg.suspend_deadline_s))
+        self._vgroup = torch.distributed.new_group(backend="gloo", timeout=timeout)
+        self._bgroup = (torch.distributed.new_group(backend="nccl", timeout=timeout)
+                        if self._device == "cuda" else self._vgroup)
+
     def before_switch(self) -> None:
-        """The world group is about to be re-created: the validation group dies with it."""
+        """The world group is about to be re-created: the validation groups die with it."""
         self._vgroup = None
+        self._bgroup = None
 
     def after_switch(self, replica: int, pause_s: float) -> None:
         """Runs on every process right after the new world group exists (collective)."""
@@ -286,8 +301,7 @@ class FalconRuntime:
         self._mb_s.clear()  # the new role's compute is another stage's
         self.tracer.forget_groups()
         if self.control:
-            timeout = datetime.timedelta(seconds=max(10.0, 2 * self.cfg.suspend_deadline_s))
-            self._vgroup = torch.distributed.new_group(backend="gloo", timeout=timeout)
+            self._new_groups()
 
     def close(self) -> None:
         self.tracer.trap.release()
@@ -413,7 +427,9 @@ class FalconRuntime:
         tr = self.tracer
         send, recv, barrier = tr.original("send"), tr.original("recv"), tr.original("barrier")
         group = self._vgroup
-        sync = torch.cuda.synchronize if self._device == "cuda" else None
+        on_gpu = self._device == "cuda"
+        sync = torch.cuda.synchronize if on_gpu else None
+        device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
 
         def gemm(n: int, repeats: int) -> float:
             # the best repeat, not the median: on a shared host, time-slicing only ever
@@ -424,8 +440,11 @@ class FalconRuntime:
         def passes(schedule: list, nbytes: int, repeats: int, concurrency: int) -> list:
             # the plan names processes; send/recv take torch ranks (different after S3)
             ranked = [[(to_rank(a), to_rank(b)) for a, b in p] for p in schedule]
-            found = run_passes(ranked, to_rank(self.rank), nbytes, repeats, group=group, send=send, recv=recv,
-                               barrier=barrier, concurrency=concurrency)
+            # on the job's fabric: NCCL and device tensors on GPUs (bench_group), gloo on CPU
+            found = run_passes(ranked, to_rank(self.rank), nbytes, repeats, group=self.bench_group(), send=send,
+                               recv=recv, barrier=barrier, concurrency=concurrency, device=device, sync=sync)
             return [(to_process(a), to_process(b), sec) for a, b, sec in found]
 
-        return Bench(gemm, passes, lambda: barrier(group=group))
+        bgroup = self.bench_group()
+        backend = torch.distributed.get_backend(bgroup) if torch.distributed.is_initialized() else "none"
+        return Bench(gemm, passes, lambda: barrier(group=group), fabric=f"{backend}:{device}")

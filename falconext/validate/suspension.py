@@ -31,6 +31,8 @@ class Bench:
     gemm: Callable[[int, int], float]  # (n, repeats) -> FLOP/s
     passes: Callable[[list, int, int, int], list]  # (passes, nbytes, repeats, concurrency) -> [(src, dst, s)]
     barrier: Callable[[], None]  # over every rank, on the validation group
+    #: what the P2P passes run on, "backend:device" (gloo:cpu on the test bed, nccl:cuda:N on GPUs)
+    fabric: str = "gloo:cpu"
 
 
 class Suspension:
@@ -96,6 +98,7 @@ class Suspension:
         self.emit(
             "suspension", rank=self.rank, session=self.session, iteration=self.iteration,
             outcome=outcome, pause_s=round(self.pause_s, 4),
+            **({"fabric": self.bench.fabric} if self.plan.get("passes") and outcome == "validated" else {}),
             **({"committed": self.committed} if "action" in self.plan else {}),
         )
 
