@@ -12,6 +12,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 from falconext.config import add_config_arguments, config_from_args
@@ -97,6 +98,24 @@ def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] |
     agent.bus.close()
 
 
+def watch_parent(stop: list[bool], every_s: float = 0.5) -> threading.Thread:
+    """Set ``stop[0]`` once this process's parent (the launcher that supervises it) is
+    gone, so a launcher killed with SIGKILL leaves no controller or agent behind; checked
+    every ``every_s`` by a daemon thread, which it returns."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop[0]:
+            if os.getppid() != parent:
+                stop[0] = True
+                return
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=watch, name="falconext-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="falconext.control.service", description=__doc__.splitlines()[0])
     p.add_argument("role", choices=["controller", "agent"])
@@ -118,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    watch_parent(stop)
     if args.role == "controller":
         if not args.events:
             print("falconext.control.service: error: the controller needs --events", file=sys.stderr)
