@@ -45,10 +45,9 @@ from types import TracebackType
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from falconext.control import messages
+from falconext.control.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -223,17 +222,9 @@ class Bus:
             if bus is not None:
                 bus._new_connection = True
 
-        return redis.Redis.from_url(
-            self.url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=self.socket_timeout_s,
-            health_check_interval=0,
-            # No retries: a dead server costs one timeout per call, and the Bus's own
-            # backoff decides when to try again. (retry_on_timeout is deprecated since
-            # redis-py 6; an explicit zero-retry policy says it for every error.)
-            retry=Retry(NoBackoff(), 0),
-            redis_connect_func=on_connect,
-        )
+        # No retries: a dead server costs one timeout per call, and the Bus's own
+        # backoff decides when to try again.
+        return redis_client(self.url, socket_timeout_s, self.socket_timeout_s, on_connect)
 
     def _ready(self) -> bool:
         return self.connected or time.monotonic() >= self._retry_at

@@ -17,7 +17,8 @@ from collections import deque
 
 from falconext.config import FalconConfig
 from falconext.detect.bocd import BOCD
-from falconext.detect.events import EventBook, FailSlowEvent, check_sample, median
+from falconext.detect.events import EventBook, FailSlowEvent, check_sample
+from falconext.medians import median
 
 
 class SlideWindow:

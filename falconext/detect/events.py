@@ -108,13 +108,3 @@ class EventBook:
     @property
     def all(self) -> list[FailSlowEvent]:
         return sorted(self._events.values(), key=lambda e: (e.onset, e.id))
-
-
-def median(values: Sequence[float]) -> float:
-    """Median of a short window (a plain sort beats numpy's overhead at this size)."""
-    s = sorted(values)
-    n = len(s)
-    if n == 0:
-        raise ValueError("median of an empty window")
-    mid = n // 2
-    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])

@@ -70,10 +70,10 @@ from falconext.detect.period import (
     SymbolTable,
     chance_match,
     coarse_symbol_of,
-    find_period,
     gap_spacing,
     inner_period,
-    refine_by_gaps,
+    refine_period,
+    search_period,
     sharpen_period,
     size_agreement,
 )
@@ -413,19 +413,7 @@ class IterationTracker:
         self._queue.extendleft(reversed(range(self._window_from + start, seq + 1)))
 
     def _search(self, codes: np.ndarray, times: np.ndarray) -> int | None:
-        cfg = self.config
-        period = find_period(codes, cfg.acf_threshold, cfg.acf_min_repeats, cfg.max_period_calls)
-        if period is None:
-            return None
-        period = sharpen_period(codes, period, cfg.acf_min_repeats, cfg.max_period_calls)
-        return refine_by_gaps(
-            period,
-            times,
-            cfg.gap_profile_r2,
-            min_repeats=cfg.acf_min_repeats,
-            max_period=cfg.max_period_calls,
-            long_pause_ratio=cfg.long_pause_ratio,
-        )
+        return search_period(codes, times, self.config)
 
     def _search_without_sizes(self, coarse: np.ndarray, bits: np.ndarray, times: np.ndarray) -> int | None:
         """The period of the calls' ops and groups (``coarse`` codes), kept only when the
@@ -515,14 +503,7 @@ class IterationTracker:
             # inserted every N iterations: the break was such an insertion (LOST resyncs)
             return False
         times = self._window_times(seq + 1 - held, seq + 1)
-        longer = refine_by_gaps(
-            longer,
-            times,
-            cfg.gap_profile_r2,
-            min_repeats=cfg.acf_min_repeats,
-            max_period=cfg.max_period_calls,
-            long_pause_ratio=cfg.long_pause_ratio,
-        )
+        longer = refine_period(longer, times, cfg)
         if self._adopt(codes, times, longer, self._window_ready(seq + 1 - held, seq + 1), seq + 1 - held) is None:
             return False
         self.relocks += 1
