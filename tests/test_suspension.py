@@ -8,7 +8,7 @@ import threading
 import time
 
 from falconext.control.messages import SessionAck, ValidationResult
-from falconext.trace.hooks import Trap
+from falconext.trace.trap import Trap
 from falconext.validate.suspension import Bench, Suspension
 
 PLAN = {"gemm": [0, 1, 2], "gemm_n": 64, "gemm_repeats": 2, "gemm_concurrency": 1,

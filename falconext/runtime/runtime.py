@@ -223,7 +223,7 @@ class FalconRuntime:
         """falconext's CPU seconds on this rank so far, by component.
 
         ``hooks``: the training thread inside the tracer's wrappers, the wrapped calls
-        excluded (sampled estimate, :class:`falconext.trace.hooks.HookCost`);
+        excluded (sampled estimate, :class:`falconext.trace.cost.HookCost`);
         ``suspension``: the training thread while trapped (validation work);
         ``monitor`` and ``client``: their threads' CPU clocks; ``total``: the sum. Thread
         CPU clocks count time on a core only, never waiting or sleeping.

@@ -40,7 +40,8 @@ from falconext.testbed.device import BACKWARD_PER_FORWARD, DeviceModel, gemm_flo
 from falconext.testbed.faults import Fault, compute_factor, link_factor
 from falconext.testbed.marks import mark_layers_input, on_backward
 from falconext.trace.groups import to_process
-from falconext.trace.hooks import P2PWrapper, rebind_aliases, restore_aliases
+from falconext.trace.aliases import rebind_aliases, restore_aliases
+from falconext.trace.wrappers import P2PWrapper
 
 # record columns, per iteration
 COMPUTE_S, LINK_S, OVERRUN_S, WINDOWS, OVERRUNS, FACTOR, CLOSED = range(7)

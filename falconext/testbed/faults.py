@@ -37,7 +37,7 @@ from falconext.inputs import InputError, loads_strict, read_text
 from falconext.testbed.device import ring_hop_bytes
 from falconext.testbed.marks import mark_layers_input, marks_layers_input, on_backward
 from falconext.trace.groups import to_process
-from falconext.trace.hooks import P2PWrapper
+from falconext.trace.wrappers import P2PWrapper
 
 #: nominal bandwidth of a virtual link, bytes/s; a link fault of factor f adds
 #: (f - 1) * bytes / this to each transfer over the link
