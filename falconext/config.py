@@ -21,6 +21,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FalconConfig:
+    """Every threshold and setting of falconext, one source: the paper's values as defaults,
+    each field documented where it is declared. ``--falcon-*`` flags map onto the fields
+    (:func:`config_from_args`). Construction raises ConfigError for a value out of range."""
+
     # --- period finding (detect/period.py) -------------------------------------------
     #: first lag whose autocorrelation reaches this is the recurring period (paper: 0.95)
     acf_threshold: float = 0.95
@@ -329,6 +333,7 @@ class FalconConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name, as plain JSON-able values (run.json's ``falcon_config``)."""
         return dataclasses.asdict(self)
 
 

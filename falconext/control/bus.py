@@ -178,6 +178,7 @@ class Bus:
         return None if pos is None else _format_id(pos)
 
     def ping(self) -> bool:
+        """True when Redis answered PING now; False when it is down or refused (never raises)."""
         return bool(self._call("ping", self._client.ping, False))
 
     def beat(self, name: str, ttl_s: float) -> bool:
@@ -195,6 +196,7 @@ class Bus:
         return None if found is None else bool(found)
 
     def close(self) -> None:
+        """Close both connections (the shared and the blocking one); never raises, safe to call twice."""
         for client in (self._client, self._blocking[1] if self._blocking else None):
             if client is not None:
                 try:

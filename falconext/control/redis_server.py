@@ -54,13 +54,16 @@ class RedisServer:
 
     @property
     def pid(self) -> int | None:
+        """The server's process id, or None before :meth:`start`."""
         return self._proc.pid if self._proc is not None else None
 
     @property
     def log_path(self) -> Path | None:
+        """The server's log file, or None before :meth:`start` made its directory."""
         return self._dir / LOG_NAME if self._dir is not None else None
 
     def alive(self) -> bool:
+        """True while the process this object started is running."""
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
@@ -120,6 +123,7 @@ class RedisServer:
             client.close()
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the server's log, or ``(no log)`` / ``(empty log)``."""
         path = self.log_path
         if path is None or not path.exists():
             return "(no log)"

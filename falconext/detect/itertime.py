@@ -117,6 +117,9 @@ class IterationTime:
 
 
 class TrackerState(Enum):
+    """Where a tracker stands: SEARCHING for a period, LOCKED on a template (iterations are
+    emitted), or LOST after a break (resynchronising on the same template)."""
+
     SEARCHING = "searching"
     LOCKED = "locked"
     LOST = "lost"
@@ -195,10 +198,13 @@ class IterationTracker:
 
     @property
     def state(self) -> TrackerState:
+        """The tracker's current state."""
         return self._state
 
     @property
     def anchor_phase(self) -> int | None:
+        """Position in the template of the call that ends an iteration (the anchor), or None
+        while no template has been found."""
         return None if self._state is TrackerState.SEARCHING else self._anchor
 
     @property
@@ -210,6 +216,7 @@ class IterationTracker:
 
     @property
     def calls(self) -> int:
+        """Calls fed so far."""
         return self._fed
 
     def feed(self, record: CallRecord) -> list[IterationTime]:

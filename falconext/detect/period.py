@@ -81,6 +81,7 @@ class SymbolTable:
         self._codes: dict[Hashable, int] = {}
 
     def code_of(self, symbol: Hashable) -> int:
+        """The code of ``symbol``: its existing one, or the next free integer (0, 1, ...) on first sight."""
         code = self._codes.get(symbol)
         if code is None:
             code = len(self._codes)
@@ -88,9 +89,11 @@ class SymbolTable:
         return code
 
     def code(self, record: CallRecord) -> int:
+        """The code of ``record``'s symbol (:func:`symbol_of`), assigned on first sight."""
         return self.code_of(symbol_of(record))
 
     def symbols(self) -> list[Hashable]:
+        """The symbols seen so far, in code order (the code is the index)."""
         return list(self._codes)
 
     def __len__(self) -> int:

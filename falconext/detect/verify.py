@@ -243,13 +243,19 @@ class VerifiedBOCD:
 
     @property
     def events(self) -> list[FailSlowEvent]:
+        """Every event so far, latest state, in onset order."""
         return self._book.all
 
     @property
     def open_event(self) -> FailSlowEvent | None:
+        """The fail-slow in progress (confirmed, not yet ended), or None."""
         return self._open
 
     def feed(self, value: float) -> list[FailSlowEvent]:
+        """Absorb one iteration time; return the events it confirmed, escalated or ended (often
+        none). A BOCD change point becomes an event only once verification confirms a
+        sustained slowdown. Raises InvalidSample for a value that is not a finite positive
+        number."""
         i = self._n
         x = check_sample(value, i)
         self._hist.append(x)

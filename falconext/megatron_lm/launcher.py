@@ -60,6 +60,7 @@ class LaunchPlan:
 
     @property
     def falcon(self) -> bool:
+        """True when ``--falcon`` was among the flags: falconext runs inside the job."""
         return "--falcon" in self.falcon_args
 
 

@@ -49,6 +49,11 @@ from falconext.validate.suspension import Bench, Suspension
 
 
 class FalconRuntime:
+    """falconext in one training process (module docstring): installs the tracer, runs the
+    monitor and, with ``redis_url``, the control client; schedules and runs suspensions
+    for validation and hands the training loop the mitigation actions every rank agreed
+    on. No failure of its own reaches training: without Redis it keeps tracking locally."""
+
     def __init__(
         self,
         config: FalconConfig,
@@ -142,6 +147,8 @@ class FalconRuntime:
         return action
 
     def after_step(self, micro_batches: int, forward_s: float) -> None:
+        """The step ran ``micro_batches`` micro-batches with ``forward_s`` seconds of forward
+        compute: kept for the heartbeat's per-micro-batch time (what S2 balances on)."""
         self._micro = micro_batches
         if micro_batches > 0 and forward_s > 0:
             self._mb_s.append(forward_s / micro_batches)
@@ -172,6 +179,7 @@ class FalconRuntime:
 
     @property
     def enabled(self) -> bool:
+        """True while falconext is on (see :meth:`set_enabled`)."""
         return self._enabled
 
     def set_enabled(self, on: bool) -> None:
@@ -290,6 +298,8 @@ class FalconRuntime:
             self._vgroup = torch.distributed.new_group(backend="gloo", timeout=timeout)
 
     def close(self) -> None:
+        """Release any held call, uninstall the tracer, stop the monitor after a final drain,
+        then the control client. Call once, when training has ended."""
         self.tracer.trap.release()
         self.tracer.uninstall()
         self.monitor.stop()
@@ -303,6 +313,9 @@ class FalconRuntime:
         return self._iteration if self.hooked else self.monitor.tracked
 
     def beat_fields(self) -> dict[str, Any]:
+        """The optional fields of this rank's next heartbeat: replica, median compute seconds
+        per micro-batch, measured restart and switch costs, role, micro-batch count and the
+        latest straggler sample (when there is one)."""
         mb = sorted(self._mb_s)
         scored = self.monitor.score_sample
         score = {} if scored is None else {
@@ -370,6 +383,10 @@ class FalconRuntime:
         return None
 
     def signal(self, kind: str, session: int) -> None:
+        """A suspension signal from the controller (control client's thread): passed to the
+        suspension of ``session`` (active or pending); ``release`` also drops a pending one
+        and, without loop hooks, disarms a trap that has not caught its call yet. Signals of
+        other sessions are ignored."""
         for sus in (self._active, self._pending):
             if sus is not None and sus.session == session:
                 sus.signal(kind)

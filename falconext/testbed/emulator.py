@@ -262,6 +262,8 @@ class EmulatedDevice:
         self._aliases = rebind_aliases(aliases)
 
     def uninstall(self) -> None:
+        """Put back the torch.distributed functions and module aliases found at install, and
+        remove the model hooks; the device's record stays readable. Safe to call twice."""
         unbind = {}
         for name, orig in self._saved.items():
             unbind[id(getattr(torch.distributed, name))] = (getattr(torch.distributed, name), orig)

@@ -55,6 +55,8 @@ class CudaTiming:
         return ev
 
     def calibrate(self) -> None:
+        """Record a new reference event on the side stream with the host clock's reading; it is adopted
+        once complete (:meth:`maintain`)."""
         ev = self._new()
         self._side_record(ev)
         self._pending_ref = (self._clock(), ev)

@@ -217,6 +217,7 @@ class CallTracer:
 
     @property
     def installed(self) -> bool:
+        """True while this tracer's wrappers are installed in the process."""
         return _active is self
 
     def forget_groups(self) -> None:

@@ -82,6 +82,8 @@ class TimedWork:
         self._tracer = tracer
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        """Wait on the handle as the original does and return what it returns; the first
+        successful wait marks the call complete (host time, or an end event on GPU)."""
         cost = self._tracer.cost
         cost.left -= 1
         if cost.left <= 0:
@@ -103,6 +105,8 @@ class TimedWork:
         return result
 
     def is_completed(self) -> bool:
+        """The handle's own answer; the first True marks the call complete on CPU (on GPU the
+        end event waits for :meth:`wait`)."""
         done = self._work.is_completed()
         # on GPU "completed" says nothing about the current stream: the end event is
         # recorded at wait(), when that stream is made to wait for the transfer

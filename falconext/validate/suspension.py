@@ -34,6 +34,12 @@ class Bench:
 
 
 class Suspension:
+    """One rank's part in suspension ``session`` (module docstring): built when the trap is
+    armed, :meth:`run` on the trapped training thread, :meth:`signal` from the control
+    client. However it ends, it posts a final "resumed" acknowledgement and a
+    "suspension" event; after "go" it posts a ValidationResult (a benchmark's error
+    goes into it, never to training)."""
+
     def __init__(
         self,
         rank: int,
