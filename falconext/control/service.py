@@ -50,9 +50,10 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             for _, msg in bus.read([CTL_STREAM], block_ms=100):
                 outputs += step(ctl.handle, msg, time.time())
             outputs += step(ctl.tick, time.time())
-            while bus.dropped > dropped:
-                dropped += 1
-                events.emit("message_dropped", where="controller", error=bus.errors[-1] if bus.errors else "")
+            if bus.dropped > dropped:  # one event a round, however many: a burst must not flood the log
+                events.emit("message_dropped", where="controller", count=bus.dropped - dropped, dropped=bus.dropped,
+                            error=bus.errors[-1] if bus.errors else "")
+                dropped = bus.dropped
             for out in outputs:
                 if out.kind == "command":
                     bus.post(CMD_STREAM, out.message)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Protocol
 
 
 class InvalidSample(ValueError):

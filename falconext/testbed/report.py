@@ -393,7 +393,8 @@ def reliability_figures(events: list[dict]) -> dict[str, Any]:
         return sum(1 for e in events if e.get("type") == type_ and all(e.get(k) == v for k, v in match.items()))
 
     return {
-        "dropped_messages": count("message_dropped"),
+        # a controller's event counts a round's drops (``count``); a rank's, one message
+        "dropped_messages": sum(int(e.get("count", 1)) for e in events if e.get("type") == "message_dropped"),
         "bus_disconnects": count("control_lost", what="redis") + count("controller_redis", connected=False),
         "controller_lost": count("control_lost", what="controller"),
         "deadline_releases": sum(1 for e in events if e.get("type") == "suspension" and e.get("outcome") == "expired"),

@@ -17,7 +17,7 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from falconext.trace.entry import DONE, INFO, OP, T_END
+from falconext.trace.entry import DONE, T_END
 
 if TYPE_CHECKING:
     from falconext.trace.hooks import CallTracer
