@@ -367,7 +367,7 @@ class FalconRuntime:
     def _suspension(self, cmd: Command, session: int, plan: dict[str, Any]) -> Suspension:
         """This rank's side of the suspension ``cmd`` asks for (either way of trapping)."""
         return Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
-                          commit=self._commit, resend_s=self.cfg.heartbeat_s)
+                          commit=self._commit, resend_s=self.cfg.heartbeat_s, budget_s=self.cfg.validation_budget_s)
 
     def _schedule_by_calls(self, cmd: Command, session: int, plan: dict[str, Any]) -> int | None:
         """No loop hooks: trap the first call of ``cmd.iteration`` as this rank's calls
@@ -429,6 +429,7 @@ class FalconRuntime:
 
         tr = self.tracer
         send, recv, barrier = tr.original("send"), tr.original("recv"), tr.original("barrier")
+        all_reduce = tr.original("all_reduce")
         group = self._vgroup
         sync = torch.cuda.synchronize if self._device == "cuda" else None
 
@@ -445,4 +446,10 @@ class FalconRuntime:
                                barrier=barrier, concurrency=concurrency)
             return [(to_process(a), to_process(b), sec) for a, b, sec in found]
 
-        return Bench(gemm, passes, lambda: barrier(group=group))
+        def agree_stop(spent: bool) -> bool:
+            # any rank out of budget stops every rank at this step: a MAX over the group
+            flag = torch.tensor([1 if spent else 0], dtype=torch.int32)
+            all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            return bool(flag.item())
+
+        return Bench(gemm, passes, lambda: barrier(group=group), agree_stop)
