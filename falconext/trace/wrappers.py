@@ -22,6 +22,7 @@ from falconext.trace.entry import DONE, T_END
 if TYPE_CHECKING:
     from falconext.trace.hooks import CallTracer
 
+
 class OpSpec(NamedTuple):
     """Where one torch.distributed function keeps the arguments a record needs."""
 
