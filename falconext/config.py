@@ -21,6 +21,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FalconConfig:
+    """Every threshold and setting of falconext, one source: the paper's values as defaults,
+    each field documented where it is declared. ``--falcon-*`` flags map onto the fields
+    (:func:`config_from_args`). Construction raises ConfigError for a value out of range."""
+
     # --- period finding (detect/period.py) -------------------------------------------
     #: first lag whose autocorrelation reaches this is the recurring period (paper: 0.95)
     acf_threshold: float = 0.95
@@ -168,6 +172,11 @@ class FalconConfig:
     suspend_margin_iterations: int = 3
     #: longest a rank stays suspended, whatever happens to the controller
     suspend_deadline_s: float = 4.0
+    #: longest validation runs on the trapped training thread once "go" has come: checked
+    #: between benchmark steps (a GEMM round, a P2P sweep), and the ranks agree to stop at
+    #: the same step; what was measured by then is reported, marked partial. A step that
+    #: has begun is bounded by the validation group's timeout
+    validation_budget_s: float = 3.0
     #: a GPU (link) is slow when its GEMM (transfer) takes this x the median
     validation_slow_factor: float = 1.5
     #: and (links) slower than the reference by at least this many seconds per message.
@@ -296,6 +305,7 @@ class FalconConfig:
         _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
         _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
         _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
+        _check(0 < self.validation_budget_s <= 300, "validation_budget_s must be in (0, 300]")
         _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
         _check(self.validation_min_link_excess_s >= 0, "validation_min_link_excess_s must be >= 0")
         _check(self.gemm_size >= 16 and self.gemm_repeats >= 1, "gemm_size must be >= 16 and gemm_repeats >= 1")
@@ -329,6 +339,7 @@ class FalconConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name, as plain JSON-able values (run.json's ``falcon_config``)."""
         return dataclasses.asdict(self)
 
 

@@ -17,6 +17,9 @@ class InputError(ValueError):
 
 
 def read_text(path: str | Path) -> str:
+    """The text of ``path`` as UTF-8 (a leading BOM dropped). Raises InputError with one line
+    naming the file for a missing file, a directory, a non-UTF-8 file, an empty (or blank)
+    file or any other read error."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8-sig")  # tolerate a spreadsheet BOM

@@ -21,6 +21,8 @@ import os  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -58,19 +60,69 @@ def _topology(world: int, tp: int, pp: int, ranks_per_node: int) -> dict:
     return {"world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp), "ranks_per_node": ranks_per_node, "ranks": gathered}
 
 
+@dataclass
+class _Rig:
+    """What this rank runs besides the model: the test bed's emulated device, link
+    shaper or fault injector (each None when not asked for) and the faults they apply."""
+
+    faults: list
+    device: Any = None
+    shaper: Any = None
+    injector: Any = None
+
+
+@dataclass
+class _Job:
+    """One rank's job, as the steps of :func:`main` build it up and the loop changes it
+    (a topology switch replaces ``trainer``)."""
+
+    args: argparse.Namespace
+    cfg: Any
+    world: int
+    rank: int
+    opts: Any
+    events: Any
+    rig: _Rig
+    trainer: Any
+    layout: dict
+    first_it: int = 0
+    restarted: dict | None = None
+    suffix: str = ""
+    runtime: Any = None
+    estimates_file: Any = None
+    chaos: Any = None
+    loop_starts: list[float] = field(default_factory=list)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Train one rank of the test-bed job from ``argv`` (``sys.argv`` by default) and
+    return 0. Writes this rank's files under ``--out``; rank 0 also writes ``run.json``
+    and, at the end, ``summary.json`` (or, after an S4 request, the restart request).
+    Exits with argparse's status 2 on unparsable arguments; raises ValueError for
+    arguments that do not fit the world size."""
+    args, world, cfg = _parse(argv)
+    job = _start(args, world, cfg)
+    measured, request = _train(job)
+    _finish(job, measured, request)
+    return 0
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, Any]:
+    """The command line, checked against the world size, and its FalconConfig."""
     parser = argparse.ArgumentParser(prog="falconext.train", description=__doc__.splitlines()[0])
     add_train_arguments(parser, launcher=False)
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_train_arguments(args, world)
-    cfg = config_from_args(args)
+    return args, world, config_from_args(args)
 
-    from falconext.control.client import JOB_ENV
-    from falconext.testbed import faults as faults_mod
+
+def _start(args: argparse.Namespace, world: int, cfg: Any) -> _Job:
+    """Everything before the first iteration: process groups, output folders, the test
+    bed's devices, the model (resumed after a restart), run.json and falconext's runtime."""
     from falconext.testbed import report
+    from falconext.testbed.chaos import BusChaos, parse_chaos
     from falconext.testbed.model import ModelShape
-    from falconext.control.eventlog import EventLog
     from falconext.testbed.trainer import Trainer, TrainOptions, init_distributed
 
     opts = TrainOptions(
@@ -86,92 +138,131 @@ def main(argv: list[str] | None = None) -> int:
     )
     init_distributed(opts)
     rank = torch.distributed.get_rank()
-    out = args.out
+    events = _open_output(args.out, rank)
+    rig = _install_rig(args, rank, world)
+    trainer = Trainer(opts)
+    _attach(rig, trainer)
+    topology = _topology(world, args.tp, args.pp, args.ranks_per_node)
+    job = _Job(args, cfg, world, rank, opts, events, rig, trainer, {"world": world, "tp": args.tp, "pp": args.pp})
+    if args.resume:
+        t_load = time.perf_counter()
+        state = restart.load_shard(args.resume, rank, job.layout, trainer.model, trainer.optimizer)
+        job.first_it = state["iteration"]
+        job.restarted = {"load_s": time.perf_counter() - t_load, **state["extra"]}
+    job.suffix = f"-r{args.attempt}" if args.attempt else ""
+    if rank == 0:
+        _write_run_info(job, topology)
+    job.estimates_file = report.EstimatesFile(args.out, rank, job.suffix)
+    job.chaos = parse_chaos(args.chaos)  # checked by the launcher
+    if args.falcon:
+        job.runtime = _start_runtime(job, BusChaos(job.chaos, rank, events.emit) if job.chaos.bus else None)
+        _tell_role(job.runtime, trainer, opts)
+    _set_up()
+    return job
+
+
+def _open_output(out: str, rank: int):
+    """Create ``out``'s folders and return the event log; a stale events.jsonl of an
+    earlier run is removed unless the launcher's controller may have written it."""
+    from falconext.control.client import JOB_ENV
+    from falconext.control.eventlog import EventLog
+
     os.makedirs(os.path.join(out, "ranks"), exist_ok=True)
     os.makedirs(os.path.join(out, "calls"), exist_ok=True)
     # under the launcher, the controller may have written events already: keep them
     if rank == 0 and JOB_ENV not in os.environ and os.path.exists(os.path.join(out, "events.jsonl")):
         os.remove(os.path.join(out, "events.jsonl"))
     torch.distributed.barrier()
-    events = EventLog(os.path.join(out, "events.jsonl"))
+    return EventLog(os.path.join(out, "events.jsonl"))
 
-    faults = faults_mod.read_faults(args.inject, world, args.ranks_per_node) if args.inject else []
-    injector = None
-    device = None
+
+def _install_rig(args: argparse.Namespace, rank: int, world: int) -> _Rig:
+    """Install the test bed's emulated device, link shaper or fault injector that the
+    arguments ask for, below the tracer (installed later), so the tracer sees their
+    device-timed or delayed transfers."""
+    from falconext.testbed import faults as faults_mod
+
+    rig = _Rig(faults_mod.read_faults(args.inject, world, args.ranks_per_node) if args.inject else [])
     if args.device == "emulated":
         # the emulated accelerator takes the faults itself: they multiply device time
         from falconext.testbed.emulator import EmulatedDevice
 
-        device = EmulatedDevice(device_model(args), rank, args.ranks_per_node, faults, real_links=args.net == "netns")
-        device.install()  # below the tracer: the tracer sees device-timed transfers
-    shaper = None
+        rig.device = EmulatedDevice(device_model(args), rank, args.ranks_per_node, rig.faults,
+                                    real_links=args.net == "netns")
+        rig.device.install()  # below the tracer: the tracer sees device-timed transfers
     if args.net == "netns":
         # real links: a link fault is the kernel's rate limit on this node's veth
         from falconext.testbed.netns import LinkShaper
 
-        shaper = LinkShaper.from_env(faults)
-    if device is None and faults:
+        rig.shaper = LinkShaper.from_env(rig.faults)
+    if rig.device is None and rig.faults:
         bw = args.link_bandwidth or faults_mod.DEFAULT_LINK_BANDWIDTH
-        injected = [f for f in faults if f.kind != "link"] if shaper is not None else faults
+        injected = [f for f in rig.faults if f.kind != "link"] if rig.shaper is not None else rig.faults
         from falconext.testbed.injector import FaultInjector
 
-        injector = FaultInjector(injected, rank, args.ranks_per_node, bw)
-        injector.install()  # below the tracer: injected delays look like slow transfers
+        rig.injector = FaultInjector(injected, rank, args.ranks_per_node, bw)
+        rig.injector.install()  # below the tracer: injected delays look like slow transfers
+    return rig
 
-    loop_starts: list[float] = []
-    trainer = Trainer(opts)
-    if injector is not None:
-        injector.attach_model(trainer.model.module)
-    if device is not None:
-        device.attach_model(trainer.model.module, trainer.forward_flops())
-    topology = _topology(world, args.tp, args.pp, args.ranks_per_node)
-    layout = {"world": world, "tp": args.tp, "pp": args.pp}
-    switch_layout = dict(layout, ranks_per_node=args.ranks_per_node)
-    first_it, restarted = 0, None
-    if args.resume:
-        t_load = time.perf_counter()
-        state = restart.load_shard(args.resume, rank, layout, trainer.model, trainer.optimizer)
-        first_it = state["iteration"]
-        restarted = {"load_s": time.perf_counter() - t_load, **state["extra"]}
-    suffix = f"-r{args.attempt}" if args.attempt else ""
-    if rank == 0:
-        run_info = {
-            "args": {k: v for k, v in vars(args).items() if not k.startswith("falcon_")},
-            "falcon_config": cfg.to_dict() if args.falcon else None,
-            "faults": [f.to_dict() for f in faults],
-            "versions": _versions(),
-            "topology": topology,
-            "clock": {"perf_counter": time.perf_counter(), "time": time.time()},
-        }
-        # a restarted attempt keeps the original run.json: the summary scores the job
-        with open(os.path.join(out, f"run{suffix}.json"), "w") as f:
-            json.dump(run_info, f, indent=2)
 
-    runtime = None
-    estimates_file = report.EstimatesFile(out, rank, suffix)
-    from falconext.testbed.chaos import BusChaos, kill_now, parse_chaos
+def _attach(rig: _Rig, trainer) -> None:
+    """Point the injector and the emulated device at ``trainer``'s model (at start and
+    after a topology switch rebuilt it)."""
+    if rig.injector is not None:
+        rig.injector.attach_model(trainer.model.module)
+    if rig.device is not None:
+        rig.device.attach_model(trainer.model.module, trainer.forward_flops())
 
-    chaos = parse_chaos(args.chaos)  # checked by the launcher
-    if args.falcon:
-        from falconext.runtime.runtime import FalconRuntime
 
-        runtime = FalconRuntime(
-            cfg, rank, rank // args.ranks_per_node, out, events, loop_starts if cfg.loop_hooks else None,
-            redis_url=args.falcon_redis_url,
-            matmul=device.matmul if device is not None else (
-                injector.stretch_compute(torch.matmul) if injector is not None else torch.matmul),
-            device="cuda" if args.device == "cuda" else "cpu",
-            replica=trainer.replica,
-            calls_suffix=suffix,
-            first_iteration=first_it,
-            spill_estimates=estimates_file.write,
-            chaos=BusChaos(chaos, rank, events.emit) if chaos.bus else None,
-        )
+def _write_run_info(job: _Job, topology: dict) -> None:
+    """Rank 0's run.json (run-rN.json for restarted attempt N): arguments, config,
+    faults, versions, topology and the clocks' origin."""
+    args = job.args
+    run_info = {
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("falcon_")},
+        "falcon_config": job.cfg.to_dict() if args.falcon else None,
+        "faults": [f.to_dict() for f in job.rig.faults],
+        "versions": _versions(),
+        "topology": topology,
+        "clock": {"perf_counter": time.perf_counter(), "time": time.time()},
+    }
+    # a restarted attempt keeps the original run.json: the summary scores the job
+    with open(os.path.join(args.out, f"run{job.suffix}.json"), "w") as f:
+        json.dump(run_info, f, indent=2)
 
-    if runtime is not None:
-        _tell_role(runtime, trainer, opts)
-    _set_up()
+
+def _start_runtime(job: _Job, bus_chaos):
+    """falconext's runtime for this rank (tracer, monitor, control client), whose
+    validation GEMMs run on the test bed's device or injector when there is one."""
+    from falconext.runtime.runtime import FalconRuntime
+
+    args, cfg, rig = job.args, job.cfg, job.rig
+    if rig.device is not None:
+        matmul = rig.device.matmul
+    else:
+        matmul = rig.injector.stretch_compute(torch.matmul) if rig.injector is not None else torch.matmul
+    return FalconRuntime(
+        cfg, job.rank, job.rank // args.ranks_per_node, args.out, job.events,
+        job.loop_starts if cfg.loop_hooks else None,
+        redis_url=args.falcon_redis_url,
+        matmul=matmul,
+        device="cuda" if args.device == "cuda" else "cpu",
+        replica=job.trainer.replica,
+        calls_suffix=job.suffix,
+        first_iteration=job.first_it,
+        spill_estimates=job.estimates_file.write,
+        chaos=bus_chaos,
+    )
+
+
+def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.RestartRequest | None"]:
+    """The training loop: each iteration's (index, seconds, loss), and the S4 restart
+    request that ended it early, if any. The test bed's devices are uninstalled and the
+    runtime closed however it ends."""
+    args, cfg, rank, runtime, rig = job.args, job.cfg, job.rank, job.runtime, job.rig
     s3_probe = runtime is not None and cfg.mitigation and "S3" in cfg.strategies()
+    s4_probe = runtime is not None and cfg.mitigation and "S4" in cfg.strategies()
+    switch_layout = dict(job.layout, ranks_per_node=args.ranks_per_node)
     measured: list[tuple[int, float, float | None]] = []
     request = None
     forced_topology = parse_topology(cfg.force_topology)
@@ -179,20 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     startup_s = time.time() - float(os.environ.get(restart.LAUNCH_TIME_ENV, _STARTED))
     t_prev = time.perf_counter()
     try:
-        for it in range(first_it, args.iters):
-            loop_starts.append(t_prev)
-            if injector is not None:
-                injector.iteration = it
-            if device is not None:
-                device.iteration = it
-            if shaper is not None:
-                shaper.set_iteration(it)
-            if rank == 0:  # chaos mode: the control plane's processes die at their iterations
-                for kill in (k for k in chaos.kills if k.iteration == it):
-                    events.emit("chaos", iteration=it, **kill_now(kill, out))
-            if it == first_it and restarted is not None and rank == 0:
-                events.emit("restarted", iteration=it, attempt=args.attempt, load_s=round(restarted["load_s"], 4),
-                            downtime_s=round(time.time() - float(restarted.get("requested_at", time.time())), 3))
+        for it in range(job.first_it, args.iters):
+            job.loop_starts.append(t_prev)
+            _begin_iteration(job, it)
             # --falcon-loop-hooks false: falconext sees the calls only, as in any other job
             action = runtime.before_iteration(it) if runtime is not None and cfg.loop_hooks else None
             if runtime is not None and args.bench_falcon_toggle:  # benchmark: off N, on N, ...
@@ -201,46 +281,89 @@ def main(argv: list[str] | None = None) -> int:
                 action = {"kind": "topology", "roles": forced_topology[1], "strategy": "S3", "forced": True}
             if action is not None and action.get("kind") == "topology":
                 switches += 1
-                trainer = _switch(action, it, trainer, opts, switches, events, rank, switch_layout, runtime, injector,
-                                  device)
+                job.trainer = _switch(action, it, job.trainer, job.opts, switches, job.events, rank, switch_layout,
+                                      runtime, rig.injector, rig.device)
             elif action is not None:
-                request = _apply(action, it, trainer, events, rank, out, layout, args)
+                request = _apply(action, it, job.trainer, job.events, rank, args.out, job.layout, args)
                 if request is not None:
                     break
             # S4's cost, measured by a save and load, only where S4 may be chosen
-            if runtime is not None and it == first_it + 2 and cfg.mitigation and "S4" in cfg.strategies():
-                disk_s = restart.probe_cost(os.path.join(out, "checkpoint-probe"), rank, layout, trainer.model,
-                                            trainer.optimizer)
-                runtime.restart_s = startup_s + disk_s
-                events.emit("restart_probe", rank=rank, iteration=it, restart_s=round(runtime.restart_s, 4),
-                            save_load_s=round(disk_s, 4), startup_s=round(startup_s, 4))
-            if s3_probe and it == first_it + 3:
+            if s4_probe and it == job.first_it + 2:
+                _probe_restart_cost(job, it, startup_s)
+            if s3_probe and it == job.first_it + 3:
                 # S3's cost, measured: a switch to the same roles (state handed round a
                 # ring and dropped, groups re-created, model rebuilt and reloaded)
                 switches += 1
-                trainer = _switch({"kind": "topology", "roles": None, "probe": True}, it, trainer, opts, switches,
-                                  events, rank, switch_layout, runtime, injector, device)
-            loss = trainer.step(it)
+                job.trainer = _switch({"kind": "topology", "roles": None, "probe": True}, it, job.trainer, job.opts,
+                                      switches, job.events, rank, switch_layout, runtime, rig.injector, rig.device)
+            loss = job.trainer.step(it)
             if runtime is not None:
-                runtime.after_step(trainer.plan[trainer.replica], trainer.forward_time()[0])
+                runtime.after_step(job.trainer.plan[job.trainer.replica], job.trainer.forward_time()[0])
             now = time.perf_counter()
             measured.append((it, now - t_prev, loss))
             t_prev = now
     finally:
-        if runtime is not None:
-            runtime.close()
-        if injector is not None:
-            injector.uninstall()
-        if shaper is not None:
-            shaper.close()
-        if device is not None:
-            device.uninstall()
-            with open(os.path.join(out, "ranks", f"device{suffix}-rank{rank}.json"), "w") as f:
-                json.dump(device.record(), f)
+        _tear_down(job)
+    return measured, request
 
-    report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, suffix,
+
+def _begin_iteration(job: _Job, it: int) -> None:
+    """Tell the test bed's devices the iteration; on rank 0, run the chaos kills due now
+    and note a restarted attempt's first iteration."""
+    from falconext.testbed.chaos import kill_now
+
+    rig = job.rig
+    if rig.injector is not None:
+        rig.injector.iteration = it
+    if rig.device is not None:
+        rig.device.iteration = it
+    if rig.shaper is not None:
+        rig.shaper.set_iteration(it)
+    if job.rank == 0:  # chaos mode: the control plane's processes die at their iterations
+        for kill in (k for k in job.chaos.kills if k.iteration == it):
+            job.events.emit("chaos", iteration=it, **kill_now(kill, job.args.out))
+    if it == job.first_it and job.restarted is not None and job.rank == 0:
+        job.events.emit("restarted", iteration=it, attempt=job.args.attempt,
+                        load_s=round(job.restarted["load_s"], 4),
+                        downtime_s=round(time.time() - float(job.restarted.get("requested_at", time.time())), 3))
+
+
+def _probe_restart_cost(job: _Job, it: int, startup_s: float) -> None:
+    """Measure S4's cost (a checkpoint save and load, plus this process's start-up) and
+    hand it to the runtime's planner."""
+    disk_s = restart.probe_cost(os.path.join(job.args.out, "checkpoint-probe"), job.rank, job.layout,
+                                job.trainer.model, job.trainer.optimizer)
+    job.runtime.restart_s = startup_s + disk_s
+    job.events.emit("restart_probe", rank=job.rank, iteration=it, restart_s=round(job.runtime.restart_s, 4),
+                    save_load_s=round(disk_s, 4), startup_s=round(startup_s, 4))
+
+
+def _tear_down(job: _Job) -> None:
+    """Close the runtime and uninstall the test bed's devices; the emulated device's
+    record goes to ranks/device-rankN.json."""
+    rig = job.rig
+    if job.runtime is not None:
+        job.runtime.close()
+    if rig.injector is not None:
+        rig.injector.uninstall()
+    if rig.shaper is not None:
+        rig.shaper.close()
+    if rig.device is not None:
+        rig.device.uninstall()
+        with open(os.path.join(job.args.out, "ranks", f"device{job.suffix}-rank{job.rank}.json"), "w") as f:
+            json.dump(rig.device.record(), f)
+
+
+def _finish(job: _Job, measured: list[tuple[int, float, float | None]],
+            request: "restart.RestartRequest | None") -> None:
+    """Write this rank's files; then rank 0 writes the restart request or the summary
+    (and the HTML report with ``--report``); the process group is destroyed."""
+    from falconext.testbed import report
+
+    out, rank, runtime = job.args.out, job.rank, job.runtime
+    report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, job.suffix,
                             overhead=runtime.overhead() if runtime else None,
-                            splits=runtime.monitor.splits if runtime else None, estimates_file=estimates_file)
+                            splits=runtime.monitor.splits if runtime else None, estimates_file=job.estimates_file)
     torch.distributed.barrier()
     if request is not None:
         if rank == 0:
@@ -250,18 +373,17 @@ def main(argv: list[str] | None = None) -> int:
     elif rank == 0:
         summary = report.finalize(out)
         print(report.format_summary(summary), flush=True)
-        if args.report:
+        if job.args.report:
             from falconext.testbed.figures import report_at_end
 
             print(report_at_end(out), flush=True)
-    events.close()
+    job.events.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     # the interpreter's last garbage collections walk every object torch and megatron-core
     # made at import (about a second per rank on the 2-core host); everything is written
     # and closed by now, so they are skipped
     gc.freeze()
-    return 0
 
 
 def _set_up() -> None:

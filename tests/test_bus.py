@@ -11,17 +11,15 @@ from typing import Any
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from falconext.control.bus import Bus
 from falconext.control.messages import MAX_MESSAGE_BYTES, Command, FailSlowReport, Localized, MessageError, encode
+from falconext.control.redis_client import redis_client
 from falconext.control.redis_server import RedisServer, RedisUnavailable, start_redis
 
 REPORT = FailSlowReport(rank=3, onset=150, detected_at=164, slowdown=1.4, baseline_s=0.34, time=1795338456.5)
 SUSPEND = Command("suspend", 5.0, 200)
 LOCALIZED = Localized([1], [[0, 1]], {"pause_s": 1.2})
-NO_RETRY = Retry(NoBackoff(), 0)  # redis.Redis() would retry a refused AUTH for seconds
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float = 3.0) -> Any:
@@ -58,8 +56,8 @@ def test_server_wants_its_password_and_listens_on_loopback_only(redis_server: Re
     with socket.create_connection((redis_server.host, redis_server.port), timeout=1) as sock:
         sock.sendall(b"PING\r\n")
         assert sock.recv(100).startswith(b"-NOAUTH")
-    for password in (None, "guess"):
-        stranger = redis.Redis(host=redis_server.host, port=redis_server.port, password=password, retry=NO_RETRY)
+    for auth in ("", ":guess@"):  # redis_client: redis-py's default would retry a refused AUTH for seconds
+        stranger = redis_client(f"redis://{auth}{redis_server.host}:{redis_server.port}/0", 2.0)
         with pytest.raises(redis.AuthenticationError):
             stranger.ping()
     client = redis.Redis.from_url(redis_server.url)

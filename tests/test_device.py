@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from falconext.ports import free_port
 from falconext.testbed.device import DeviceModel, gemm_flops, gpt_forward_flops, ring_hop_bytes, ring_steps
 from falconext.testbed.emulator import EmulatedDevice, sleep_until
 from falconext.testbed.faults import compute_factor, link_factor, parse_faults
@@ -197,11 +198,7 @@ def _link_worker(rank: int, port: int, factor: float, q) -> None:
 
 
 def test_transfers_take_the_link_model_time_and_a_link_fault_slows_them():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_link_worker, args=(r, port, 4.0, q)) for r in range(2)]

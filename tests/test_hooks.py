@@ -268,7 +268,7 @@ def test_megatron_roles_name_parallel_state_groups(megatron_run: list[dict[str, 
 
 
 def test_trap_requires_a_deadline() -> None:
-    from falconext.trace.hooks import Trap
+    from falconext.trace.trap import Trap
 
     trap = Trap()
     with pytest.raises(TypeError):
@@ -389,7 +389,7 @@ class _FakeEvent:
 
 
 def test_cuda_timing_resolves_off_thread_with_references() -> None:
-    from falconext.trace.hooks import _CudaTiming
+    from falconext.trace.cuda_timing import CudaTiming
 
     host = [100.0]
     gpu = [5.0]  # the GPU clock is offset from the host clock by -95 s
@@ -399,7 +399,7 @@ def test_cuda_timing_resolves_off_thread_with_references() -> None:
         made.append(_FakeEvent(gpu))
         return made[-1]
 
-    timing = _CudaTiming(lambda: host[0], event_factory=factory, side_record=lambda ev: ev.record())
+    timing = CudaTiming(lambda: host[0], event_factory=factory, side_record=lambda ev: ev.record())
     ref = made[0]
     timing.maintain()
     assert not timing._refs  # the reference has not executed: nothing can be converted
@@ -460,7 +460,9 @@ def _scenario_ops(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from falconext.trace.hooks import CallTracer, _CudaTiming, _TimedWork
+    from falconext.trace.cuda_timing import CudaTiming
+    from falconext.trace.hooks import CallTracer
+    from falconext.trace.wrappers import TimedWork
 
     other = 1 - rank
     pair = dist.new_group([0, 1])
@@ -482,7 +484,7 @@ def _scenario_ops(rank: int, world: int) -> dict[str, Any]:
 
     t = torch.full((8,), float(rank), dtype=torch.float64)
     w = dist.all_reduce(t, group=None, async_op=True)
-    proxied["all_reduce"] = isinstance(w, _TimedWork)
+    proxied["all_reduce"] = isinstance(w, TimedWork)
     w.wait()
     labels.append("all_reduce:async")
     checks["all_reduce_async"] = t.tolist() == [1.0] * 8
@@ -490,7 +492,7 @@ def _scenario_ops(rank: int, world: int) -> dict[str, Any]:
     inp = torch.arange(4, dtype=torch.float32) + 10 * rank
     res = torch.empty(2)
     w = dist.reduce_scatter_tensor(res, inp, async_op=True)
-    proxied["reduce_scatter_tensor"] = isinstance(w, _TimedWork)
+    proxied["reduce_scatter_tensor"] = isinstance(w, TimedWork)
     w.wait()
     labels.append("reduce_scatter:tensor")
     full = torch.arange(4, dtype=torch.float32) * 2 + 10
@@ -551,7 +553,7 @@ def _scenario_ops(rank: int, world: int) -> dict[str, Any]:
             w1 = send(mine, 0)
             labels += [f"recv:{step}", f"send:{step}"]
         if step == "async":
-            proxied["isend"] = isinstance(w1, _TimedWork)
+            proxied["isend"] = isinstance(w1, TimedWork)
             w2.wait()
             w1.wait()
         checks[f"p2p_{step}"] = theirs.tolist() == [float(other)] * 3
@@ -612,7 +614,7 @@ def _scenario_ops(rank: int, world: int) -> dict[str, Any]:
             dist.all_reduce(a, group=pair, async_op=mode == "async")
             dist.all_reduce(b, group=pair, async_op=mode == "async")
         if mode == "async":
-            checks["traced_coalesced_proxy"] = isinstance(cm.works[-1], _TimedWork)
+            checks["traced_coalesced_proxy"] = isinstance(cm.works[-1], TimedWork)
             cm.wait()
         labels += [f"all_reduce:traced_coalesced_{mode}"] * 2
         checks[f"traced_coalesced_{mode}"] = a.tolist() == [2.0] * 2 and b.tolist() == [2.0]
@@ -654,7 +656,7 @@ def _scenario_ops(rank: int, world: int) -> dict[str, Any]:
 
     out["futures"] = _futures_part(rank)
     out["trap"] = _trap_part(rank)
-    out["fake_cuda"] = _fake_cuda_part(rank, CallTracer, _CudaTiming)
+    out["fake_cuda"] = _fake_cuda_part(rank, CallTracer, CudaTiming)
     return out
 
 
@@ -662,7 +664,8 @@ def _futures_part(rank: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from falconext.trace.hooks import CallTracer, _TimedWork
+    from falconext.trace.hooks import CallTracer
+    from falconext.trace.wrappers import TimedWork
 
     tracer = CallTracer(rank, completion_futures=True)
     tracer.install()
@@ -681,8 +684,8 @@ def _futures_part(rank: int) -> dict[str, Any]:
         records += _records(tracer)
         time.sleep(0.01)
     return {
-        "all_reduce_proxied": isinstance(w1, _TimedWork),
-        "reduce_scatter_proxied": isinstance(w2, _TimedWork),
+        "all_reduce_proxied": isinstance(w1, TimedWork),
+        "reduce_scatter_proxied": isinstance(w2, TimedWork),
         "data_ok": t.tolist() == [2.0] * 3 and res.tolist() == [2.0],
         "records": records,
     }

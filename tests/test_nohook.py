@@ -1,6 +1,6 @@
 """A job without loop hooks: the calls are the clock (falconext/runtime/monitor.py), a
 suspension traps the first call of the agreed iteration by its sequence number
-(falconext/trace/hooks.py Trap.at_seq), and a DP4 job whose loop never calls falconext
+(falconext/trace/trap.py Trap.at_seq), and a DP4 job whose loop never calls falconext
 is detected, localized and suspended at the right iteration."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from falconext.config import FalconConfig
 from falconext.control.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
-from falconext.trace.hooks import Trap
+from falconext.trace.trap import Trap
 from falconext.trace.records import CallRecord
 
 from jobs import CALLS_ONLY_ONSET, CALLS_ONLY_SLOW_RANK, calls_only_job, events

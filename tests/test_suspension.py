@@ -8,7 +8,7 @@ import threading
 import time
 
 from falconext.control.messages import SessionAck, ValidationResult
-from falconext.trace.hooks import Trap
+from falconext.trace.trap import Trap
 from falconext.validate.suspension import Bench, Suspension
 
 PLAN = {"gemm": [0, 1, 2], "gemm_n": 64, "gemm_repeats": 2, "gemm_concurrency": 1,
@@ -126,3 +126,57 @@ def test_a_held_rank_says_held_again_until_go_so_one_lost_ack_costs_nothing():
     assert 4 <= len(held) <= 6, len(held)
     assert all(m.session == 7 and m.iteration == 40 for m in held)
     assert posted[-1].status == "resumed" and not sus.expired
+
+
+# --- the validation budget --------------------------------------------------------------------
+
+SLOW_PLAN = {**PLAN, "gemm": [0], "validation_sweeps": 20}  # 20 GEMM rounds, then 20 P2P sweeps
+
+
+def test_validation_stops_when_its_budget_is_spent_and_reports_what_it_measured():
+    def slow_gemm():
+        time.sleep(0.05)
+        return 1e9
+
+    sus, posted, events, calls = make(rank=0, plan=SLOW_PLAN, gemm=slow_gemm)
+    sus.budget_s = 0.2
+    sus.signal("go")
+    t0 = time.monotonic()
+    sus.run(time.monotonic() + 5.0)
+    took = time.monotonic() - t0
+    # without the budget: 20 rounds of 50 ms, 1 s; with it: the budget and one step more
+    assert took < 0.2 + 0.05 + 0.2, took
+    (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+    assert result.gemm_flops == 1e9  # the rounds it ran count
+    assert result.error.startswith("partial: validation budget of 0.2 s spent after ") and "of 40 steps" in result.error
+    assert not any(c[0] == "passes" for c in calls)  # nothing begins once it is spent
+    assert sus.budget_spent and events[0][1]["budget_spent"] is True and events[0][1]["outcome"] == "validated"
+    assert [m.status for m in posted if isinstance(m, SessionAck)] == ["held", "resumed"]
+
+
+def test_every_rank_stops_at_the_step_where_any_rank_ran_out():
+    asked: list[bool] = []
+
+    def agree_stop(spent: bool) -> bool:  # the other ranks: one of them is out at the 3rd step
+        asked.append(spent)
+        return len(asked) >= 3
+
+    sus, posted, _, calls = make(rank=0, plan=SLOW_PLAN)
+    sus.bench.agree_stop = agree_stop
+    sus.budget_s = 60.0
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    assert asked == [False, False, False]  # this rank had budget left, and asked before each step
+    assert calls.count(("gemm", 64, 2)) == 2 and sus.budget_spent
+    (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+    assert "after 2 of 40 steps" in result.error
+
+
+def test_a_budget_that_is_not_reached_changes_nothing():
+    sus, posted, events, calls = make(rank=0)
+    sus.budget_s = 60.0
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    assert calls == [("barrier",), ("gemm", 64, 2), ("barrier",), ("barrier",), ("passes", 2)]
+    (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+    assert result.error == "" and not sus.budget_spent and "budget_spent" not in events[0][1]

@@ -13,6 +13,7 @@ import pytest
 from falconext.config import ConfigError, parse_topology
 from falconext.runtime.switch import handover_pairs
 from falconext.mitigate.topology import check_tp_in_nodes
+from falconext.ports import free_port
 from falconext.sim.itertime import check_roles
 from falconext.trace import groups
 from jobs import (
@@ -164,13 +165,9 @@ def _refuse_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_a_corrupted_hand_over_is_called_off_on_every_process(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_refuse_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert "unreadable state" in got[1]["result"], got  # process 1 received the garbage

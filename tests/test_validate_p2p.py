@@ -9,7 +9,6 @@ stay global ranks).
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -20,18 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from falconext.ports import free_port
 from falconext.validate.p2p import run_passes
 from falconext.validate.passes import merge_passes, ring_passes
 
 WORLD = 4
 SLOW_SRC, SLOW_DST, DELAY_S = 1, 2, 0.060
 NBYTES, REPEATS = 65536, 5
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:

@@ -23,6 +23,11 @@ RANK_MESSAGES = {"Heartbeat", "FailSlowReport", "ProfileData", "SessionAck", "Va
 
 
 class NodeAgent:
+    """One node's agent: forwards the messages its ranks post on the node's stream to the
+    controller, refusing (and counting in ``refused``) those that speak for a rank of
+    another node, and answers a suspension with the node's GPU health. ``forwarded``
+    counts what reached the controller."""
+
     def __init__(self, bus: Bus, node: int, health: Callable[[], list[dict[str, Any]]],
                  ranks: set[int] | None = None) -> None:
         self.bus = bus
@@ -34,6 +39,10 @@ class NodeAgent:
         self.refused = 0
 
     def step(self, block_ms: int = 200) -> None:
+        """Handle what arrived within ``block_ms`` milliseconds, then return: forward rank
+        messages from this node, refuse the others, and post a NodeHealth for every suspend
+        command that carries an integer session. Never raises for a bad message (the bus
+        drops and counts it)."""
         for stream, msg in self.bus.read([node_stream(self.node), CMD_STREAM], block_ms=block_ms):
             if stream == CMD_STREAM:
                 if isinstance(msg, Command) and msg.kind == "suspend":

@@ -45,10 +45,9 @@ from types import TracebackType
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from falconext.control import messages
+from falconext.control.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +178,7 @@ class Bus:
         return None if pos is None else _format_id(pos)
 
     def ping(self) -> bool:
+        """True when Redis answered PING now; False when it is down or refused (never raises)."""
         return bool(self._call("ping", self._client.ping, False))
 
     def beat(self, name: str, ttl_s: float) -> bool:
@@ -196,6 +196,7 @@ class Bus:
         return None if found is None else bool(found)
 
     def close(self) -> None:
+        """Close both connections (the shared and the blocking one); never raises, safe to call twice."""
         for client in (self._client, self._blocking[1] if self._blocking else None):
             if client is not None:
                 try:
@@ -223,17 +224,9 @@ class Bus:
             if bus is not None:
                 bus._new_connection = True
 
-        return redis.Redis.from_url(
-            self.url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=self.socket_timeout_s,
-            health_check_interval=0,
-            # No retries: a dead server costs one timeout per call, and the Bus's own
-            # backoff decides when to try again. (retry_on_timeout is deprecated since
-            # redis-py 6; an explicit zero-retry policy says it for every error.)
-            retry=Retry(NoBackoff(), 0),
-            redis_connect_func=on_connect,
-        )
+        # No retries: a dead server costs one timeout per call, and the Bus's own
+        # backoff decides when to try again.
+        return redis_client(self.url, socket_timeout_s, self.socket_timeout_s, on_connect)
 
     def _ready(self) -> bool:
         return self.connected or time.monotonic() >= self._retry_at

@@ -32,6 +32,7 @@ CONTROLLER_KEY = "controller"
 
 
 def node_stream(node: int) -> str:
+    """The name of the stream on which ranks of node ``node`` post to that node's agent."""
     return f"node:{node}"
 
 
@@ -72,9 +73,12 @@ class RankClient:
         self._cpu_s = 0.0  # the thread's CPU clock, as it last read it
 
     def start(self) -> None:
+        """Start the client's background thread (once); returns at once."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Ask the thread to stop and wait for it, at most 5 s: a thread stuck in Redis is
+        left behind (it is a daemon) rather than holding up the caller."""
         self._stop.set()
         self._thread.join(timeout=5)
 

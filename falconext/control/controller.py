@@ -64,6 +64,8 @@ from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
 
 class State(str, Enum):
+    """The controller's phase: at most one episode is past TRACKING at a time."""
+
     TRACKING = "tracking"
     PROFILING = "profiling"
     VALIDATING = "validating"
@@ -96,6 +98,11 @@ class _Episode:
 
 
 class Controller:
+    """The control plane's decisions, as a pure state machine: :meth:`handle` takes one
+    decoded message and :meth:`tick` the passing time, and both return the
+    :class:`Output` list the I/O loop must carry out. It does no I/O and holds no clock
+    of its own (``now`` is passed in), so every decision is testable on plain data."""
+
     def __init__(self, config: FalconConfig, world: int | None = None, first_session: int = 0) -> None:
         """``first_session``: sessions are numbered from it (a restarted controller starts
         elsewhere than its predecessor, so no rank can take its commands for the old ones)."""
@@ -129,11 +136,18 @@ class Controller:
     # --- inputs -----------------------------------------------------------------------
 
     def ranks(self) -> set[int]:
+        """The ranks the controller waits for: ``range(world)`` when the world size is known, else those
+        that have sent a heartbeat."""
         if self.world is not None:
             return set(range(self.world))
         return set(self.beats)
 
     def handle(self, msg: Any, now: float) -> list[Output]:
+        """React to one message received at ``now``: heartbeats, fail-slow reports, operator
+        commands, and the profiles, acknowledgements, validation results and node health of
+        the current session (those of an older session are ignored). Returns what to post
+        or log; an empty list when the message changes nothing. Never raises for a message
+        that passed the schema."""
         if isinstance(msg, Heartbeat):
             self.beats[msg.rank] = msg
             self._first_beat.setdefault(msg.rank, msg.iteration)

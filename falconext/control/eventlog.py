@@ -18,6 +18,8 @@ class EventLog:
         self._lock = threading.Lock()
 
     def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+        """Append ``{"time", "type": type_, **fields}`` as one line in a single ``write`` (whole
+        lines, even with several writers) and return the record. ``fields`` must be JSON-able."""
         record = {"time": round(time.time(), 6), "type": type_, **fields}
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         with self._lock:
@@ -25,4 +27,5 @@ class EventLog:
         return record
 
     def close(self) -> None:
+        """Close the file; a later :meth:`emit` raises OSError."""
         os.close(self._fd)

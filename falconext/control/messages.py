@@ -187,6 +187,9 @@ MESSAGE_TYPES: dict[str, type] = {
 
 
 def encode(msg: Any) -> str:
+    """The JSON text of ``msg`` with the schema version and type name, as :func:`decode`
+    reads it. Raises MessageError for an object that is not one of the message types,
+    and ValueError for a NaN or infinite number in it."""
     name = type(msg).__name__
     if MESSAGE_TYPES.get(name) is not type(msg):
         raise MessageError(f"not a message type: {name}")

@@ -29,6 +29,10 @@ MAX_RESTARTS = 5
 
 
 class ControlPlane:
+    """The control plane of one job, owned by its launcher: a private Redis (unless
+    ``redis_url`` names one), the controller and one agent per node as child processes,
+    restarted when they die; ``control.json`` in ``out`` says where to find them."""
+
     def __init__(
         self,
         out: str,
@@ -58,6 +62,9 @@ class ControlPlane:
         return {REDIS_URL_ENV: self.url or "", JOB_ENV: self.job}
 
     def start(self) -> "ControlPlane":
+        """Start Redis (if none was given), the controller and the agents, write control.json
+        and start the supervising thread; returns self. Raises RedisUnavailable when Redis
+        does not start."""
         if self.url is None:
             self.redis = start_redis(bind=self.redis_bind)
             self.url = self.redis.url
@@ -120,6 +127,8 @@ class ControlPlane:
                     self._write()
 
     def stop(self) -> None:
+        """Stop supervising, terminate the child processes (killed after 5 s) and the private
+        Redis. Safe to call twice."""
         self._stop.set()
         self._thread.join(timeout=5)
         with self._lock:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,8 +24,9 @@ from types import TracebackType
 from urllib.parse import quote
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+
+from falconext.control.redis_client import redis_client
+from falconext.ports import free_port
 
 LOG_NAME = "redis.log"
 
@@ -54,13 +54,16 @@ class RedisServer:
 
     @property
     def pid(self) -> int | None:
+        """The server's process id, or None before :meth:`start`."""
         return self._proc.pid if self._proc is not None else None
 
     @property
     def log_path(self) -> Path | None:
+        """The server's log file, or None before :meth:`start` made its directory."""
         return self._dir / LOG_NAME if self._dir is not None else None
 
     def alive(self) -> bool:
+        """True while the process this object started is running."""
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
@@ -95,14 +98,7 @@ class RedisServer:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        client = redis.Redis(
-            host=self.host,
-            port=self.port,
-            password=self.password,
-            socket_timeout=0.5,
-            socket_connect_timeout=0.5,
-            retry=Retry(NoBackoff(), 0),  # this loop polls; redis-py's default retries back off for seconds
-        )
+        client = redis_client(self.url, 0.5)  # this loop polls: no retries of its own
         try:
             while True:
                 assert self._proc is not None
@@ -127,6 +123,7 @@ class RedisServer:
             client.close()
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the server's log, or ``(no log)`` / ``(empty log)``."""
         path = self.log_path
         if path is None or not path.exists():
             return "(no log)"
@@ -192,7 +189,7 @@ def start_redis(
     _config_quote(password)  # reject an unusable password before starting anything
     attempts = 3 if port is None else 1
     for attempt in range(attempts):
-        server = RedisServer(binary, port if port is not None else _free_port(bind), password, bind, ready_timeout_s)
+        server = RedisServer(binary, port if port is not None else free_port(bind.split()[0]), password, bind, ready_timeout_s)
         try:
             server.start()
             return server
@@ -201,14 +198,6 @@ def start_redis(
             if attempt + 1 == attempts or "Address already in use" not in str(exc):
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _free_port(bind: str) -> int:
-    host = bind.split()[0]
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _config_quote(password: str) -> str:

@@ -23,6 +23,9 @@ from falconext.control.eventlog import EventLog
 
 
 def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool]) -> None:
+    """Run the controller of job ``job`` on the bus at ``url`` until ``stop[0]`` turns True,
+    appending its decisions to ``events_path``. A lost Redis is logged as an event and
+    waited out (fail-open); a malformed message is dropped and counted, never fatal."""
     events = EventLog(events_path)
     lost = False
 
@@ -48,9 +51,10 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             for _, msg in bus.read([CTL_STREAM], block_ms=100):
                 outputs += step(ctl.handle, msg, time.time())
             outputs += step(ctl.tick, time.time())
-            while bus.dropped > dropped:
-                dropped += 1
-                events.emit("message_dropped", where="controller", error=bus.errors[-1] if bus.errors else "")
+            if bus.dropped > dropped:  # one event a round, however many: a burst must not flood the log
+                events.emit("message_dropped", where="controller", count=bus.dropped - dropped, dropped=bus.dropped,
+                            error=bus.errors[-1] if bus.errors else "")
+                dropped = bus.dropped
             for out in outputs:
                 if out.kind == "command":
                     bus.post(CMD_STREAM, out.message)
@@ -82,6 +86,9 @@ def guarded(events: EventLog):
 
 
 def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] | None = None) -> None:
+    """Run node ``node``'s agent on the bus at ``url`` until ``stop[0]`` turns True,
+    printing each change of its dropped and refused counts. ``ranks``: the ranks of this
+    node (None: accept every rank)."""
     from falconext.control.agent import NodeAgent
     from falconext.validate.health import gpu_health
 
@@ -117,6 +124,9 @@ def watch_parent(stop: list[bool], every_s: float = 0.5) -> threading.Thread:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a controller or an agent as its own process (the launcher's child) until SIGTERM
+    or SIGINT; returns 0. The Redis URL comes from the environment, never argv; without
+    it, prints one line and returns 2."""
     p = argparse.ArgumentParser(prog="falconext.control.service", description=__doc__.splitlines()[0])
     p.add_argument("role", choices=["controller", "agent"])
     p.add_argument("--job", required=True)

@@ -45,6 +45,8 @@ class UnknownMethod(ValueError):
 
 
 def make_detector(method: str = "bocd+v", config: FalconConfig | None = None) -> Detector:
+    """A fresh online detector of ``method`` (one of :data:`METHODS`) with ``config``.
+    Raises UnknownMethod, naming the known methods, for any other name."""
     try:
         mod, cls = _METHOD_CLASSES[method]
     except KeyError:

@@ -17,10 +17,15 @@ from collections import deque
 
 from falconext.config import FalconConfig
 from falconext.detect.bocd import BOCD
-from falconext.detect.events import EventBook, FailSlowEvent, check_sample, median
+from falconext.detect.events import EventBook, FailSlowEvent, check_sample
+from falconext.medians import median
 
 
 class SlideWindow:
+    """The slide-window baseline (module docstring): an event when the median of the last
+    ``slide_window`` iterations is ``min_slowdown`` above the median of the reference
+    before them; it ends when that median is back under the line."""
+
     name = "slide-window"
 
     def __init__(self, config: FalconConfig | None = None) -> None:
@@ -34,9 +39,12 @@ class SlideWindow:
 
     @property
     def events(self) -> list[FailSlowEvent]:
+        """Every event so far, latest state, in onset order."""
         return self._book.all
 
     def feed(self, value: float) -> list[FailSlowEvent]:
+        """Absorb one iteration time; return the event opened or ended by it (empty list
+        otherwise). Raises InvalidSample for a value that is not a finite positive number."""
         i = self._n
         x = check_sample(value, i)
         self._n += 1
@@ -78,6 +86,10 @@ class SlideWindow:
 
 
 class Persistence(SlideWindow):
+    """The persistence baseline: an event when every one of the last
+    ``persistence_iterations`` iterations is ``min_slowdown`` above the reference, ended
+    when every one of as many is back within it."""
+
     name = "persistence"
 
     def _window(self) -> int:
@@ -91,6 +103,9 @@ class Persistence(SlideWindow):
 
 
 class PlainBOCD:
+    """BOCD without verification: each new change point opens an event when none is open
+    (slowdown = mean after / mean before) and ends the open one otherwise."""
+
     name = "bocd"
 
     def __init__(self, config: FalconConfig | None = None) -> None:
@@ -105,9 +120,13 @@ class PlainBOCD:
 
     @property
     def events(self) -> list[FailSlowEvent]:
+        """Every event so far, latest state, in onset order."""
         return self._book.all
 
     def feed(self, value: float) -> list[FailSlowEvent]:
+        """Absorb one iteration time; return the event a new change point opened or ended
+        (empty list otherwise). Raises InvalidSample for a value that is not a finite
+        positive number."""
         i = self._n
         x = check_sample(value, i)
         self._n += 1

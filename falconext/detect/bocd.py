@@ -102,6 +102,7 @@ class BOCD:
         return self.t - r
 
     def map_run_length(self) -> int:
+        """The most probable run length now (iterations since the last change point)."""
         return int(np.argmax(self._logp[: self._n]))
 
     # -- update ----------------------------------------------------------------------------

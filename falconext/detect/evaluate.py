@@ -25,6 +25,10 @@ Label = tuple[int, "int | None", float]
 
 @dataclass(frozen=True)
 class TraceScore:
+    """One detector's result on one labelled trace: how many labels it had and detected, its
+    false alarms, and per matched label the detection delay and the onset error
+    (iterations)."""
+
     labels: int
     detected: int
     false_alarms: int
@@ -33,10 +37,14 @@ class TraceScore:
 
     @property
     def correct(self) -> bool:
+        """True when every label was detected and nothing else was (the trace counts for accuracy)."""
         return self.detected == self.labels and self.false_alarms == 0
 
 
 def score_trace(events: Sequence[FailSlowEvent], labels: Sequence[Label], tolerance: int = 10) -> TraceScore:
+    """Match ``events`` to ``labels`` (onset, end or None, slowdown) as the module docstring
+    says: an event matches the first label whose ``[onset - tolerance, end)`` holds its
+    onset; each label takes one event, every other event is a false alarm."""
     matched: dict[int, FailSlowEvent] = {}
     false_alarms = 0
     for ev in sorted(events, key=lambda e: e.onset):
@@ -57,6 +65,9 @@ def score_trace(events: Sequence[FailSlowEvent], labels: Sequence[Label], tolera
 
 @dataclass(frozen=True)
 class Summary:
+    """The scores of many traces together (module docstring): counts and medians, with the rates as
+    properties."""
+
     traces: int
     correct: int
     healthy: int
@@ -69,17 +80,22 @@ class Summary:
 
     @property
     def accuracy(self) -> float:
+        """Share of traces judged entirely right; NaN for no traces."""
         return self.correct / self.traces if self.traces else float("nan")
 
     @property
     def fpr(self) -> float:
+        """Share of healthy traces with at least one alarm; 0.0 when there is no healthy trace."""
         return self.healthy_alarmed / self.healthy if self.healthy else 0.0
 
     @property
     def fnr(self) -> float:
+        """Share of labels never detected; 0.0 when there is no label."""
         return self.missed / self.labels if self.labels else 0.0
 
     def to_dict(self) -> dict:
+        """The summary as JSON-able values, rates in percent (2 decimals) with their ``n/total`` beside
+        them."""
         return {
             "accuracy": round(100 * self.accuracy, 2),
             "accuracy_n": f"{self.correct}/{self.traces}",
@@ -94,6 +110,7 @@ class Summary:
 
 
 def summarize(scores: Iterable[TraceScore]) -> Summary:
+    """Add up per-trace scores into one :class:`Summary`; medians are None when nothing was matched."""
     scores = list(scores)
     delays = [d for s in scores for d in s.delays]
     errors = [e for s in scores for e in s.onset_errors]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Protocol
 
 
 class InvalidSample(ValueError):
@@ -37,6 +37,7 @@ class FailSlowEvent:
     ended_at: int | None = None
 
     def to_dict(self) -> dict:
+        """The fields a report shows: onset, detected_at, end and slowdown (4 decimals)."""
         return {
             "onset": self.onset,
             "detected_at": self.detected_at,
@@ -45,9 +46,11 @@ class FailSlowEvent:
         }
 
     def full_dict(self) -> dict:
+        """Every field, unrounded (for logs that must be read back exactly)."""
         return asdict(self)
 
     def with_(self, **changes) -> "FailSlowEvent":
+        """A copy with ``changes`` applied (the event is frozen; the id is kept unless changed)."""
         return replace(self, **changes)
 
 
@@ -96,25 +99,18 @@ class EventBook:
         self._next_id = 0
 
     def open(self, onset: int, detected_at: int, slowdown: float, baseline: float) -> FailSlowEvent:
+        """Record a new event with the next id (0, 1, ...) and return it."""
         ev = FailSlowEvent(self._next_id, onset, detected_at, slowdown, baseline)
         self._next_id += 1
         self._events[ev.id] = ev
         return ev
 
     def update(self, ev: FailSlowEvent) -> FailSlowEvent:
+        """Replace the stored state of ``ev`` (same id) by ``ev``; returns ``ev``."""
         self._events[ev.id] = ev
         return ev
 
     @property
     def all(self) -> list[FailSlowEvent]:
+        """Every event's latest state, ordered by onset then id."""
         return sorted(self._events.values(), key=lambda e: (e.onset, e.id))
-
-
-def median(values: Sequence[float]) -> float:
-    """Median of a short window (a plain sort beats numpy's overhead at this size)."""
-    s = sorted(values)
-    n = len(s)
-    if n == 0:
-        raise ValueError("median of an empty window")
-    mid = n // 2
-    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])

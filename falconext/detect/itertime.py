@@ -70,10 +70,10 @@ from falconext.detect.period import (
     SymbolTable,
     chance_match,
     coarse_symbol_of,
-    find_period,
     gap_spacing,
     inner_period,
-    refine_by_gaps,
+    refine_period,
+    search_period,
     sharpen_period,
     size_agreement,
 )
@@ -117,6 +117,9 @@ class IterationTime:
 
 
 class TrackerState(Enum):
+    """Where a tracker stands: SEARCHING for a period, LOCKED on a template (iterations are
+    emitted), or LOST after a break (resynchronising on the same template)."""
+
     SEARCHING = "searching"
     LOCKED = "locked"
     LOST = "lost"
@@ -195,10 +198,13 @@ class IterationTracker:
 
     @property
     def state(self) -> TrackerState:
+        """The tracker's current state."""
         return self._state
 
     @property
     def anchor_phase(self) -> int | None:
+        """Position in the template of the call that ends an iteration (the anchor), or None
+        while no template has been found."""
         return None if self._state is TrackerState.SEARCHING else self._anchor
 
     @property
@@ -210,6 +216,7 @@ class IterationTracker:
 
     @property
     def calls(self) -> int:
+        """Calls fed so far."""
         return self._fed
 
     def feed(self, record: CallRecord) -> list[IterationTime]:
@@ -413,19 +420,7 @@ class IterationTracker:
         self._queue.extendleft(reversed(range(self._window_from + start, seq + 1)))
 
     def _search(self, codes: np.ndarray, times: np.ndarray) -> int | None:
-        cfg = self.config
-        period = find_period(codes, cfg.acf_threshold, cfg.acf_min_repeats, cfg.max_period_calls)
-        if period is None:
-            return None
-        period = sharpen_period(codes, period, cfg.acf_min_repeats, cfg.max_period_calls)
-        return refine_by_gaps(
-            period,
-            times,
-            cfg.gap_profile_r2,
-            min_repeats=cfg.acf_min_repeats,
-            max_period=cfg.max_period_calls,
-            long_pause_ratio=cfg.long_pause_ratio,
-        )
+        return search_period(codes, times, self.config)
 
     def _search_without_sizes(self, coarse: np.ndarray, bits: np.ndarray, times: np.ndarray) -> int | None:
         """The period of the calls' ops and groups (``coarse`` codes), kept only when the
@@ -515,14 +510,7 @@ class IterationTracker:
             # inserted every N iterations: the break was such an insertion (LOST resyncs)
             return False
         times = self._window_times(seq + 1 - held, seq + 1)
-        longer = refine_by_gaps(
-            longer,
-            times,
-            cfg.gap_profile_r2,
-            min_repeats=cfg.acf_min_repeats,
-            max_period=cfg.max_period_calls,
-            long_pause_ratio=cfg.long_pause_ratio,
-        )
+        longer = refine_period(longer, times, cfg)
         if self._adopt(codes, times, longer, self._window_ready(seq + 1 - held, seq + 1), seq + 1 - held) is None:
             return False
         self.relocks += 1

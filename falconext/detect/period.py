@@ -19,7 +19,8 @@ be a fraction of the iteration when an iteration issues several identical calls
 (gradient buckets of equal size); :func:`refine_by_gaps` uses the inter-call gaps, which
 do differ by phase, to find the multiple that is the iteration.
 
-:func:`detect_period` chains the three: find, sharpen, refine.
+:func:`search_period` chains the three: find, sharpen, refine; :func:`detect_period` runs it
+on a rank's records.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class SymbolTable:
         self._codes: dict[Hashable, int] = {}
 
     def code_of(self, symbol: Hashable) -> int:
+        """The code of ``symbol``: its existing one, or the next free integer (0, 1, ...) on first sight."""
         code = self._codes.get(symbol)
         if code is None:
             code = len(self._codes)
@@ -87,9 +89,11 @@ class SymbolTable:
         return code
 
     def code(self, record: CallRecord) -> int:
+        """The code of ``record``'s symbol (:func:`symbol_of`), assigned on first sight."""
         return self.code_of(symbol_of(record))
 
     def symbols(self) -> list[Hashable]:
+        """The symbols seen so far, in code order (the code is the index)."""
         return list(self._codes)
 
     def __len__(self) -> int:
@@ -462,12 +466,24 @@ def detect_period(
         times = np.array([r.t_issue for r in records], dtype=np.float64)
     if codes.shape != times.shape:
         raise ValueError("codes and t_issue must have the same length")
-    period = find_period(
-        codes, config.acf_threshold, config.acf_min_repeats, config.max_period_calls
-    )
+    return search_period(codes, times, config)
+
+
+def search_period(codes: np.ndarray, times: np.ndarray, config: FalconConfig) -> int | None:
+    """The period of ``codes`` (symbol codes, with ``times`` their issue times): the first
+    lag whose ACF reaches ``config.acf_threshold`` (:func:`find_period`), moved to the
+    longer exact lag (:func:`sharpen_period`), then to the multiple the gaps show
+    (:func:`refine_period`). None when no lag reaches the threshold."""
+    period = find_period(codes, config.acf_threshold, config.acf_min_repeats, config.max_period_calls)
     if period is None:
         return None
     period = sharpen_period(codes, period, config.acf_min_repeats, config.max_period_calls)
+    return refine_period(period, times, config)
+
+
+def refine_period(period: int, times: np.ndarray, config: FalconConfig) -> int:
+    """:func:`refine_by_gaps` with the thresholds of ``config``: ``period`` or the
+    multiple of it that the inter-call gaps of ``times`` show to be the iteration."""
     return refine_by_gaps(
         period,
         times,

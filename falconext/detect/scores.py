@@ -92,6 +92,10 @@ class RankSample:
 
 @dataclass(frozen=True)
 class RankScore:
+    """How much one rank holds its peers up, over a window: its compute and wait seconds per
+    iteration, compute over the peers' median, the wait it imposes (``late_s``) and that
+    as a share of the iteration (``score``, the straggler score)."""
+
     compute_s: float
     wait_s: float
     compute_ratio: float  # compute over the peers' median compute
@@ -100,6 +104,7 @@ class RankScore:
     peers: int  # ranks it was compared with (0: no peer in its role; ratio 1, score 0)
 
     def to_dict(self) -> dict[str, float | int]:
+        """The score as JSON-able values, rounded (seconds to 6 decimals, ratios to 4)."""
         return {
             "compute_s": round(self.compute_s, 6),
             "wait_s": round(self.wait_s, 6),

@@ -23,6 +23,9 @@ from falconext.inputs import InputError, loads_strict, read_text
 
 @dataclass(frozen=True)
 class Series:
+    """One iteration-time series: an id (rank, job, or None), its times in seconds, and
+    for evaluation its labels (onset, end or None, slowdown) and kind."""
+
     id: Any
     iter_times: list[float]
     labels: list[tuple[int, int | None, float]] | None = None
@@ -31,6 +34,8 @@ class Series:
 
 @dataclass(frozen=True)
 class SeriesFile:
+    """What a file held: its format (csv, json or jsonl) and its series in file order."""
+
     format: str  # "csv", "json" or "jsonl"
     series: list[Series]
 
@@ -39,6 +44,10 @@ TIME_COLUMNS = ("iter_time", "iter_time_s")
 
 
 def read_series(path: str | Path) -> SeriesFile:
+    """Read the series of ``path`` (format from the extension, else the first character).
+    Raises InputError naming the file, line and field for anything that is not a valid
+    series: a missing file, bad JSON, a missing column, a value that is not a finite
+    positive number."""
     text = read_text(path)
     fmt = _format_of(Path(path), text)
     if fmt == "csv":

@@ -98,4 +98,5 @@ class RankTracking:
 
     @property
     def period(self) -> int | None:
+        """Calls per iteration of the tracker's current template, or None while it searches."""
         return self.tracker.period

@@ -44,7 +44,8 @@ from typing import Sequence
 
 from falconext.config import FalconConfig
 from falconext.detect.bocd import BOCD
-from falconext.detect.events import EventBook, FailSlowEvent, check_sample, median
+from falconext.detect.events import EventBook, FailSlowEvent, check_sample
+from falconext.medians import low_median, median
 
 
 # -- pure checks over plain windows -------------------------------------------------------
@@ -57,12 +58,8 @@ def chunk_levels(post: Sequence[float], chunks: int, low: bool = False) -> list[
     """
     n = len(post)
     bounds = [round(i * n / chunks) for i in range(chunks + 1)]
-    pick = _low_median if low else median
+    pick = low_median if low else median
     return [pick(post[bounds[i] : bounds[i + 1]]) for i in range(chunks) if bounds[i + 1] > bounds[i]]
-
-
-def _low_median(values: Sequence[float]) -> float:
-    return sorted(values)[(len(values) - 1) // 2]
 
 
 def slow_level(baseline: float, post: Sequence[float], cfg: FalconConfig) -> float | None:
@@ -141,8 +138,8 @@ def trailing_run(
     logs = [math.log(v) for v in window[start:]]
     # lower medians: the plain median of an even count averages a spike with the level
     recent = logs[len(logs) // 2 :]
-    centre = _low_median(recent)
-    spread = max(cfg.run_band_floor, 1.4826 * _low_median([abs(v - centre) for v in recent]))
+    centre = low_median(recent)
+    spread = max(cfg.run_band_floor, 1.4826 * low_median([abs(v - centre) for v in recent]))
     lb = math.log(baseline)
     step = centre - lb  # ln(L) > 0: every iteration of the run is over the line
     width = min(cfg.run_band_sigmas * spread, 0.5 * step)
@@ -246,13 +243,19 @@ class VerifiedBOCD:
 
     @property
     def events(self) -> list[FailSlowEvent]:
+        """Every event so far, latest state, in onset order."""
         return self._book.all
 
     @property
     def open_event(self) -> FailSlowEvent | None:
+        """The fail-slow in progress (confirmed, not yet ended), or None."""
         return self._open
 
     def feed(self, value: float) -> list[FailSlowEvent]:
+        """Absorb one iteration time; return the events it confirmed, escalated or ended (often
+        none). A BOCD change point becomes an event only once verification confirms a
+        sustained slowdown. Raises InvalidSample for a value that is not a finite positive
+        number."""
         i = self._n
         x = check_sample(value, i)
         self._hist.append(x)

@@ -111,6 +111,7 @@ def on_initialized(args: argparse.Namespace, flags: argparse.Namespace | None = 
 
 
 def session() -> "Session | None":
+    """This process's falconext session, or None before :func:`on_initialized` (or without ``--falcon``)."""
     return _session
 
 
@@ -120,11 +121,14 @@ def forward_backward(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def loop_start(iteration: int) -> None:
+    """Megatron's training loop starts ``iteration``: the session's per-iteration work (nothing without a
+    session)."""
     if _session is not None:
         _session.loop_start(iteration)
 
 
 def loop_end() -> None:
+    """Megatron's training step is over: the session records it (nothing without a session)."""
     if _session is not None:
         _session.loop_end()
 
@@ -305,6 +309,9 @@ class Session:
     # --- the loop ------------------------------------------------------------------------
 
     def loop_start(self, iteration: int) -> None:
+        """Iteration ``iteration`` begins: start the runtime on the first call, record the
+        previous iteration's time, tell the emulated device, and apply the action the
+        controller (or an operator override for this iteration) has agreed for it."""
         now = time.perf_counter()
         if self.runtime is None:
             self._start(iteration)
@@ -325,6 +332,7 @@ class Session:
             self._apply(action, iteration)
 
     def loop_end(self) -> None:
+        """The step is over: hand the runtime this replica's micro-batch count and forward time."""
         if self.runtime is not None:
             self.runtime.after_step(self._micro, self._forward_s)
 

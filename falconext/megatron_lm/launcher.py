@@ -60,6 +60,7 @@ class LaunchPlan:
 
     @property
     def falcon(self) -> bool:
+        """True when ``--falcon`` was among the flags: falconext runs inside the job."""
         return "--falcon" in self.falcon_args
 
 
@@ -366,7 +367,7 @@ def _torchrun(plan: LaunchPlan) -> list[str]:
     opts = list(plan.torchrun)
     if option(opts, "--master-port") is None and option(opts, "--rdzv-endpoint") is None \
             and "--standalone" not in opts:
-        from falconext.testbed.launch import free_port
+        from falconext.ports import free_port
 
         opts += ["--master-port", str(free_port())]
     return [sys.executable, "-m", "torch.distributed.run", *opts, "-m", "falconext.megatron_lm.rank",

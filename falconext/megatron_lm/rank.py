@@ -22,6 +22,11 @@ EXIT_REFUSED = 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one rank of a Megatron-LM script, ``argv`` = SCRIPT and its arguments (default
+    ``sys.argv[1:]``), with falconext installed first when the launcher's flags say
+    ``--falcon`` (CPU mode where there is no CUDA). Returns the script's status, 0 when
+    it ends normally, or 2 with one line on stderr for missing arguments, bad flags or a
+    Megatron-LM whose hook points changed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print("falconext.megatron_lm.rank: usage: SCRIPT [script arguments]", file=sys.stderr)

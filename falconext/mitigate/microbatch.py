@@ -18,10 +18,11 @@ Everything here is pure: no I/O, no torch, no global state.
 from __future__ import annotations
 
 import heapq
-import numbers
 from collections.abc import Sequence
 
 import numpy as np
+
+from falconext.integers import is_int
 
 __all__ = ["plan_microbatches", "plan_microbatches_cvxpy", "slowest_time"]
 
@@ -31,11 +32,6 @@ Caps = int | Sequence[int] | None
 # ---------------------------------------------------------------------------------------
 # validation (shared by both solvers so they accept and reject exactly the same inputs)
 # ---------------------------------------------------------------------------------------
-
-
-def _is_int(x: object) -> bool:
-    # bool is an Integral subclass, but True micro-batches is always a caller's bug.
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _validate(
@@ -66,7 +62,7 @@ def _validate(
             f"times[{i}] = {t[i]!r} is not a finite positive number of seconds per micro-batch"
         )
 
-    if not _is_int(total):
+    if not is_int(total):
         raise ValueError(f"total must be an int number of micro-batches, got {total!r}")
     m_total = int(total)
     if m_total < d:
@@ -78,7 +74,7 @@ def _validate(
     limit = m_total - d + 1
     if max_per_replica is None:
         return t, m_total, np.full(d, limit, dtype=np.int64)
-    if _is_int(max_per_replica):
+    if is_int(max_per_replica):
         cap = int(max_per_replica)  # type: ignore[arg-type]
         if cap < 1:
             raise ValueError(
@@ -104,7 +100,7 @@ def _validate(
             f"max_per_replica has {len(raw)} entries but there are {d} replicas"
         )
     for i, c in enumerate(raw):
-        if not _is_int(c):
+        if not is_int(c):
             raise ValueError(f"max_per_replica[{i}] = {c!r} is not an int")
     caps_list = [int(c) for c in raw]
     for i, c in enumerate(caps_list):

@@ -22,6 +22,10 @@ from falconext.sim.itertime import JobCosts, iteration_time
 
 @dataclass
 class Mitigation:
+    """One episode's mitigation, as the controller keeps it: the ski-rental planner, the
+    root cause and the culprits validation named, the slow replicas, the action being
+    applied, what was applied, and the measurements S2 and S3 plan with."""
+
     planner: Planner
     root_cause: str  # "computation" | "communication"
     gpus: list[int]
@@ -222,6 +226,8 @@ def link_excess(links: Iterable[Iterable[int]], evidence: Mapping[str, Any], nby
 
 
 def replicas_of(ranks: Iterable[int], beats: Mapping[int, Any]) -> set[int]:
+    """The DP replicas of ``ranks``, from their latest heartbeats; ranks without one, or not in a replica,
+    are left out."""
     return {beats[r].replica for r in ranks if r in beats and beats[r].replica >= 0}
 
 

@@ -201,6 +201,7 @@ class Planner:
 
     @property
     def finished(self) -> bool:
+        """True once the fail-slow has recovered: the planner makes no further decision."""
         return self._finished
 
     @property

@@ -58,10 +58,14 @@ class CheckpointError(ValueError):
 
 
 def shard_path(directory: str, rank: int) -> str:
+    """The checkpoint shard of ``rank`` in ``directory`` (``rankNNNNN.pt``)."""
     return os.path.join(directory, f"rank{rank:05d}.pt")
 
 
 def rng_state() -> dict[str, Any]:
+    """Every random generator's state of this process (torch, Python, numpy, and CUDA when
+    initialised), as tensors and plain values that a weights-only load accepts."""
+
     import numpy as np
     import torch
 
@@ -79,6 +83,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the generators from :func:`rng_state`'s dict, so the next draws equal those
+    the saving process would have made (CUDA only where CUDA is available)."""
+
     import numpy as np
     import torch
 
@@ -131,6 +138,8 @@ def restore_payload(payload: Any, where: str, rank: int, layout: dict[str, int],
 
 
 def payload_to_bytes(payload: dict[str, Any]) -> bytes:
+    """``payload`` serialised by ``torch.save`` into bytes (read back with :func:`payload_from_bytes`)."""
+
     import torch
 
     buf = io.BytesIO()
@@ -191,6 +200,8 @@ def probe_cost(directory: str, rank: int, layout: dict[str, int], model: Any, op
 
 
 def write_request(out: str, req: RestartRequest) -> None:
+    """Write the restart request to ``out``/restart.json atomically (a temporary file
+    renamed), so a reader never sees half of it."""
     path = os.path.join(out, RESTART_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

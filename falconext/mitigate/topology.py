@@ -36,22 +36,18 @@ Pure: no torch, no I/O, no clock.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from falconext.integers import is_int
 from falconext.sim.itertime import IterationModel, JobCosts, check_roles
 
 __all__ = ["Layout", "TopologyPlan", "plan_topology"]
 
 #: Relative improvement below which a change is not worth moving model state for.
 REL_EPS = 1e-3
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,7 @@ class Layout:
     def __post_init__(self) -> None:
         for field in ("tp", "dp", "pp", "ranks_per_node"):
             v = getattr(self, field)
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"Layout.{field} must be a positive int, got {v!r}")
             object.__setattr__(self, field, int(v))
         if self.ranks_per_node % self.tp:
@@ -91,7 +87,7 @@ class Layout:
         return -(-self.world // self.ranks_per_node)
 
     def _check_role(self, role: int) -> int:
-        if not _is_int(role) or not 0 <= role < self.world:
+        if not is_int(role) or not 0 <= role < self.world:
             raise ValueError(f"role {role!r} is outside range({self.world})")
         return int(role)
 
@@ -103,13 +99,13 @@ class Layout:
     def role_of(self, tp_r: int, dp_r: int, pp_r: int) -> int:
         """The role with coordinates ``(tp_r, dp_r, pp_r)``."""
         for name, v, n in (("tp_r", tp_r, self.tp), ("dp_r", dp_r, self.dp), ("pp_r", pp_r, self.pp)):
-            if not _is_int(v) or not 0 <= v < n:
+            if not is_int(v) or not 0 <= v < n:
                 raise ValueError(f"{name} = {v!r} is outside range({n})")
         return tp_r + self.tp * (dp_r + self.dp * pp_r)
 
     def node_of(self, process: int) -> int:
         """Physical node of ``process``."""
-        if not _is_int(process) or not 0 <= process < self.world:
+        if not is_int(process) or not 0 <= process < self.world:
             raise ValueError(f"process {process!r} is outside range({self.world})")
         return int(process) // self.ranks_per_node
 
@@ -481,7 +477,7 @@ def plan_topology(
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
     for name, v in (("max_rounds", max_rounds), ("max_evaluations", max_evaluations)):
-        if not _is_int(v) or v < 0:
+        if not is_int(v) or v < 0:
             raise ValueError(f"{name} = {v!r} must be an int >= 0")
     model = IterationModel(layout, costs, slow_gpus, slow_links)  # validates costs and faults
     current = check_roles(current_roles, layout.world, "current_roles")

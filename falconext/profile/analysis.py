@@ -17,6 +17,8 @@ from typing import Mapping, Sequence
 
 @dataclass(frozen=True)
 class Split:
+    """One rank's time in one collective: waiting for late peers, then the transfer itself."""
+
     wait_s: float  # issue -> last member's issue: waiting for late peers
     transfer_s: float  # last member's issue -> completion: the transfer itself
 
@@ -37,6 +39,8 @@ def split_wait_transfer(instance: Mapping[int, tuple[float, float]]) -> dict[int
 
 @dataclass(frozen=True)
 class ArrivalStats:
+    """How often a rank arrived last at its collectives, and the wait that imposed on the others."""
+
     instances: int  # collectives this rank took part in
     last: int  # how often it arrived last
     lateness_s: float  # median gap to the second-last arrival, when it was last
@@ -44,6 +48,7 @@ class ArrivalStats:
 
     @property
     def last_share(self) -> float:
+        """Share of its collectives at which the rank arrived last; 0.0 when it took part in none."""
         return self.last / self.instances if self.instances else 0.0
 
 
@@ -98,6 +103,9 @@ def compute_suspects(stats: Mapping[int, ArrivalStats], min_share: float = 0.5, 
 
 @dataclass(frozen=True)
 class GroupTiming:
+    """One group's typical transfer time over a profiling window, with what makes groups comparable (role,
+    size, bytes)."""
+
     group: str
     role: str | None
     size: int  # members

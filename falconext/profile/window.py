@@ -80,6 +80,9 @@ class RankWindow(Protocol):
 
 @dataclass(frozen=True)
 class Findings:
+    """What a profiling window points at: compute suspects (ranks that arrive late), groups
+    whose transfers are slow, and the timings and arrival statistics behind them."""
+
     compute_suspects: list[int]
     suspicious_groups: list[str]
     timings: list[GroupTiming]
@@ -89,6 +92,7 @@ class Findings:
     instances: int = 0
 
     def evidence(self) -> dict[str, Any]:
+        """The findings as JSON-able values for the event log (shares and times rounded)."""
         return {
             "compute_suspects": self.compute_suspects,
             "suspicious_groups": self.suspicious_groups,

@@ -51,6 +51,8 @@ class CallLog:
         self._size = 0
 
     def write(self, rec: Any) -> None:
+        """Append ``rec`` (a CallRecord) as one JSON line, rotating first when the line would
+        take the file past ``max_bytes`` (a single oversized line is still written whole)."""
         line = json.dumps(rec.to_dict(), separators=(",", ":")) + "\n"
         if self.max_bytes and self._size + len(line) > self.max_bytes and self._size:
             self._f.close()
@@ -62,10 +64,16 @@ class CallLog:
         self._size += len(line)
 
     def close(self) -> None:
+        """Close the file; a later :meth:`write` raises ValueError."""
         self._f.close()
 
 
 class RankMonitor:
+    """One rank's analysis thread: drains the tracer's records every ``interval_s``, writes
+    the call log, estimates iteration times from the calls alone, runs detection on them
+    and keeps the rank's recent compute/wait sample for the straggler scores. Fail-slow
+    events go to ``events`` and ``on_event``; nothing it does blocks the training thread."""
+
     def __init__(
         self,
         drain: Callable[[], list],
@@ -124,6 +132,7 @@ class RankMonitor:
         self._stop_cpu_s = 0.0  # the final drain in stop(), on the stopping thread
 
     def start(self) -> None:
+        """Start the analysis thread (once); returns at once."""
         self._thread.start()
 
     def stop(self) -> None:

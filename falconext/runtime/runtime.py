@@ -49,6 +49,11 @@ from falconext.validate.suspension import Bench, Suspension
 
 
 class FalconRuntime:
+    """falconext in one training process (module docstring): installs the tracer, runs the
+    monitor and, with ``redis_url``, the control client; schedules and runs suspensions
+    for validation and hands the training loop the mitigation actions every rank agreed
+    on. No failure of its own reaches training: without Redis it keeps tracking locally."""
+
     def __init__(
         self,
         config: FalconConfig,
@@ -142,6 +147,8 @@ class FalconRuntime:
         return action
 
     def after_step(self, micro_batches: int, forward_s: float) -> None:
+        """The step ran ``micro_batches`` micro-batches with ``forward_s`` seconds of forward
+        compute: kept for the heartbeat's per-micro-batch time (what S2 balances on)."""
         self._micro = micro_batches
         if micro_batches > 0 and forward_s > 0:
             self._mb_s.append(forward_s / micro_batches)
@@ -172,6 +179,7 @@ class FalconRuntime:
 
     @property
     def enabled(self) -> bool:
+        """True while falconext is on (see :meth:`set_enabled`)."""
         return self._enabled
 
     def set_enabled(self, on: bool) -> None:
@@ -223,7 +231,7 @@ class FalconRuntime:
         """falconext's CPU seconds on this rank so far, by component.
 
         ``hooks``: the training thread inside the tracer's wrappers, the wrapped calls
-        excluded (sampled estimate, :class:`falconext.trace.hooks.HookCost`);
+        excluded (sampled estimate, :class:`falconext.trace.cost.HookCost`);
         ``suspension``: the training thread while trapped (validation work);
         ``monitor`` and ``client``: their threads' CPU clocks; ``total``: the sum. Thread
         CPU clocks count time on a core only, never waiting or sleeping.
@@ -304,6 +312,8 @@ class FalconRuntime:
             self._new_groups()
 
     def close(self) -> None:
+        """Release any held call, uninstall the tracer, stop the monitor after a final drain,
+        then the control client. Call once, when training has ended."""
         self.tracer.trap.release()
         self.tracer.uninstall()
         self.monitor.stop()
@@ -317,6 +327,9 @@ class FalconRuntime:
         return self._iteration if self.hooked else self.monitor.tracked
 
     def beat_fields(self) -> dict[str, Any]:
+        """The optional fields of this rank's next heartbeat: replica, median compute seconds
+        per micro-batch, measured restart and switch costs, role, micro-batch count and the
+        latest straggler sample (when there is one)."""
         mb = sorted(self._mb_s)
         scored = self.monitor.score_sample
         score = {} if scored is None else {
@@ -368,7 +381,7 @@ class FalconRuntime:
     def _suspension(self, cmd: Command, session: int, plan: dict[str, Any]) -> Suspension:
         """This rank's side of the suspension ``cmd`` asks for (either way of trapping)."""
         return Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
-                          commit=self._commit, resend_s=self.cfg.heartbeat_s)
+                          commit=self._commit, resend_s=self.cfg.heartbeat_s, budget_s=self.cfg.validation_budget_s)
 
     def _schedule_by_calls(self, cmd: Command, session: int, plan: dict[str, Any]) -> int | None:
         """No loop hooks: trap the first call of ``cmd.iteration`` as this rank's calls
@@ -384,6 +397,10 @@ class FalconRuntime:
         return None
 
     def signal(self, kind: str, session: int) -> None:
+        """A suspension signal from the controller (control client's thread): passed to the
+        suspension of ``session`` (active or pending); ``release`` also drops a pending one
+        and, without loop hooks, disarms a trap that has not caught its call yet. Signals of
+        other sessions are ignored."""
         for sus in (self._active, self._pending):
             if sus is not None and sus.session == session:
                 sus.signal(kind)
@@ -426,6 +443,7 @@ class FalconRuntime:
 
         tr = self.tracer
         send, recv, barrier = tr.original("send"), tr.original("recv"), tr.original("barrier")
+        all_reduce = tr.original("all_reduce")
         group = self._vgroup
         on_gpu = self._device == "cuda"
         sync = torch.cuda.synchronize if on_gpu else None
@@ -445,6 +463,12 @@ class FalconRuntime:
                                recv=recv, barrier=barrier, concurrency=concurrency, device=device, sync=sync)
             return [(to_process(a), to_process(b), sec) for a, b, sec in found]
 
+        def agree_stop(spent: bool) -> bool:
+            # any rank out of budget stops every rank at this step: a MAX over the group
+            flag = torch.tensor([1 if spent else 0], dtype=torch.int32)
+            all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            return bool(flag.item())
+
         bgroup = self.bench_group()
         backend = torch.distributed.get_backend(bgroup) if torch.distributed.is_initialized() else "none"
-        return Bench(gemm, passes, lambda: barrier(group=group), fabric=f"{backend}:{device}")
+        return Bench(gemm, passes, lambda: barrier(group=group), fabric=f"{backend}:{device}", agree_stop=agree_stop)

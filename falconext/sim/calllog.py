@@ -26,6 +26,8 @@ from falconext.trace.records import CallRecord
 
 @dataclass(frozen=True)
 class CallSpec:
+    """One call of a simulated iteration: op, group, bytes, and the compute before it (seconds)."""
+
     op: str
     group: str
     bytes: int
@@ -49,6 +51,11 @@ class Slowdown:
 
 @dataclass(frozen=True)
 class CallLogSpec:
+    """What to simulate: each rank's calls per iteration, the number of iterations, compute
+    jitter, evaluations, checkpoints, periodic extra calls, injected slowdowns, a pattern
+    change and the link model. Construction raises ValueError for an empty pattern or a
+    negative or zero count."""
+
     #: rank -> the calls of one training iteration, in issue order
     patterns: Mapping[int, Pattern]
     iterations: int
@@ -76,6 +83,7 @@ class CallLogSpec:
 
     @property
     def n_ranks(self) -> int:
+        """The number of ranks (one pattern each)."""
         return len(self.patterns)
 
     def __post_init__(self) -> None:
@@ -91,6 +99,9 @@ class CallLogSpec:
 
 @dataclass(frozen=True)
 class CallLog:
+    """A simulated run: every rank's call records and the ground truth (iteration starts and durations, the
+    long iterations)."""
+
     spec: CallLogSpec
     #: all ranks' calls, interleaved by issue time; seq counts each rank's calls from 0
     records: list[CallRecord]
@@ -102,6 +113,7 @@ class CallLog:
     special: np.ndarray = field(repr=False)
 
     def rank_records(self, rank: int) -> list[CallRecord]:
+        """The records of ``rank``, in issue order (empty for an unknown rank)."""
         return [r for r in self.records if r.rank == rank]
 
     def iteration_at(self, rank: int, t: float) -> int:
@@ -112,6 +124,10 @@ class CallLog:
 
 
 def generate(spec: CallLogSpec, seed: int | np.random.Generator = 0) -> CallLog:
+    """Simulate ``spec`` with a seeded generator (an int seed or a Generator): the same
+    spec and seed always give the same log. Every rank starts an iteration together
+    and the iteration ends when the slowest is done (module docstring), so a slowdown
+    on one rank lengthens every rank's iteration."""
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     ranks = sorted(spec.patterns)
     rows: list[tuple[float, int, CallRecord]] = []
@@ -219,6 +235,8 @@ def dp_only_spec(
     bucket_bytes: int | Sequence[int] = 25_000_000,
     **spec: object,
 ) -> CallLogSpec:
+    """A data-parallel-only job: ``buckets`` gradient all-reduces per iteration on ``n_ranks`` ranks;
+    ``spec`` sets any other CallLogSpec field."""
     return CallLogSpec(
         patterns=dp_only_patterns(n_ranks, buckets, bucket_bytes),
         iterations=iterations,
@@ -314,6 +332,9 @@ def tp_pp_spec(
     eval_micro_batches: int = 2,
     **spec: object,
 ) -> CallLogSpec:
+    """A TP x PP (x DP) job on a 1F1B-like schedule, with evaluation iterations of
+    ``eval_micro_batches`` forward-only micro-batches; ``spec`` sets any other
+    CallLogSpec field."""
     shape = dict(tp=tp, pp=pp, dp=dp, layers_per_stage=layers_per_stage)
     return CallLogSpec(
         patterns=pipeline_patterns(micro_batches=micro_batches, **shape),  # type: ignore[arg-type]

@@ -47,6 +47,8 @@ from typing import Protocol
 
 import numpy as np
 
+from falconext.integers import is_int
+
 __all__ = [
     "IterationBreakdown",
     "IterationModel",
@@ -78,11 +80,6 @@ class LayoutLike(Protocol):
 # ---------------------------------------------------------------------------------------
 
 
-def _is_int(x: object) -> bool:
-    # bool is an Integral subclass, but True processes is always a caller's bug.
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _finite_nonneg(name: str, x: object) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {x!r}")
@@ -108,7 +105,7 @@ def _layout_sizes(layout: LayoutLike) -> tuple[int, int, int, int]:
     sizes = []
     for field in ("tp", "dp", "pp", "ranks_per_node"):
         v = getattr(layout, field, None)
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"layout.{field} must be a positive int, got {v!r}")
         sizes.append(int(v))  # type: ignore[arg-type]
     return sizes[0], sizes[1], sizes[2], sizes[3]
@@ -126,7 +123,7 @@ def check_roles(roles: Sequence[int], world: int, name: str = "roles") -> tuple[
         raise ValueError(f"{name} has {len(rs)} entries, expected world = {world}")
     seen = [False] * world
     for p, r in enumerate(rs):
-        if not _is_int(r) or not 0 <= r < world:
+        if not is_int(r) or not 0 <= r < world:
             raise ValueError(f"{name}[{p}] = {r!r} is not a role in range({world})")
         if seen[r]:
             raise ValueError(f"{name} is not a permutation: role {r} is played twice")
@@ -142,7 +139,7 @@ def check_slow_gpus(slow_gpus: Mapping[int, float] | None, world: int) -> dict[i
         raise ValueError(f"slow_gpus must be a mapping process -> factor, got {slow_gpus!r}")
     out: dict[int, float] = {}
     for p, f in slow_gpus.items():
-        if not _is_int(p) or not 0 <= p < world:
+        if not is_int(p) or not 0 <= p < world:
             raise ValueError(f"slow_gpus names process {p!r}, outside range({world})")
         if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (
             math.isfinite(float(f)) and float(f) > 0
@@ -172,7 +169,7 @@ def check_slow_links(
             isinstance(key, (str, bytes))
             or not isinstance(key, Sequence)
             or len(key) != 2
-            or not all(_is_int(n) for n in key)
+            or not all(is_int(n) for n in key)
         ):
             raise ValueError(f"slow_links key {key!r} must be a pair of node ints")
         a, b = int(key[0]), int(key[1])
@@ -242,7 +239,7 @@ class JobCosts:
         if not plan_list:
             raise ValueError("plan is empty: there must be at least one DP replica")
         for d, m in enumerate(plan_list):
-            if not _is_int(m) or m < 1:
+            if not is_int(m) or m < 1:
                 raise ValueError(f"plan[{d}] = {m!r} must be an int >= 1 micro-batches")
         object.__setattr__(self, "fwd_s", fwd)
         object.__setattr__(self, "bwd_s", bwd)
@@ -269,7 +266,7 @@ class JobCosts:
         other_s: float = 0.0,
     ) -> JobCosts:
         """Costs with identical stages and an even plan: the common case in tests and sims."""
-        if not _is_int(pp) or pp < 1 or not _is_int(dp) or dp < 1:
+        if not is_int(pp) or pp < 1 or not is_int(dp) or dp < 1:
             raise ValueError(f"pp = {pp!r} and dp = {dp!r} must be positive ints")
         return cls(
             fwd_s=[fwd_s] * pp,
@@ -339,7 +336,7 @@ def one_f_one_b(
             f"one_f_one_b needs pp >= 1 stages and pp - 1 boundaries, got "
             f"{len(fwd_s)} fwd, {len(bwd_s)} bwd, {len(msg_s)} msg"
         )
-    if not _is_int(microbatches) or microbatches < 1:
+    if not is_int(microbatches) or microbatches < 1:
         raise ValueError(f"microbatches = {microbatches!r} must be an int >= 1")
     fwd_s = _float_seq("fwd_s", fwd_s)
     bwd_s = _float_seq("bwd_s", bwd_s)

@@ -30,6 +30,9 @@ BURST_GAP = 60
 
 @dataclass(frozen=True)
 class LabelledTrace:
+    """One generated trace: its iteration times, its labels ``[onset, end, slowdown]`` (module docstring),
+    its kind and how it was made (``meta``)."""
+
     id: str
     iter_times: list[float]
     events: list[tuple[int, int | None, float]]
@@ -37,6 +40,8 @@ class LabelledTrace:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The trace as one JSONL object that :func:`falconext.detect.series_io.read_series` reads back
+        (times to 6 decimals)."""
         return {
             "id": self.id,
             "kind": self.kind,

@@ -35,17 +35,24 @@ class ChaosError(ValueError):
 
 @dataclass(frozen=True)
 class Kill:
+    """One chaos kill: the control-plane process ``target`` (redis, controller, or agent of ``node``) dies
+    at ``iteration``."""
+
     target: str  # redis | controller | agent
     iteration: int
     node: int | None = None  # agents only
 
     @property
     def name(self) -> str:
+        """The process's name in the control plane: ``redis``, ``controller`` or ``agent<N>``."""
         return "redis" if self.target == "redis" else self.target + (str(self.node) if self.node is not None else "")
 
 
 @dataclass(frozen=True)
 class ChaosSpec:
+    """A chaos experiment: the kills, and the share of bus posts dropped, their delay (ms)
+    and the share corrupted, drawn from ``seed``. The empty spec does nothing."""
+
     kills: tuple[Kill, ...] = ()
     drop: float = 0.0
     delay_ms: float = 0.0
@@ -58,6 +65,8 @@ class ChaosSpec:
         return bool(self.drop or self.delay_ms or self.corrupt)
 
     def to_text(self) -> str:
+        """The spec in ``--chaos`` syntax, which :func:`parse_chaos` reads back to an equal spec (empty for
+        no chaos)."""
         parts = [f"kill-{k.target}{'' if k.node is None else f':{k.node}'}@{k.iteration}" for k in self.kills]
         parts += [f"{name}:{value:g}" for name, value in (("drop", self.drop), ("delay", self.delay_ms),
                                                            ("corrupt", self.corrupt)) if value]

@@ -131,4 +131,5 @@ def disable() -> None:
 
 
 def enabled() -> bool:
+    """True while the CPU stand-ins are installed (between :func:`enable` and :func:`disable`)."""
     return bool(_state)

@@ -21,6 +21,9 @@ import torch
 
 @dataclass(frozen=True)
 class MicroBatch:
+    """One micro-batch as megatron-core's GPT takes it: tokens, next-token labels, loss mask and positions,
+    each ``[b, s]``."""
+
     tokens: torch.Tensor  # [b, s] int64
     labels: torch.Tensor  # [b, s] int64
     loss_mask: torch.Tensor  # [b, s] float32

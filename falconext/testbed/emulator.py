@@ -40,7 +40,8 @@ from falconext.testbed.device import BACKWARD_PER_FORWARD, DeviceModel, gemm_flo
 from falconext.testbed.faults import Fault, compute_factor, link_factor
 from falconext.testbed.marks import mark_layers_input, on_backward
 from falconext.trace.groups import to_process
-from falconext.trace.hooks import P2PWrapper, rebind_aliases, restore_aliases
+from falconext.trace.aliases import rebind_aliases, restore_aliases
+from falconext.trace.wrappers import P2PWrapper
 
 # record columns, per iteration
 COMPUTE_S, LINK_S, OVERRUN_S, WINDOWS, OVERRUNS, FACTOR, CLOSED = range(7)
@@ -261,6 +262,8 @@ class EmulatedDevice:
         self._aliases = rebind_aliases(aliases)
 
     def uninstall(self) -> None:
+        """Put back the torch.distributed functions and module aliases found at install, and
+        remove the model hooks; the device's record stays readable. Safe to call twice."""
         unbind = {}
         for name, orig in self._saved.items():
             unbind[id(getattr(torch.distributed, name))] = (getattr(torch.distributed, name), orig)

@@ -41,6 +41,10 @@ DEFAULT_LINK_BANDWIDTH = 20e6
 
 @dataclass(frozen=True)
 class Fault:
+    """One injected fault: a compute fault slows process ``rank``'s device by ``factor``, a
+    link fault the link between ``nodes``; in force from iteration ``start`` until
+    ``end`` (exclusive; None: to the end)."""
+
     kind: str  # "compute" or "link"
     factor: float
     start: int
@@ -49,9 +53,11 @@ class Fault:
     nodes: tuple[int, int] | None = None
 
     def active(self, iteration: int) -> bool:
+        """True when the fault is in force at ``iteration``."""
         return self.start <= iteration and (self.end is None or iteration < self.end)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fault in the JSON form :func:`parse_faults` reads (``rank`` or ``nodes`` only where set)."""
         d: dict[str, Any] = {"kind": self.kind, "factor": self.factor, "start": self.start, "end": self.end}
         if self.rank is not None:
             d["rank"] = self.rank
@@ -105,6 +111,8 @@ def parse_faults(obj: Any, world_size: int, ranks_per_node: int, where: str = "i
 
 
 def read_faults(path: str, world_size: int, ranks_per_node: int) -> list[Fault]:
+    """The faults of the JSON file ``path``, checked against the job's size (see
+    :func:`parse_faults`). Raises InputError naming the file, the fault and the field."""
     return parse_faults(loads_strict(read_text(path), path), world_size, ranks_per_node, path)
 
 

@@ -14,7 +14,7 @@ import torch
 from falconext.testbed.faults import DEFAULT_LINK_BANDWIDTH, Fault, compute_factor, crossing_senders, link_bytes
 from falconext.testbed.marks import mark_layers_input, marks_layers_input, on_backward
 from falconext.trace.groups import to_process
-from falconext.trace.hooks import P2PWrapper
+from falconext.trace.wrappers import P2PWrapper
 
 
 # -- the injector (I/O edge) ---------------------------------------------------------------
@@ -85,6 +85,9 @@ class FaultInjector:
         return compute_factor(self.faults, self.rank, self.iteration)
 
     def attach_model(self, module: torch.nn.Module) -> None:
+        """Hook ``module`` so that, under this rank's compute fault, its forward and backward
+        take ``factor`` times as long (a busy wait of the extra time); nothing is hooked when
+        no compute fault targets this rank."""
         if not any(f.kind == "compute" and f.rank == self.rank for f in self.faults):
             return
 
@@ -230,6 +233,7 @@ class FaultInjector:
         dist.batch_isend_irecv = batch
 
     def uninstall(self) -> None:
+        """Put back the torch.distributed functions and remove the model hooks. Safe to call twice."""
         for name, orig in self._saved.items():
             setattr(torch.distributed, name, orig)
         self._saved.clear()

@@ -15,19 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import json
-import socket
 import subprocess
 import sys
 import time
 
 from falconext.config import config_from_args
 from falconext.inputs import InputError
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from falconext.ports import free_port
 
 
 def torchrun_command(args: argparse.Namespace, argv_tail: list[str], port: int) -> list[str]:

@@ -17,6 +17,8 @@ import torch
 
 @dataclass(frozen=True)
 class ModelShape:
+    """The test bed GPT's size (layers, hidden, heads, vocabulary, sequence length) and learning rate."""
+
     layers: int = 4
     hidden: int = 64
     heads: int = 4

@@ -79,10 +79,12 @@ class Layout:
 
     @property
     def bridge(self) -> str:
+        """The name of the bridge that joins the virtual nodes' veths."""
         return f"{self.tag}-br"
 
     @property
     def bridge_ip(self) -> str:
+        """The bridge's address: the subnet's first host address."""
         return str(self.subnet.network_address + 1)
 
     def ns(self, k: int) -> str:
@@ -98,9 +100,11 @@ class Layout:
         return f"{self.tag}-p{k}"
 
     def node_ip(self, k: int) -> str:
+        """Virtual node ``k``'s address in the subnet."""
         return str(self.subnet.network_address + FIRST_HOST + k)
 
     def ips(self) -> list[str]:
+        """Every virtual node's address, in node order."""
         return [self.node_ip(k) for k in range(self.nodes)]
 
     def node_env(self, k: int, rate: float) -> dict[str, str]:
@@ -318,6 +322,7 @@ class Network:
                 self._run(argv)
 
     def exec_argv(self, k: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside virtual node ``k``'s namespace (``ip netns exec``)."""
         return netns_exec(self.layout.ns(k), argv)
 
     def close(self) -> None:

@@ -10,6 +10,9 @@ from falconext.config import ConfigError, add_config_arguments, parse_microbatch
 
 
 def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
+    """Add the test bed's training arguments (parallel sizes, batch, model shape, device,
+    faults, chaos, falconext's ``--falcon*`` flags) to ``p``; ``launcher`` adds the
+    launcher-only ones (``--nproc``). Checked afterwards by :func:`check_train_arguments`."""
     if launcher:
         p.add_argument("--nproc", type=int, default=4, help="processes (ranks) on this machine")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")

@@ -111,6 +111,8 @@ def _scored(rows: list[list[str]], topology: dict[str, Any]) -> list[list[str]]:
 
 
 def read_events(out: str) -> list[dict[str, Any]]:
+    """Every record of ``out``/events.jsonl in file order (blank lines skipped); an empty list when there
+    is no such file."""
     path = os.path.join(out, "events.jsonl")
     if not os.path.exists(path):
         return []
@@ -212,6 +214,9 @@ def overhead_figures(per_rank: dict[int, dict[str, Any]], steady: dict[int, floa
 
 
 def finalize(out: str) -> dict[str, Any]:
+    """Merge the ranks' files of run ``out`` into ``summary.json`` (measured and estimated
+    iteration times, events scored against the injected faults, overheads, control-plane
+    restarts, device figures) and return the summary."""
     with open(os.path.join(out, "run.json")) as f:
         run = json.load(f)
     measured = _merge(out, "iterations")
@@ -388,7 +393,8 @@ def reliability_figures(events: list[dict]) -> dict[str, Any]:
         return sum(1 for e in events if e.get("type") == type_ and all(e.get(k) == v for k, v in match.items()))
 
     return {
-        "dropped_messages": count("message_dropped"),
+        # a controller's event counts a round's drops (``count``); a rank's, one message
+        "dropped_messages": sum(int(e.get("count", 1)) for e in events if e.get("type") == "message_dropped"),
         "bus_disconnects": count("control_lost", what="redis") + count("controller_redis", connected=False),
         "controller_lost": count("control_lost", what="controller"),
         "deadline_releases": sum(1 for e in events if e.get("type") == "suspension" and e.get("outcome") == "expired"),
@@ -453,6 +459,7 @@ def detection_figures(fail_slows: list[dict], faults: list[dict]) -> dict[str, A
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    """The summary of :func:`finalize` as the lines ``falconext train`` prints at the end."""
     est = s["estimates"]
     lines = [
         f"iterations {s['iterations']}, median {s['median_iter_s']} s/iter"

@@ -21,6 +21,9 @@ from falconext.testbed.model import ModelShape, build
 
 @dataclass
 class TrainOptions:
+    """One rank's training setup: parallel sizes, batch sizes, iterations, model shape, device, seed and
+    micro-batch plan."""
+
     tp: int = 1
     pp: int = 1
     micro_batch_size: int = 2
@@ -127,6 +130,9 @@ class Trainer:
         return self.timer.seconds, self.timer.count
 
     def step(self, it: int) -> float | None:
+        """Train iteration ``it``: this replica's planned micro-batches through megatron-core's
+        schedule, then the optimizer step. Returns the DP-averaged per-token loss on the
+        last pipeline stage, None on the others."""
         opts = self.opts
         self.timer.seconds, self.timer.count = 0.0, 0
         self.model.zero_grad_buffer()
@@ -155,6 +161,9 @@ class Trainer:
 
 
 def init_distributed(opts: TrainOptions) -> None:
+    """Initialise torch.distributed (gloo with the CPU stand-ins on cpu/emulated, NCCL on
+    cuda) and megatron-core's parallel state for ``opts``. Raises ValueError when the
+    world size is not a multiple of TP x PP."""
     if opts.device in ("cpu", "emulated"):
         from falconext.testbed import cpu_compat
 

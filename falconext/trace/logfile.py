@@ -16,6 +16,7 @@ from falconext.trace.records import CallRecord, RecordError, parse_record
 
 
 def write_call_log(records: Iterable[CallRecord], out: IO[str]) -> int:
+    """Write ``records`` to ``out`` as JSON lines (what :func:`parse_call_log` reads); returns how many."""
     n = 0
     for r in records:
         out.write(json.dumps(r.to_dict(), separators=(",", ":")) + "\n")

@@ -18,6 +18,10 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class CallRecord:
+    """One intercepted torch.distributed call of one rank: op, group, bytes, issue time,
+    start and end (None where unknown), the rank's sequence number, the group's members
+    and the peer of a point-to-point call."""
+
     rank: int
     op: str
     group: str
@@ -35,6 +39,8 @@ class CallRecord:
     peer: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as JSON-able values, fields that are None left out (what :func:`parse_record` reads
+        back)."""
         out = {k: v for k, v in asdict(self).items() if v is not None}
         if self.group_ranks is not None:
             out["group_ranks"] = list(self.group_ranks)  # JSON has no tuples

@@ -28,6 +28,9 @@ import torch
 
 @dataclass(frozen=True)
 class GemmResult:
+    """A GEMM benchmark's outcome: FLOP/s of the median and of the fastest repeat, and every repeat's
+    seconds."""
+
     flops: float  # FLOP/s of the median repeat
     median_s: float
     samples: list[float]  # seconds per repeat, in run order

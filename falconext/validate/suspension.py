@@ -9,8 +9,12 @@ each P2P pass), reports, and lets the trapped call go on.
 
 Deadlines: the wait for "go" ends at the trap's deadline whatever happens to the
 controller or Redis; a "release" ends it at once. While it waits, the rank says "held"
-again every ``resend_s``: one lost message must not cost the whole suspension. The validation traffic runs on a
-dedicated process group whose timeout bounds a pass that loses its peer.
+again every ``resend_s``: one lost message must not cost the whole suspension. The
+validation itself has a budget (``budget_s``): before each benchmark step (a GEMM round,
+a P2P sweep) the ranks agree whether any of them has spent it (:attr:`Bench.agree_stop`),
+and if one has, every rank stops there and reports what it measured, marked partial.
+The validation traffic runs on a dedicated process group whose timeout bounds a step
+that loses its peer.
 """
 
 from __future__ import annotations
@@ -33,9 +37,19 @@ class Bench:
     barrier: Callable[[], None]  # over every rank, on the validation group
     #: what the P2P passes run on, "backend:device" (gloo:cpu on the test bed, nccl:cuda:N on GPUs)
     fabric: str = "gloo:cpu"
+    #: (this rank is out of budget) -> whether any rank is, over every rank on the
+    #: validation group, so all stop at the same step; None: each rank decides alone
+    agree_stop: Callable[[bool], bool] | None = None
 
 
 class Suspension:
+    """One rank's part in suspension ``session`` (module docstring): built when the trap is
+    armed, :meth:`run` on the trapped training thread, :meth:`signal` from the control
+    client. However it ends, it posts a final "resumed" acknowledgement and a
+    "suspension" event; after "go" it posts a ValidationResult (a benchmark's error, or
+    the note that ``budget_s`` ran out and the result is partial, goes into it, never to
+    training)."""
+
     def __init__(
         self,
         rank: int,
@@ -47,6 +61,7 @@ class Suspension:
         emit: Callable[..., Any],
         commit: Callable[[dict[str, Any]], None] | None = None,
         resend_s: float = 0.5,
+        budget_s: float | None = None,
     ) -> None:
         self.rank = rank
         self.session = session
@@ -57,6 +72,10 @@ class Suspension:
         self.emit = emit
         self.commit = commit
         self.resend_s = resend_s
+        #: seconds validation may take once it starts (None: no budget)
+        self.budget_s = budget_s
+        #: validation stopped early because a rank had spent the budget
+        self.budget_spent = False
         self.committed = False
         self._go = threading.Event()
         self._release = threading.Event()
@@ -100,6 +119,7 @@ class Suspension:
             outcome=outcome, pause_s=round(self.pause_s, 4),
             **({"fabric": self.bench.fabric} if self.plan.get("passes") and outcome == "validated" else {}),
             **({"committed": self.committed} if "action" in self.plan else {}),
+            **({"budget_spent": True} if self.budget_spent else {}),
         )
 
     def _agree(self) -> None:
@@ -119,29 +139,61 @@ class Suspension:
             self.commit(dict(self.plan["action"]))
         self.committed = True
 
+    def _out_of_budget(self, t0: float) -> bool:
+        """Before a benchmark step: stop here? True once this rank, or (with
+        :attr:`Bench.agree_stop`) any rank, has spent ``budget_s`` since ``t0``."""
+        if self.budget_s is None:
+            return False
+        spent = time.monotonic() - t0 >= self.budget_s
+        if self.bench.agree_stop is not None:
+            spent = bool(self.bench.agree_stop(spent))
+        self.budget_spent = spent
+        return spent
+
     def _validate(self) -> ValidationResult:
+        """Run this rank's share of the plan's benchmarks, step by step, until done or out
+        of budget; the result holds what was measured (an error string says why it is
+        partial or what failed)."""
         plan = self.plan
         flops: float | None = None
         links: list[list[float]] = []
         error = ""
+        t0 = time.monotonic()
+        steps = done = 0
+        best: dict[tuple[int, int], float] = {}
         try:
             sweeps = int(plan.get("validation_sweeps", 1))
             gemm = sorted(int(r) for r in plan.get("gemm", []))
             conc = int(plan.get("gemm_concurrency", 0)) or len(gemm) or 1
+            passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
+            rounds = range(0, len(gemm), conc)
+            steps = sweeps * len(rounds) + (sweeps if passes else 0)
             for _ in range(sweeps):  # each rank keeps its best sweep
-                for start in range(0, len(gemm), conc):  # rounds: every rank takes part in each barrier
+                for start in rounds:  # rounds: every rank takes part in each barrier
+                    if self._out_of_budget(t0):
+                        raise _BudgetSpent
                     if conc < len(gemm):
                         self.bench.barrier()
                     if self.rank in gemm[start : start + conc]:
                         got = float(self.bench.gemm(int(plan["gemm_n"]), int(plan["gemm_repeats"])))
                         flops = got if flops is None else max(flops, got)
-            passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
-            best: dict[tuple[int, int], float] = {}
-            conc = int(plan.get("p2p_concurrency", 0))
+                    done += 1
+            p2p_conc = int(plan.get("p2p_concurrency", 0))
             for _ in range(sweeps if passes else 0):  # each pair keeps its best sweep
-                for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"]), conc):
+                if self._out_of_budget(t0):
+                    raise _BudgetSpent
+                for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"]), p2p_conc):
                     best[(src, dst)] = min(float(sec), best.get((src, dst), math.inf))
-            links = [[src, dst, sec] for (src, dst), sec in best.items()]
+                done += 1
+        except _BudgetSpent:
+            error = (f"partial: validation budget of {self.budget_s:g} s spent after {done} of {steps} steps "
+                     f"({time.monotonic() - t0:.3f} s)")
         except Exception as exc:  # a broken benchmark must not take training down
             error = f"{type(exc).__name__}: {exc}"[:500]
+            best = {}  # a pass that failed may have left its peers' timings half-taken
+        links = [[src, dst, sec] for (src, dst), sec in best.items()]
         return ValidationResult(self.rank, self.session, flops, links, error)
+
+
+class _BudgetSpent(Exception):
+    """Raised between benchmark steps once the ranks agree the budget is spent."""

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import statistics
 from typing import Mapping, Sequence
 
 from falconext.config import FalconConfig
+from falconext.medians import lower_half_median, median, upper_half_median
 
 #: the defaults of the configuration, the one source of thresholds
 _DEFAULT = FalconConfig()
@@ -66,7 +66,7 @@ def slow_ranks(
         return []
     confirm = 1.0 + (factor - 1.0) / 2.0 if confirm_factor is None else confirm_factor
     _check_factor(confirm, "slow_ranks (confirm_factor)")
-    reference = _upper_median(flops.values())
+    reference = upper_half_median(flops.values())
     slow = {rank for rank, value in flops.items() if value * factor < reference}
     # the GEMM must also single the suspect out: if a rank nobody suspected reads as slow
     # (a shared host's noise), the suspect's reading tells nothing apart
@@ -74,22 +74,10 @@ def slow_ranks(
     floor = min(unsuspected) if unsuspected else math.inf
     for rank in suspects:
         if rank in flops:
-            others = _upper_median(v for r, v in flops.items() if r != rank)
+            others = upper_half_median(v for r, v in flops.items() if r != rank)
             if flops[rank] * confirm < min(others, floor):
                 slow.add(rank)
     return sorted(slow)
-
-
-def _upper_median(values) -> float:
-    """Median of the values at or above the median (the faster half, for FLOP/s)."""
-    vals = list(values)
-    mid = statistics.median(vals)
-    return statistics.median(v for v in vals if v >= mid)
-
-
-def _lower_median(values) -> float:
-    """Median of the values at or below the median (the faster half, for seconds)."""
-    return -_upper_median(-v for v in values)
 
 
 def _key(a: int, b: int) -> str:
@@ -142,13 +130,13 @@ def slow_links(
         a, b = sorted((node_of[src], node_of[dst]))
         samples.setdefault((a, b), []).append(float(seconds))
 
-    value = {link: float(statistics.median(s)) for link, s in sorted(samples.items())}
+    value = {link: float(median(s)) for link, s in sorted(samples.items())}
     inter = {link: v for link, v in value.items() if link[0] != link[1]}
     intra = {link: v for link, v in value.items() if link[0] == link[1]}
     own = {link: float(baseline[link]) for link in inter if baseline and _positive(baseline.get(link))}
     refs: dict[tuple[int, int], float] = {}
     if len(inter) >= 2:
-        basis, reference = "inter-node links", _lower_median(inter.values())
+        basis, reference = "inter-node links", lower_half_median(inter.values())
         refs = {link: reference for link in inter}
     elif own:
         basis, reference = "baseline", None
