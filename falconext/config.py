@@ -222,6 +222,10 @@ class FalconConfig:
     mitigation_strategies: str = "S2,S3,S4"
     #: most micro-batches one DP replica may run per global batch (memory); 0: no cap
     max_microbatches_per_replica: int = 0
+    #: S4's cost is estimated, not probed with a save nobody asked for: the rank's state
+    #: bytes (model and optimizer, counted in memory) over the checkpoint directory's
+    #: write and read bandwidth, measured with a scratch file of at most this many bytes
+    restart_probe_bytes: int = 16 << 20
     #: operator override: micro-batches per DP replica from the first iteration, e.g.
     #: "3,5" (must sum to the job's micro-batches per global batch); empty: even
     force_microbatches: str = ""
@@ -268,6 +272,7 @@ class FalconConfig:
         _check(self.wait_causer_dominance >= 1.0, "wait_causer_dominance must be >= 1")
         _check(self.control_slack_s >= 0.0, "control_slack_s must be >= 0")
         _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")
+        _check(self.restart_probe_bytes >= 4096, "restart_probe_bytes must be >= 4096")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
         _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")

@@ -329,13 +329,16 @@ def _begin_iteration(job: _Job, it: int) -> None:
 
 
 def _probe_restart_cost(job: _Job, it: int, startup_s: float) -> None:
-    """Measure S4's cost (a checkpoint save and load, plus this process's start-up) and
-    hand it to the runtime's planner."""
-    disk_s = restart.probe_cost(os.path.join(job.args.out, "checkpoint-probe"), job.rank, job.layout,
-                                job.trainer.model, job.trainer.optimizer)
-    job.runtime.restart_s = startup_s + disk_s
+    """Estimate S4's cost (this rank's state saved and loaded at the checkpoint
+    directory's measured rates, plus this process's start-up; no checkpoint is written)
+    and hand it to the runtime's planner."""
+    cost = restart.estimate_cost(os.path.join(job.args.out, "checkpoint-probe"), job.rank,
+                                 job.trainer.model, job.trainer.optimizer, job.cfg.restart_probe_bytes)
+    job.runtime.restart_s = startup_s + cost.save_load_s
     job.events.emit("restart_probe", rank=job.rank, iteration=it, restart_s=round(job.runtime.restart_s, 4),
-                    save_load_s=round(disk_s, 4), startup_s=round(startup_s, 4))
+                    save_load_s=round(cost.save_load_s, 4), startup_s=round(startup_s, 4),
+                    state_bytes=cost.state_bytes, write_mb_s=round(cost.write_bps / 1e6, 1),
+                    read_mb_s=round(cost.read_bps / 1e6, 1))
 
 
 def _tear_down(job: _Job) -> None:

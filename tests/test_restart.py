@@ -393,3 +393,24 @@ def test_straggler_recovered_margins():
     # nothing to compare with
     assert not straggler_recovered([0.05, 0.05], set(), 0.10)
     assert not straggler_recovered([0.05, 0.05], {0, 1}, 0.10)
+
+
+# --- S4's cost without a save nobody asked for --------------------------------------------
+
+def test_s4_cost_is_estimated_without_writing_a_checkpoint(tmp_path, monkeypatch):
+    model, opt = make_job(3)
+    train_step(model, opt)  # the optimizer now holds its moments
+    expected = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    expected += sum(t.numel() * t.element_size() for st in opt.state_dict()["state"].values()
+                    for t in st.values() if isinstance(t, torch.Tensor))
+
+    def no_save(*_a, **_k):
+        raise AssertionError("a checkpoint was written to price S4")
+
+    monkeypatch.setattr(torch, "save", no_save)
+    cost = restart.estimate_cost(str(tmp_path / "probe"), 0, model, opt, probe_bytes=1 << 20)
+    assert cost.state_bytes == expected > 0
+    assert cost.write_bps > 0 and cost.read_bps > 0
+    assert cost.save_load_s == pytest.approx(expected / cost.write_bps + expected / cost.read_bps)
+    assert list((tmp_path / "probe").iterdir()) == []  # the scratch file is gone
+

@@ -188,15 +188,74 @@ def _load(source: Any, where: str, kind: str) -> Any:
         raise CheckpointError(f"{where}: unreadable {kind} ({type(exc).__name__}: {exc})") from None
 
 
-def probe_cost(directory: str, rank: int, layout: dict[str, int], model: Any, optimizer: Any) -> float:
-    """Seconds to save this rank's shard and read it back (then removed): with the
-    process start-up, S4's measured cost for this job."""
-    save_s = save_shard(directory, rank, layout, 0, model, optimizer)
-    t0 = time.perf_counter()
-    _read(shard_path(directory, rank))
-    load_s = time.perf_counter() - t0
-    os.remove(shard_path(directory, rank))
-    return save_s + load_s
+@dataclass(frozen=True)
+class RestartCost:
+    """S4's disk part for one rank, estimated without saving the model: ``state_bytes``
+    (model and optimizer tensors) written at ``write_bps`` and read back at ``read_bps``."""
+
+    state_bytes: int
+    write_bps: float
+    read_bps: float
+
+    @property
+    def save_load_s(self) -> float:
+        """Seconds to write this rank's state and read it back at the measured rates."""
+        return self.state_bytes / self.write_bps + self.state_bytes / self.read_bps
+
+
+def state_bytes(*objs: Any) -> int:
+    """Bytes of every tensor in the ``state_dict()`` of each object (a model, an optimizer),
+    counted in memory: what a checkpoint of them holds, less the format's few headers."""
+    total = 0
+    stack: list[Any] = [o.state_dict() for o in objs]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "element_size") and hasattr(item, "numel"):
+            total += int(item.numel()) * int(item.element_size())
+    return total
+
+
+def disk_rates(directory: str, rank: int, nbytes: int) -> tuple[float, float]:
+    """(write, read) bytes/s of ``directory``, timed with a scratch file of ``nbytes``
+    (written and synced, dropped from the page cache where the OS allows, read back,
+    removed). Never below one byte per second."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"rate-probe-rank{rank}.tmp{os.getpid()}")
+    block = os.urandom(min(nbytes, 1 << 20))
+    try:
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(block[:left])
+            f.flush()
+            os.fsync(f.fileno())
+        write_s = time.perf_counter() - t0
+        with open(path, "rb") as f:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while f.read(1 << 20):
+                pass
+            read_s = time.perf_counter() - t0
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return nbytes / max(write_s, nbytes / 1e12), nbytes / max(read_s, nbytes / 1e12)
+
+
+def estimate_cost(directory: str, rank: int, model: Any, optimizer: Any, probe_bytes: int) -> RestartCost:
+    """S4's save-and-load time for this rank without a save nobody asked for: the state's
+    bytes counted in memory, the directory's rates timed with at most ``probe_bytes``."""
+    size = state_bytes(model, optimizer)
+    write_bps, read_bps = disk_rates(directory, rank, max(4096, min(size, probe_bytes)))
+    return RestartCost(size, write_bps, read_bps)
 
 
 def write_request(out: str, req: RestartRequest) -> None:
