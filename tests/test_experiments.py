@@ -21,7 +21,7 @@ from falconext.experiments.result import Comparison, ExperimentResult
 
 #: every figure and table issue 17 asks for
 ISSUE_17 = ("fig12", "table4", "table5", "fig13", "fig14", "fig15", "fig16", "fig17", "fig18",
-            "fig19", "table6", "table7", "ablations")
+            "fig19", "table6", "table7", "scale", "ablations")
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -46,7 +46,7 @@ def test_list_names_every_experiment_of_the_issue(capsys: pytest.CaptureFixture[
     listed = [line.split()[0] for line in out.splitlines()]
     assert listed == list(ISSUE_17)
     status = {line.split()[0]: line.split()[1] for line in out.splitlines()}
-    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "table6"}
+    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "table6", "scale"}
 
 
 def test_table6_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,3 +154,48 @@ def test_registry_is_consistent() -> None:
         if e.implemented:
             mod = e.load()
             assert callable(mod.measure) and callable(mod.draw)
+
+
+# --- scale: the simulated ranks' messages, and one small job against the real controller ---
+
+
+def test_scale_layout_must_divide() -> None:
+    from falconext.experiments.scale import layout_for
+
+    assert (layout_for(64).dp, layout_for(64).pp) == (16, 4)
+    with pytest.raises(ValueError, match="not a multiple"):
+        layout_for(100)
+
+
+def test_scale_profiles_and_results_name_the_slow_rank() -> None:
+    import numpy as np
+
+    from falconext.config import FalconConfig
+    from falconext.experiments import scale
+    from falconext.profile.window import analyze_window
+    from falconext.validate.plan import validation_plan
+    from falconext.validate.verdict import slow_ranks
+
+    layout = scale.layout_for(64)
+    healthy, slow, allreduce = scale.iteration_seconds(layout)
+    assert slow > 1.3 * healthy
+    rng = np.random.default_rng(0)
+    windows = scale.profiles(layout, 1, slow, healthy, allreduce, 1000.0, rng)
+    assert len(windows) == 64
+    cfg = FalconConfig()
+    findings = analyze_window(windows, cfg.suspicious_factor, cfg.profile_min_bytes,
+                              cfg.wait_causer_share, cfg.wait_causer_dominance)
+    assert findings.compute_suspects == [scale.SLOW_RANK] and findings.suspicious_groups == []
+    plan = validation_plan(findings.groups, list(range(64)), findings.compute_suspects, [])
+    results = scale.validation_results(64, 1, plan, rng)
+    flops = {r.rank: r.gemm_flops for r in results if r.gemm_flops is not None}
+    assert slow_ranks(flops, cfg.validation_slow_factor, findings.compute_suspects) == [scale.SLOW_RANK]
+
+
+def test_scale_64_ranks_against_the_real_controller() -> None:
+    from falconext.experiments.scale import run_size
+
+    row = run_size(64)
+    assert "error" not in row, row
+    assert row["localized_right"] is True and row["report_to_localized_s"] < 10
+    assert row["controller_msgs_per_s"] > 0 and 0 < row["largest_message_bytes"] <= row["cap_bytes"]
