@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -52,7 +52,7 @@ from falconext.mitigate.topology import Layout
 from falconext.sim.itertime import JobCosts, iteration_time
 
 QUICK_SIZES = (64, 256, 1024)
-FULL_SIZES = (64, 256, 1024, 4096, 16384)
+FULL_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 16384)
 PP = 4
 RANKS_PER_NODE = 8
 SLOW_RANK = 1
@@ -224,16 +224,24 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 
 def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float, allreduce_s: float,
-              t_report: float, rng: np.random.Generator) -> Row:
+              t_report: float, rng: np.random.Generator, gave_up: Callable[[], str | None]) -> Row:
     """Answer the controller as the ranks would, from the reports to the verdict; the
-    times are seconds after the reports were posted. ``iteration`` starts now."""
+    times are seconds after the reports were posted. ``iteration`` starts now.
+    ``gave_up()`` says why the controller abandoned the localization (None: it did not)."""
     ranks = layout.dp * layout.pp
     clock0 = time.monotonic()
     deadline = clock0 + VERDICT_TIMEOUT_S
     session, suspend_at, held = -1, 0, 0.0
     plan: dict[str, Any] = {}
     row: Row = {}
-    while (got := sim.next_message(["cmd", "localized"], deadline)) is not None:
+    while True:
+        got = sim.next_message(["cmd", "localized"], min(deadline, time.monotonic() + 1.0))
+        if got is None:
+            reason = gave_up()
+            if reason is not None or time.monotonic() >= deadline:
+                row["error"] = f"localization failed: {reason}" if reason else "no verdict in time"
+                break
+            continue
         msg = got[1]
         now = time.perf_counter()
         if isinstance(msg, Localized):
@@ -327,9 +335,13 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         t_report = time.perf_counter()
         sim.post([FailSlowReport(r, iteration - 12, iteration, round(slow_s / healthy_s, 4), healthy_s, time.time(), 1)
                   for r in range(ranks)])
-        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng))
-        if "report_to_localized_s" not in row:
-            row["error"] = "no verdict in time" if proc.poll() is None else "the controller died"
+        def gave_up() -> str | None:
+            if proc.poll() is not None:
+                return "the controller died"
+            failed = [e for e in _events(events_path) if e["type"] == "localization_failed"]
+            return str(failed[0].get("reason")) if failed else None
+
+        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up))
         # 3. throughput: a burst of heartbeats, then an operator's validate command; the
         # controller's profile command says it has handled the whole burst
         if proc.poll() is None:
@@ -388,6 +400,13 @@ def measure(quick: bool) -> ExperimentResult:
                 f"{r['ranks']} ranks: largest message (cap {MAX_MESSAGE_BYTES})", "-",
                 f"{r['largest_message_bytes']} B ({r['largest_message']})",
                 "over the cap" if r["largest_message_bytes"] > MAX_MESSAGE_BYTES else ""))
+    behind = [r["ranks"] for r in rows if r.get("keeps_up") is False]
+    failed = [r["ranks"] for r in rows if "report_to_localized_s" not in r]
+    over = [r["ranks"] for r in rows if r.get("largest_message_bytes", 0) > MAX_MESSAGE_BYTES]
+    for what, sizes in (("controller falls behind the heartbeats", behind), ("no localization", failed),
+                        ("a message over the bus cap", over)):
+        comparisons.append(Comparison(f"smallest size with {what}", "-",
+                                      f"{min(sizes)} ranks" if sizes else f"none up to {rows[-1]['ranks']} ranks"))
     notes = [
         f"Layout TP1 x DP(N/{PP}) x PP{PP}, {RANKS_PER_NODE} ranks per node, rank {SLOW_RANK} {SLOW_FACTOR:g}x slow; "
         "iteration times from falconext.sim.itertime.",
