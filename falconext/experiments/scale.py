@@ -146,7 +146,8 @@ def profiles(layout: Layout, session: int, iter_s: float, healthy_s: float, allr
     return out
 
 
-def validation_results(world: int, session: int, plan: dict[str, Any], rng: np.random.Generator) -> list[ValidationResult]:
+def validation_results(world: int, session: int, plan: dict[str, Any],
+                       rng: np.random.Generator) -> list[ValidationResult]:
     """Each rank's results for the plan: GEMM FLOP/s where it runs one (rank 1 at half
     speed), and the P2P passes it received on (healthy links)."""
     gemm = set(plan.get("gemm", []))
@@ -389,10 +390,12 @@ def measure(quick: bool) -> ExperimentResult:
         try:
             rows.append(run_size(n))
         except RuntimeError as exc:  # the controller did not start: say so, go on
-            rows.append({"ranks": n, "error": str(exc), "offered_heartbeats_per_s": round(n / FalconConfig().heartbeat_s)})
+            rows.append({"ranks": n, "error": str(exc),
+                         "offered_heartbeats_per_s": round(n / FalconConfig().heartbeat_s)})
     comparisons = []
     for r in rows:
-        verdict = (f"{r['report_to_localized_s']:.2f} s, {'rank 1' if r.get('localized_right') else r.get('localized_gpus')}"
+        named = f"rank {SLOW_RANK}" if r.get("localized_right") else f"named {r.get('localized_gpus')}, not {SLOW_RANK}"
+        verdict = (f"{r['report_to_localized_s']:.2f} s, {named}"
                    if "report_to_localized_s" in r else f"none ({r.get('error', '')})")
         comparisons.append(Comparison(f"{r['ranks']} ranks: report to localized", "-", verdict,
                                       "Holmes: 30.3 s at 8192 GPUs" if r["ranks"] >= 8192 else ""))
