@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=2000, help="iterations per trace")
     p.add_argument("--seed", type=int, default=0)
 
+    p = sub.add_parser("experiment", help="reproduce the paper's evaluation: list or run its experiments")
+    esub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    esub.add_parser("list", help="every figure and table, and whether it runs yet")
+    e = esub.add_parser("run", help="run one experiment (or all) and write OUT/NAME/{results.csv,figure.png,table.md}")
+    e.add_argument("name", help="an experiment from `falconext experiment list`, or all")
+    e.add_argument("--quick", action="store_true", help="the reduced version CI runs")
+    e.add_argument("--out", required=True, help="folder for the results (created if missing)")
+
     p = sub.add_parser("report", help="draw a run's figures and report.html (iteration time, scores, plan)")
     p.add_argument("dir", help="a run's folder (--out of falconext train, --falcon-out of falconext launch)")
     p = sub.add_parser("megatron-patch", help="check or apply falconext's patch to a Megatron-LM checkout")
@@ -200,6 +208,13 @@ def _cmd_gen_traces(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_experiment(args: argparse.Namespace) -> int:
+    from falconext.experiments.runner import main as experiment_main
+
+    return experiment_main(args.action, getattr(args, "name", None), getattr(args, "quick", False),
+                           getattr(args, "out", None))
+
+
 def _cmd_launch(argv: list[str]) -> int:
     """``falconext launch [torchrun options] SCRIPT [args]``: Megatron-LM with ``--falcon``."""
     from falconext.megatron_lm.launcher import launch
@@ -244,6 +259,7 @@ _COMMANDS = {
     "period": _cmd_period,
     "eval-detect": _cmd_eval,
     "gen-traces": _cmd_gen_traces,
+    "experiment": _cmd_experiment,
     "megatron-patch": _cmd_megatron_patch,
     "report": _cmd_report,
 }

@@ -1,0 +1,473 @@
+"""The control plane at cluster scale: simulated ranks, the real Redis and controller.
+
+For each job size, a private password-protected Redis (``control/redis_server.py``) and
+the real controller process (``python -m falconext.control.service controller``) run;
+the ranks are simulated in this process, without torch: their iteration times come from
+``falconext.sim.itertime`` (1F1B per replica, DP all-reduce rings) for a TP1 x DP(N/4) x
+PP4 job on nodes of 8, with rank 1's GPU 2x slow. They post real messages of the real
+schema (``control/messages.py``) to the controller's stream, as the per-node agents would
+forward them (the agents are a pass-through and are not run: thousands of processes do not
+fit on two cores), and answer the controller's commands as ranks do: ProfileData with each
+collective's issue and end times, a SessionAck when the simulated clock reaches the
+suspension's iteration, a ValidationResult (GEMM FLOP/s, P2P link times) after ``go``.
+
+Measured per size: the rate at which the controller drains a burst of heartbeats (and
+whether that keeps up with one heartbeat per rank every ``heartbeat_s``), the time from
+the report to the controller's profile command, to its suspend command, and to the
+Localized verdict (and whether it names rank 1), the largest message on the bus against
+the 64 KiB cap, and Redis memory. Benchmarks take no time here (on GPUs they take
+milliseconds), so the times are the control plane's own plus the wait for the
+suspension's iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from falconext.config import FalconConfig
+from falconext.control.messages import (
+    MAX_MESSAGE_BYTES,
+    Command,
+    FailSlowReport,
+    Heartbeat,
+    Localized,
+    ProfileData,
+    SessionAck,
+    ValidationResult,
+    encode,
+)
+from falconext.experiments.result import Comparison, ExperimentResult, Row
+from falconext.mitigate.topology import Layout
+from falconext.sim.itertime import JobCosts, iteration_time
+
+QUICK_SIZES = (64, 256, 1024)
+FULL_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 16384)
+PP = 4
+RANKS_PER_NODE = 8
+SLOW_RANK = 1
+SLOW_FACTOR = 2.0
+MICROBATCHES = 8
+FWD_S = 0.01  # per micro-batch and stage
+GRAD_BYTES = 50_000_000
+ACT_BYTES = 4_000_000
+#: iterations each rank's profile covers (one DP all-reduce per iteration)
+PROFILE_ITERATIONS = 6
+HEALTHY_TFLOPS = 400.0
+#: heartbeats in the throughput burst (under the streams' maxlen of 10000)
+BURST = 8000
+#: heartbeat rounds at the real pace before the fail-slow is reported
+STEADY_ROUNDS = 3
+FIRST_ITERATION = 100
+#: how long one size may take to reach its verdict
+VERDICT_TIMEOUT_S = 60.0
+SEED = 17
+
+
+# --- the simulated job (pure) -------------------------------------------------------------
+
+
+def layout_for(ranks: int) -> Layout:
+    """TP1 x DP(ranks/4) x PP4, 8 ranks per node. Raises ValueError if 4 does not divide."""
+    if ranks % (PP * RANKS_PER_NODE):
+        raise ValueError(f"{ranks} ranks: not a multiple of PP {PP} x {RANKS_PER_NODE} ranks per node")
+    return Layout(tp=1, dp=ranks // PP, pp=PP, ranks_per_node=RANKS_PER_NODE)
+
+
+def job_groups(layout: Layout) -> dict[str, tuple[str, list[int]]]:
+    """Group id -> (role, members in group order), Megatron's order (role = dp_r + dp * pp_r)."""
+    d = layout.dp
+    groups = {f"dp{s}": ("dp", [s * d + r for r in range(d)]) for s in range(layout.pp)}
+    groups.update({f"pp{r}": ("pp", [s * d + r for s in range(layout.pp)]) for r in range(d)})
+    return groups
+
+
+def iteration_seconds(layout: Layout) -> tuple[float, float, float]:
+    """(healthy, with rank 1 slow, all-reduce seconds) from the iteration-time model."""
+    allreduce_s = 2 * GRAD_BYTES / 25e9  # a ring over 25 GB/s links
+    costs = JobCosts.uniform(layout.pp, layout.dp, FWD_S, MICROBATCHES, act_bytes=ACT_BYTES, p2p_s=ACT_BYTES / 25e9,
+                             grad_bytes=GRAD_BYTES, allreduce_s=allreduce_s, other_s=0.01)
+    roles = list(range(layout.tp * layout.dp * layout.pp))
+    healthy = iteration_time(layout, roles, costs)
+    slow = iteration_time(layout, roles, costs, slow_gpus={SLOW_RANK: SLOW_FACTOR})
+    return healthy, slow, allreduce_s
+
+
+def heartbeats(layout: Layout, iteration: int, iter_s: float, healthy_s: float, now: float) -> list[Heartbeat]:
+    """One heartbeat per rank at ``iteration``, as RankClient sends them."""
+    d = layout.dp
+    out = []
+    for r in range(d * layout.pp):
+        compute = healthy_s * 0.8 * (SLOW_FACTOR if r == SLOW_RANK else 1.0)
+        out.append(Heartbeat(
+            rank=r, node=r // layout.ranks_per_node, iteration=iteration, iter_s=iter_s, time=now,
+            replica=r % d, mb_s=compute / MICROBATCHES, micro=MICROBATCHES, role=r, stage=r // d, tp=1,
+            pp=layout.pp, grad_bytes=GRAD_BYTES, act_bytes=ACT_BYTES, score_iteration=iteration,
+            est_iter_s=iter_s, compute_s=compute, wait_s=max(0.0, iter_s - compute)))
+    return out
+
+
+def profiles(layout: Layout, session: int, iter_s: float, healthy_s: float, allreduce_s: float,
+             now: float, rng: np.random.Generator) -> list[ProfileData]:
+    """Every rank's profile: its DP all-reduces of the last PROFILE_ITERATIONS iterations.
+
+    A member issues an all-reduce when its compute is done (rank 1 later by its extra
+    compute), and all members end together, one transfer after the last arrival."""
+    groups = job_groups(layout)
+    extra = healthy_s * 0.5 * (SLOW_FACTOR - 1.0)
+    t0 = now - PROFILE_ITERATIONS * iter_s
+    calls: dict[int, dict[str, list[list[float]]]] = {}
+    for gid, (role, members) in groups.items():
+        if role != "dp":
+            continue
+        for k in range(PROFILE_ITERATIONS):
+            start = t0 + k * iter_s + healthy_s * 0.5
+            issue = start + rng.normal(0.0, 0.001, len(members)).clip(-0.003, 0.003)
+            if SLOW_RANK in members:
+                issue[members.index(SLOW_RANK)] += extra
+            end = float(issue.max()) + allreduce_s * (1.0 + abs(rng.normal(0.0, 0.01)))
+            for r, t in zip(members, issue):
+                calls.setdefault(r, {}).setdefault(gid, []).append([k, round(float(t), 6), round(end, 6), GRAD_BYTES])
+    out = []
+    for r in range(layout.dp * layout.pp):
+        mine = {g: (role, m) for g, (role, m) in groups.items() if r in m}
+        out.append(ProfileData(rank=r, session=session, roles={g: role for g, (role, _) in mine.items()},
+                               members={g: m for g, (_, m) in mine.items()}, calls=calls.get(r, {})))
+    return out
+
+
+def validation_results(world: int, session: int, plan: dict[str, Any],
+                       rng: np.random.Generator) -> list[ValidationResult]:
+    """Each rank's results for the plan: GEMM FLOP/s where it runs one (rank 1 at half
+    speed), and the P2P passes it received on (healthy links)."""
+    gemm = set(plan.get("gemm", []))
+    nbytes = float(plan.get("nbytes", 262144))
+    links: dict[int, list[list[float]]] = {}
+    for pas in plan.get("passes", []):
+        for src, dst in pas:
+            links.setdefault(int(dst), []).append([int(src), int(dst), nbytes / 20e9 * (1 + abs(rng.normal(0, 0.02)))])
+    out = []
+    for r in range(world):
+        flops = None
+        if r in gemm:
+            flops = HEALTHY_TFLOPS * 1e12 * (1 + rng.normal(0, 0.01)) / (SLOW_FACTOR if r == SLOW_RANK else 1.0)
+        out.append(ValidationResult(r, session, flops, links.get(r, [])))
+    return out
+
+
+# --- the I/O: Redis, the controller process, the simulated ranks ------------------------------
+
+
+class _Ranks:
+    """All simulated ranks' side of the bus: pipelined posts to the controller's stream,
+    reads of the command and verdict streams (through the real Bus, strict decoding)."""
+
+    def __init__(self, url: str, job: str) -> None:
+        import redis
+
+        from falconext.control.bus import Bus
+
+        self.bus = Bus(url, job)
+        self.raw = redis.Redis.from_url(url)
+        self.ctl_key = self.bus.key("ctl")
+        self.largest = ("", 0)
+        self.posted = 0
+        self._queue: deque[tuple[str, Any]] = deque()
+
+    def post(self, msgs: list[Any]) -> float:
+        """Post ``msgs`` in one pipeline (the ranks post in parallel); returns seconds."""
+        data = [encode(m) for m in msgs]
+        for m, s in zip(msgs, data):
+            if len(s) > self.largest[1]:
+                self.largest = (type(m).__name__, len(s))
+        t0 = time.perf_counter()
+        pipe = self.raw.pipeline(transaction=False)
+        for s in data:
+            pipe.xadd(self.ctl_key, {"m": s}, maxlen=self.bus.maxlen, approximate=True)
+        pipe.execute()
+        self.posted += len(data)
+        return time.perf_counter() - t0
+
+    def next_message(self, streams: list[str], until: float) -> tuple[str, Any] | None:
+        """The next command or verdict, or None at ``until`` (monotonic)."""
+        while not self._queue and time.monotonic() < until:
+            self._queue.extend(self.bus.read(streams, block_ms=50))
+        return self._queue.popleft() if self._queue else None
+
+    def close(self) -> None:
+        self.bus.close()
+        self.raw.close()
+
+
+def _largest_on(raw: Any, key: str) -> tuple[str, int]:
+    """The type and size of the largest message still on the stream ``key``."""
+    sizes = [(len(f[b"m"]), f[b"m"]) for _, f in raw.xrange(key)]
+    if not sizes:
+        return "", 0
+    size, data = max(sizes, key=lambda x: x[0])
+    return str(json.loads(data).get("type", "?")), size
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float, allreduce_s: float,
+              t_report: float, rng: np.random.Generator, gave_up: Callable[[], str | None]) -> Row:
+    """Answer the controller as the ranks would, from the reports to the verdict; the
+    times are seconds after the reports were posted. ``iteration`` starts now.
+    ``gave_up()`` says why the controller abandoned the localization (None: it did not)."""
+    ranks = layout.dp * layout.pp
+    clock0 = time.monotonic()
+    deadline = clock0 + VERDICT_TIMEOUT_S
+    session, suspend_at, held = -1, 0, 0.0
+    plan: dict[str, Any] = {}
+    row: Row = {}
+    while True:
+        got = sim.next_message(["cmd", "localized"], min(deadline, time.monotonic() + 1.0))
+        if got is None:
+            reason = gave_up()
+            if reason is not None or time.monotonic() >= deadline:
+                row["error"] = f"localization failed: {reason}" if reason else "no verdict in time"
+                break
+            continue
+        msg = got[1]
+        now = time.perf_counter()
+        if isinstance(msg, Localized):
+            row["report_to_localized_s"] = round(now - t_report, 3)
+            row["localized_gpus"] = json.dumps(msg.gpus)
+            row["localized_right"] = msg.gpus == [SLOW_RANK] and not msg.links
+            break
+        if not isinstance(msg, Command):
+            continue
+        if msg.kind == "profile":
+            session = int(msg.args["session"])
+            row["report_to_profile_cmd_s"] = round(now - t_report, 3)
+            sim.post(profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng))
+        elif msg.kind == "suspend":
+            session = int(msg.args["session"])
+            plan = msg.args.get("plan") or {}
+            suspend_at = int(msg.iteration or 0)
+            row["report_to_suspend_cmd_s"] = round(now - t_report, 3)
+            row["suspend_command_bytes"] = len(encode(msg))
+            reached = iteration + (time.monotonic() - clock0) / slow_s
+            time.sleep(max(0.0, (suspend_at - reached) * slow_s))  # the ranks reach the agreed iteration
+            held = time.time()
+            sim.post([SessionAck(r, session, "held", suspend_at, held) for r in range(ranks)])
+        elif msg.kind == "go" and msg.args.get("session") == session:
+            row["report_to_go_s"] = round(now - t_report, 3)
+            sim.post(validation_results(ranks, session, plan, rng))
+            sim.post([SessionAck(r, session, "resumed", suspend_at, time.time(), time.time() - held)
+                      for r in range(ranks)])
+    return row
+
+
+def _drain(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float) -> Row:
+    """How fast the controller handles a burst of heartbeats (BURST of them, whole rounds)."""
+    ranks = layout.dp * layout.pp
+    burst: list[Any] = []
+    now = time.time()
+    for k in range(max(1, BURST // ranks)):
+        burst += heartbeats(layout, iteration + k, slow_s, healthy_s, now)
+    t0 = time.perf_counter()
+    post_s = sim.post(burst + [Command("validate", 1.0)])
+    deadline = time.monotonic() + VERDICT_TIMEOUT_S
+    while (got := sim.next_message(["cmd"], deadline)) is not None:
+        if isinstance(got[1], Command) and got[1].kind == "profile":
+            drain = time.perf_counter() - t0
+            return {"burst_messages": len(burst), "burst_post_s": round(post_s, 3), "drain_s": round(drain, 3),
+                    "controller_msgs_per_s": round(len(burst) / drain)}
+    return {"burst_messages": len(burst), "burst_post_s": round(post_s, 3)}
+
+
+def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = None) -> Row:
+    """One job size end to end; returns its measurements (and 'error' if it went wrong).
+
+    The controller's events.jsonl and stderr go to a temporary folder, removed at the
+    end, or to ``workdir``, kept."""
+    from falconext.control.redis_server import start_redis
+
+    cfg = cfg or FalconConfig()
+    layout = layout_for(ranks)
+    healthy_s, slow_s, allreduce_s = iteration_seconds(layout)
+    rng = np.random.default_rng(SEED)
+    row: Row = {"ranks": ranks, "layout": f"1T{layout.dp}D{layout.pp}P", "nodes": ranks // RANKS_PER_NODE,
+                "healthy_iter_s": round(healthy_s, 4), "slow_iter_s": round(slow_s, 4)}
+    job = f"scale{ranks}"
+    server = start_redis()
+    tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="falconext-scale-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    events_path = tmp / "events.jsonl"
+    stderr = (tmp / "controller.err").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "falconext.control.service", "controller", "--job", job, "--world", str(ranks),
+         "--events", str(events_path), "--falcon-mitigation", "false"],
+        env={**os.environ, "FALCON_REDIS_URL": server.url}, stdout=subprocess.DEVNULL, stderr=stderr)
+    sim: _Ranks | None = None
+    try:
+        until = time.monotonic() + 30
+        while not any(e["type"] == "controller_started" for e in _events(events_path)):
+            if proc.poll() is not None or time.monotonic() > until:
+                raise RuntimeError("the controller did not start")
+            time.sleep(0.05)
+        time.sleep(0.3)  # its bus fixed its start point at first contact
+        sim = _Ranks(server.url, job)
+        # 1. steady state: heartbeats at their real pace (one per rank every heartbeat_s)
+        iteration = FIRST_ITERATION
+        for _ in range(STEADY_ROUNDS):
+            t_round = time.monotonic()
+            sim.post(heartbeats(layout, iteration, slow_s, healthy_s, time.time()))
+            iteration += 1
+            time.sleep(max(0.0, cfg.heartbeat_s - (time.monotonic() - t_round)))
+        # 2. every rank reports the fail-slow; the simulated ranks answer the controller
+        # until it posts its verdict
+        t_report = time.perf_counter()
+        sim.post([FailSlowReport(r, iteration - 12, iteration, round(slow_s / healthy_s, 4), healthy_s, time.time(), 1)
+                  for r in range(ranks)])
+        def gave_up() -> str | None:
+            if proc.poll() is not None:
+                return "the controller died"
+            failed = [e for e in _events(events_path) if e["type"] == "localization_failed"]
+            return str(failed[0].get("reason")) if failed else None
+
+        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up))
+        # 3. throughput: a burst of heartbeats, then an operator's validate command; the
+        # controller's profile command says it has handled the whole burst
+        if proc.poll() is None:
+            row.update(_drain(sim, layout, iteration + 50, slow_s, healthy_s))
+        row["offered_heartbeats_per_s"] = round(ranks / cfg.heartbeat_s)
+        if "controller_msgs_per_s" in row:
+            row["keeps_up"] = row["controller_msgs_per_s"] >= row["offered_heartbeats_per_s"]
+        raw = sim.raw
+        name, size = max([sim.largest] + [_largest_on(raw, sim.bus.key(s)) for s in ("cmd", "localized")],
+                         key=lambda x: x[1])
+        row["largest_message"] = name
+        row["largest_message_bytes"] = size
+        row["cap_bytes"] = MAX_MESSAGE_BYTES
+        row["redis_peak_mib"] = round(int(raw.info("memory")["used_memory_peak"]) / 2**20, 1)
+        for e in _events(events_path):
+            if e["type"] == "localized" and "controller_localized_after_s" not in row:
+                row["controller_localized_after_s"] = e.get("after_event_s")
+            if e["type"] == "controller_error":
+                row.setdefault("error", e.get("error", "")[:200])
+        if proc.poll() is not None:
+            stderr.flush()
+            tail = (tmp / "controller.err").read_text(errors="replace").strip().splitlines()
+            row["error"] = f"controller exited {proc.returncode}: {tail[-1] if tail else ''}"[:300]
+    finally:
+        if sim is not None:
+            sim.close()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        stderr.close()
+        server.stop()
+        if not workdir:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return row
+
+
+def measure(quick: bool) -> ExperimentResult:
+    """Quick: 64, 256, 1024 ranks; full: up to 16384."""
+    rows = []
+    for n in QUICK_SIZES if quick else FULL_SIZES:
+        try:
+            rows.append(run_size(n))
+        except RuntimeError as exc:  # the controller did not start: say so, go on
+            rows.append({"ranks": n, "error": str(exc),
+                         "offered_heartbeats_per_s": round(n / FalconConfig().heartbeat_s)})
+    comparisons = []
+    for r in rows:
+        named = f"rank {SLOW_RANK}" if r.get("localized_right") else f"named {r.get('localized_gpus')}, not {SLOW_RANK}"
+        verdict = (f"{r['report_to_localized_s']:.2f} s, {named}"
+                   if "report_to_localized_s" in r else f"none ({r.get('error', '')})")
+        comparisons.append(Comparison(f"{r['ranks']} ranks: report to localized", "-", verdict,
+                                      "Holmes: 30.3 s at 8192 GPUs" if r["ranks"] >= 8192 else ""))
+        if "controller_msgs_per_s" in r:
+            comparisons.append(Comparison(
+                f"{r['ranks']} ranks: controller messages/s (offered {r['offered_heartbeats_per_s']}/s)", "-",
+                f"{r['controller_msgs_per_s']}", "keeps up" if r.get("keeps_up") else "falls behind"))
+        if "largest_message_bytes" in r:
+            comparisons.append(Comparison(
+                f"{r['ranks']} ranks: largest message (cap {MAX_MESSAGE_BYTES})", "-",
+                f"{r['largest_message_bytes']} B ({r['largest_message']})",
+                "over the cap" if r["largest_message_bytes"] > MAX_MESSAGE_BYTES else ""))
+    behind = [r["ranks"] for r in rows if r.get("keeps_up") is False]
+    failed = [r["ranks"] for r in rows if "report_to_localized_s" not in r]
+    over = [r["ranks"] for r in rows if r.get("largest_message_bytes", 0) > MAX_MESSAGE_BYTES]
+    for what, sizes in (("controller falls behind the heartbeats", behind), ("no localization", failed),
+                        ("a message over the bus cap", over)):
+        comparisons.append(Comparison(f"smallest size with {what}", "-",
+                                      f"{min(sizes)} ranks" if sizes else f"none up to {rows[-1]['ranks']} ranks"))
+    notes = [
+        f"Layout TP1 x DP(N/{PP}) x PP{PP}, {RANKS_PER_NODE} ranks per node, rank {SLOW_RANK} {SLOW_FACTOR:g}x slow; "
+        "iteration times from falconext.sim.itertime.",
+        "One real Redis and the real controller process per size; ranks simulated in one process, posting "
+        "through pipelines to the controller's stream (the per-node agents' forwarding is not run).",
+        f"Throughput: after the verdict, a burst of about {BURST} heartbeats (whole rounds), then an operator's "
+        "validate command; 'controller messages/s' is the burst over the time until the controller answered "
+        "that command, against the load of one heartbeat per rank every heartbeat_s.",
+        "The largest message counts what the ranks posted and what the controller posted (commands, the "
+        "Localized verdict); the bus refuses anything over the cap.",
+        "GEMM and P2P benchmarks take no time here; the wait for the suspension's iteration is real "
+        f"(about {FalconConfig().suspend_margin_iterations} slow iterations).",
+    ]
+    return ExperimentResult(rows, comparisons, notes)
+
+
+def draw(result: ExperimentResult, path: str) -> None:
+    """Controller load and time to localize against job size."""
+    import matplotlib.pyplot as plt
+
+    rows = result.rows
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ok = [r for r in rows if "controller_msgs_per_s" in r]
+    a.plot([r["ranks"] for r in ok], [r["controller_msgs_per_s"] for r in ok], "o-", label="controller drains")
+    offered = [(r["ranks"], r["offered_heartbeats_per_s"]) for r in rows if "offered_heartbeats_per_s" in r]
+    if offered:
+        a.plot(*zip(*offered), "k--", label=f"heartbeats offered (one per rank every {FalconConfig().heartbeat_s:g} s)")
+    failed = [r["ranks"] for r in rows if "report_to_localized_s" not in r]
+    for n in failed:
+        b.axvline(n, color="tab:red", alpha=0.4)
+    if failed:
+        b.plot([], [], color="tab:red", alpha=0.4, label="no localization")
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xlabel("ranks")
+    a.set_ylabel("messages / s")
+    a.set_title("controller load")
+    a.legend(fontsize=8)
+    a.grid(True, which="both", alpha=0.3)
+    loc = [r for r in rows if "report_to_localized_s" in r]
+    for key, label in (("report_to_profile_cmd_s", "profile command"), ("report_to_suspend_cmd_s", "suspend command"),
+                       ("report_to_localized_s", "localized")):
+        pts = [(r["ranks"], r[key]) for r in loc if key in r]
+        if pts:
+            b.plot(*zip(*pts), "o-", label=label)
+    b.set_xscale("log", base=2)
+    for ax in (a, b):
+        ax.set_xticks([r["ranks"] for r in rows])
+        ax.set_xticklabels([str(r["ranks"]) for r in rows], fontsize=7)
+    b.set_xlabel("ranks")
+    b.set_ylabel("seconds after the report")
+    b.set_title("time to localize")
+    b.legend(fontsize=8)
+    b.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

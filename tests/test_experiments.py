@@ -1,0 +1,201 @@
+"""``falconext experiment``: the registry, one quick experiment end to end, bad input.
+
+Driven in-process through ``falconext.cli.main``, as tests/test_cli.py does: every error
+is one line on stderr with exit status 2 (bad input) or 1 (an experiment not built yet).
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from falconext.cli import main
+from falconext.experiments import runner
+from falconext.experiments.detection_accuracy import accuracy_rows
+from falconext.experiments.registry import EXPERIMENTS, Experiment, lookup
+from falconext.experiments.result import Comparison, ExperimentResult
+
+#: every figure and table issue 17 asks for
+ISSUE_17 = ("fig12", "table4", "table5", "fig13", "fig14", "fig15", "fig16", "fig17", "fig18",
+            "fig19", "table6", "table7", "scale", "ablations")
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_list_names_every_experiment_of_the_issue(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, "experiment", "list")
+    assert rc == 0 and err == ""
+    listed = [line.split()[0] for line in out.splitlines()]
+    assert listed == list(ISSUE_17)
+    status = {line.split()[0]: line.split()[1] for line in out.splitlines()}
+    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "table6", "scale"}
+
+
+def test_table6_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, "experiment", "run", "table6", "--quick", "--out", str(tmp_path))
+    assert rc == 0, err
+    assert "HiGHS" not in out  # the solver's banner is kept off stdout
+    folder = tmp_path / "table6"
+    rows = list(csv.DictReader((folder / "results.csv").open()))
+    assert [int(r["replicas"]) for r in rows] == [16, 32, 64, 128, 256, 512]
+    assert all(float(r["greedy_s"]) > 0 for r in rows)
+    solved = [r for r in rows if r["milp_status"] == "optimal"]
+    assert solved and all(r["agree"] == "True" for r in solved)
+    assert (folder / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (folder / "table.md").read_text()
+    line_512 = next(line for line in table.splitlines() if line.startswith("| 512 replicas"))
+    assert "35.93 s" in line_512 and "greedy" in line_512 and "ms" in line_512
+    assert "| quantity | paper | measured |" in table
+
+
+def test_unknown_experiment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, "experiment", "run", "fig99", "--out", str(tmp_path / "o"))
+    assert rc == 2 and out == ""
+    line = one_line_error(err)
+    assert "unknown experiment 'fig99'" in line and "table4" in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["table6", "all"])
+def test_out_is_a_file(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "results"
+    f.write_text("x")
+    rc, out, err = run_cli(capsys, "experiment", "run", name, "--quick", "--out", str(f))
+    assert rc == 2 and out == ""
+    assert "is a file, not a folder" in one_line_error(err)
+    assert f.read_text() == "x"
+
+
+def test_missing_arguments_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(capsys, "experiment", "run", "table6")
+    assert rc == 2 and "--out" in one_line_error(err)
+
+
+def test_pending_experiment_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, "experiment", "run", "fig13", "--out", str(tmp_path / "o"))
+    assert rc == 1 and out == ""
+    line = one_line_error(err)
+    assert "fig13" in line and "not implemented yet" in line
+    assert not (tmp_path / "o" / "fig13").exists()
+
+
+def _fake_module(fail: bool) -> types.ModuleType:
+    mod = types.ModuleType("fake_experiment")
+
+    def measure(quick: bool) -> ExperimentResult:
+        if fail:
+            raise RuntimeError("broken on purpose")
+        return ExperimentResult([{"x": 1, "y": 2.5}, {"x": 2, "z": "a"}],
+                                [Comparison("the number", "42", "41.5", "close")], ["a note"])
+
+    def draw(result: ExperimentResult, path: str) -> None:
+        import matplotlib.pyplot as plt
+
+        plt.plot([1, 2], [3, 4])
+        plt.savefig(path)
+
+    mod.measure, mod.draw = measure, draw
+    return mod
+
+
+def test_run_all_writes_summary_skips_pending_and_survives_a_failure(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "fake_ok", _fake_module(False))
+    monkeypatch.setitem(sys.modules, "fake_bad", _fake_module(True))
+    monkeypatch.setattr(runner, "EXPERIMENTS", (
+        Experiment("ok1", "An experiment", "42", module="fake_ok"),
+        lookup("fig18"),
+        Experiment("bad1", "A broken one", "1", module="fake_bad"),
+    ))
+    rc, out, err = run_cli(capsys, "experiment", "run", "all", "--quick", "--out", str(tmp_path))
+    assert rc == 1  # one experiment failed
+    assert "1 experiments written, 1 skipped, failed: bad1" in out
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| ok1 | done |" in summary and "| fig18 | skipped |" in summary and "| bad1 | failed |" in summary
+    assert "| the number | 42 | 41.5 | close |" in summary
+    assert "fig18: skipped: not implemented yet" in summary
+    assert "RuntimeError: broken on purpose" in summary
+    rows = list(csv.DictReader((tmp_path / "ok1" / "results.csv").open()))
+    assert rows == [{"x": "1", "y": "2.5", "z": ""}, {"x": "2", "y": "", "z": "a"}]
+    assert (tmp_path / "ok1" / "figure.png").exists() and not (tmp_path / "bad1").exists()
+
+
+def test_detection_rows_add_up() -> None:
+    rows, summaries = accuracy_rows("compute", (2026,), 6)  # 2 compute + 2 healthy traces
+    pooled = {r["method"]: r for r in rows if r["seed"] == "pooled"}
+    assert set(pooled) == {"slide-window", "bocd", "bocd+v", "persistence"}
+    for m, r in pooled.items():
+        assert r["traces"] == 4 and r["healthy"] == 2 and r["labels"] == 2
+        assert summaries[m].correct == r["correct"]
+    assert pooled["bocd+v"]["correct"] == 4  # two clean steps found, two healthy traces quiet
+
+
+def test_registry_is_consistent() -> None:
+    for e in EXPERIMENTS:
+        assert e.implemented != (e.pending is not None), e.name
+        if e.implemented:
+            mod = e.load()
+            assert callable(mod.measure) and callable(mod.draw)
+
+
+# --- scale: the simulated ranks' messages, and one small job against the real controller ---
+
+
+def test_scale_layout_must_divide() -> None:
+    from falconext.experiments.scale import layout_for
+
+    assert (layout_for(64).dp, layout_for(64).pp) == (16, 4)
+    with pytest.raises(ValueError, match="not a multiple"):
+        layout_for(100)
+
+
+def test_scale_profiles_and_results_name_the_slow_rank() -> None:
+    import numpy as np
+
+    from falconext.config import FalconConfig
+    from falconext.experiments import scale
+    from falconext.profile.window import analyze_window
+    from falconext.validate.plan import validation_plan
+    from falconext.validate.verdict import slow_ranks
+
+    layout = scale.layout_for(64)
+    healthy, slow, allreduce = scale.iteration_seconds(layout)
+    assert slow > 1.3 * healthy
+    rng = np.random.default_rng(0)
+    windows = scale.profiles(layout, 1, slow, healthy, allreduce, 1000.0, rng)
+    assert len(windows) == 64
+    cfg = FalconConfig()
+    findings = analyze_window(windows, cfg.suspicious_factor, cfg.profile_min_bytes,
+                              cfg.wait_causer_share, cfg.wait_causer_dominance)
+    assert findings.compute_suspects == [scale.SLOW_RANK] and findings.suspicious_groups == []
+    plan = validation_plan(findings.groups, list(range(64)), findings.compute_suspects, [])
+    results = scale.validation_results(64, 1, plan, rng)
+    flops = {r.rank: r.gemm_flops for r in results if r.gemm_flops is not None}
+    assert slow_ranks(flops, cfg.validation_slow_factor, findings.compute_suspects) == [scale.SLOW_RANK]
+
+
+def test_scale_64_ranks_against_the_real_controller() -> None:
+    from falconext.experiments.scale import run_size
+
+    row = run_size(64)
+    assert "error" not in row, row
+    assert row["localized_right"] is True and row["report_to_localized_s"] < 10
+    assert row["controller_msgs_per_s"] > 0 and 0 < row["largest_message_bytes"] <= row["cap_bytes"]
