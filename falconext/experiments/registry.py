@@ -30,6 +30,7 @@ class Experiment:
 
     @property
     def implemented(self) -> bool:
+        """Whether the experiment can run (it has a module; pending ones do not)."""
         return self.module is not None
 
     def load(self) -> ModuleType:

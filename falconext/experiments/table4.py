@@ -14,4 +14,5 @@ def measure(quick: bool) -> ExperimentResult:
 
 
 def draw(result: ExperimentResult, path: str) -> None:
+    """The computation traces' accuracy per method as a PNG at ``path``."""
     draw_kind(result, path, "Table 4: computation fail-slows")
