@@ -145,6 +145,17 @@ def test_deadlines_release_everyone_and_give_up():
     assert "no rank sent its profile" in events(out, "localization_failed")[0]["reason"]
 
 
+def test_a_report_read_late_still_gets_its_whole_profiling_time():
+    """A report that waited 5 s behind other messages (thousands of ranks' heartbeats):
+    the ranks get profile_timeout_s from when the controller asked, not from the event."""
+    ctl = Controller(CFG, world=4)
+    beats(ctl)
+    late = 101.0 + 5.0
+    assert commands(ctl.handle(report(t=101.0), late), "profile")
+    assert ctl.tick(late + CFG.profile_timeout_s / 2) == [] and ctl.state is State.PROFILING
+    assert events(ctl.tick(late + CFG.profile_timeout_s), "localization_failed")
+
+
 def test_operator_validation_of_a_healthy_job_localizes_nothing_and_tests_every_link():
     ctl = Controller(CFG, world=4)
     beats(ctl)

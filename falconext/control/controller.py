@@ -272,14 +272,18 @@ class Controller:
                 ep.baselines.append(rep.baseline_s)
             ep.reporters.setdefault(rep.rank, rep.event_id)
             return []
-        out = self._start("fail_slow", rep.time)
+        out = self._start("fail_slow", rep.time, now)
         assert self.episode is not None
         self.episode.reporters[rep.rank] = rep.event_id
         self.episode.onsets.append(rep.onset)
         self.episode.baselines.append(rep.baseline_s)
         return out
 
-    def _start(self, trigger: str, t_event: float) -> list[Output]:
+    def _start(self, trigger: str, t_event: float, now: float | None = None) -> list[Output]:
+        """Open an episode for the event at ``t_event`` and ask every rank for its calls.
+        The profiles' deadline runs from when the controller handles the event (``now``),
+        not from the event's own time: a report that waited behind a backlog of
+        heartbeats would otherwise find its deadline already passed."""
         self.session += 1
         self.episode = _Episode(trigger, t_event)
         self._profiles.clear()
@@ -289,7 +293,7 @@ class Controller:
         self._findings = self._plan = None
         self._tries = 0
         self._go_sent = False
-        self._deadline = t_event + self.cfg.profile_timeout_s
+        self._deadline = max(t_event, now if now is not None else t_event) + self.cfg.profile_timeout_s
         cmd = Command("profile", self.cfg.profile_timeout_s, args={"session": self.session, "window_s": self.cfg.profile_window_s})
         return [self._set(State.PROFILING, t_event, trigger=trigger), Output("command", cmd)]
 
