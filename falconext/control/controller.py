@@ -131,6 +131,7 @@ class Controller:
         self.link_baseline: dict[tuple[int, int], float] = {}
         self._baseline_started = False
         self._first_beat: dict[int, int] = {}  # rank -> iteration of its first heartbeat seen
+        self._past_baseline: set[int] = set()  # ranks seen at or past link_baseline_iteration
         self._next_scores = -math.inf  # when the next rank_scores event is due
 
     # --- inputs -----------------------------------------------------------------------
@@ -152,7 +153,7 @@ class Controller:
             self.beats[msg.rank] = msg
             self._first_beat.setdefault(msg.rank, msg.iteration)
             self.history.setdefault(msg.rank, collections.deque(maxlen=self.cfg.heartbeat_history)).append(msg)
-            return self._observe(msg, now) + self._maybe_baseline(now)
+            return self._observe(msg, now) + self._maybe_baseline(msg, now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
         if isinstance(msg, Command) and msg.kind == "validate":
@@ -297,16 +298,22 @@ class Controller:
         cmd = Command("profile", self.cfg.profile_timeout_s, args={"session": self.session, "window_s": self.cfg.profile_window_s})
         return [self._set(State.PROFILING, t_event, trigger=trigger), Output("command", cmd)]
 
-    def _maybe_baseline(self, now: float) -> list[Output]:
+    def _maybe_baseline(self, beat: Heartbeat, now: float) -> list[Output]:
         """Start the link-baseline session once: a job on exactly two nodes, every rank
         past ``link_baseline_iteration``, nothing else going on. A controller that joined
         the job late (restarted: some rank's first heartbeat it saw was already past that
         iteration) measures no baseline: the link may be congested by then, and a
-        suspension at an arbitrary time is not what a restart should cost."""
+        suspension at an arbitrary time is not what a restart should cost. Constant work
+        per heartbeat until every rank is past the iteration (thousands of ranks beat
+        twice a second)."""
         at = self.cfg.link_baseline_iteration
-        if self._baseline_started or at <= 0 or self.state is not State.TRACKING or self.episode is not None:
+        if self._baseline_started or at <= 0:
             return []
-        if not self.beats or set(self.beats) < self.ranks() or min(b.iteration for b in self.beats.values()) < at:
+        if beat.iteration >= at:
+            self._past_baseline.add(beat.rank)
+        if self.state is not State.TRACKING or self.episode is not None:
+            return []
+        if len(self._past_baseline) < (self.world if self.world is not None else len(self.beats)):
             return []
         self._baseline_started = True
         if len({b.node for b in self.beats.values()}) != 2 or max(self._first_beat.values()) > at:
