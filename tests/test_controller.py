@@ -298,3 +298,25 @@ def test_the_control_services_do_not_import_torch():
     code = "import sys, falconext.control.service; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_verdict_too_large_for_the_bus_travels_cut_and_whole_in_the_event():
+    """At thousands of ranks the evidence (GEMM rates per rank) outgrows the bus's cap:
+    posting it whole raised in the controller's loop."""
+    from falconext.control.controller import for_bus
+    from falconext.control.messages import MAX_MESSAGE_BYTES, Localized, decode, encode
+
+    evidence = {"session": 7, "trigger": "fail_slow", "scope": "suspects",
+                "gemm_gflops": {str(r): 123.456 for r in range(8192)}}
+    loc = Localized(gpus=[5], links=[[0, 1]], evidence=evidence)
+    assert len(encode(loc)) > MAX_MESSAGE_BYTES
+    small = for_bus(loc)
+    data = encode(small)
+    assert len(data.encode()) <= MAX_MESSAGE_BYTES
+    back = decode(data)
+    assert back.gpus == [5] and back.links == [[0, 1]]
+    assert back.evidence["truncated"] is True and back.evidence["session"] == 7
+    fits = Localized(gpus=[5], links=[], evidence={"session": 7})
+    assert for_bus(fits) is fits
+    many = Localized(gpus=list(range(20000)), links=[], evidence=evidence)
+    assert len(encode(for_bus(many)).encode()) <= MAX_MESSAGE_BYTES

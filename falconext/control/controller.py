@@ -36,6 +36,7 @@ from typing import Any
 
 from falconext.config import FalconConfig
 from falconext.control.messages import (
+    MAX_MESSAGE_BYTES,
     Command,
     FailSlowReport,
     Heartbeat,
@@ -44,6 +45,7 @@ from falconext.control.messages import (
     ProfileData,
     SessionAck,
     ValidationResult,
+    encode,
 )
 from falconext.mitigate.mitigation import (
     Mitigation,
@@ -465,7 +467,7 @@ class Controller:
             ep.localized = True
         after = round(now - ep.t_event, 3) if ep else None
         out = [
-            Output("localized", loc),
+            Output("localized", for_bus(loc)),
             _event("localized", gpus=loc.gpus, links=loc.links, evidence=evidence, after_event_s=after),
             self._set(State.TRACKING, now, localized=True),
         ]
@@ -704,6 +706,23 @@ class Controller:
             self.episode = None
             return [_event("episode_end", session=self.session, ranks=sorted(ep.ended))]
         return []
+
+
+def for_bus(loc: Localized) -> Localized:
+    """``loc`` as it may travel on the bus: whole when it fits ``MAX_MESSAGE_BYTES``;
+    otherwise (its evidence grows with the ranks: about 34 bytes each) the verdict with
+    the evidence cut to what names it, the rest in the ``localized`` event only."""
+    if len(encode(loc).encode("utf-8")) <= MAX_MESSAGE_BYTES:
+        return loc
+    ev = loc.evidence
+    keep = {k: ev[k] for k in ("session", "trigger", "scope") if k in ev}
+    small = Localized(gpus=loc.gpus, links=loc.links, evidence=dict(keep, truncated=True, full_in="events.jsonl"))
+    if len(encode(small).encode("utf-8")) <= MAX_MESSAGE_BYTES:
+        return small
+    # thousands of slow components: the count, and the events log for the names
+    return Localized(gpus=loc.gpus[:1000], links=loc.links[:500],
+                     evidence=dict(keep, truncated=True, full_in="events.jsonl",
+                                   gpus_total=len(loc.gpus), links_total=len(loc.links)))
 
 
 def _event(type_: str, **fields: Any) -> Output:
