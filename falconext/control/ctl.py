@@ -112,7 +112,7 @@ class Session:
         redis = self._redis
         try:
             return fn(*args, **kwargs)
-        except (redis.AuthenticationError, redis.AuthorizationError) as exc:
+        except redis.AuthenticationError as exc:
             raise CtlError(f"{self.run.dir}: Redis refused the password in {ACCESS_FILE} ({exc})") from None
         except redis.ResponseError as exc:
             if "WRONGPASS" in str(exc) or "NOAUTH" in str(exc):
