@@ -403,7 +403,7 @@ class Controller:
             iteration=self._iteration,
             args={"session": self.session, "plan": plan},
         )
-        change = [] if self.state is state else [self._set(state, now, iteration=self._iteration)]
+        change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
         return change + [Output("command", cmd)]
 
     def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:

@@ -131,6 +131,11 @@ def launch_training(args: argparse.Namespace) -> int:
     from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
     env[LAUNCH_TIME_ENV] = repr(time.time())
+    progress = None
+    if plane is not None and plane.url:
+        from falconext.testbed.progress import Progress
+
+        progress = Progress(plane.url, plane.job, args.iters).start()
     try:
         while True:
             proc = subprocess.run(cmd, env=env)
@@ -145,6 +150,8 @@ def launch_training(args: argparse.Namespace) -> int:
             cmd = torchrun_command(args, rank_argv(args), free_port())
             env[LAUNCH_TIME_ENV] = repr(req.requested_at)  # S4's downtime runs from the request
     finally:
+        if progress is not None:
+            progress.stop()
         if plane is not None:
             plane.stop()
 

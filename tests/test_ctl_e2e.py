@@ -1,0 +1,290 @@
+"""An operator steers one running emulated-device job with ``falconext ctl`` (issue 16).
+
+One DP4 job (4 micro-batches of 1 per replica, rank 1's device 2x slow from iteration 40
+to 52, only S2 allowed) and one operator thread that acts at iteration milestones it
+reads from ``ctl status``:
+
+1. after the warm-up: ``ctl status`` (timed, its own process), a metrics scrape, ``ctl
+   mute``;
+2. the fault comes and the ranks detect it: the muted controller holds it
+   (``fail_slow_muted``) and starts no localization;
+3. once the fault is over: ``ctl set suspend_margin_iterations 8``, then ``ctl force s2
+   --plan 4,6,3,3``, which must suspend 8 iterations ahead and apply on every rank;
+4. ``ctl set suspend_margin_iterations 3``, ``ctl revert``: the even plan again;
+5. ``ctl unmute``.
+
+The assertions are separate tests over what the job and the thread left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from falconext.control import ctl as ctl_mod
+from jobs import events
+
+ITERS = 95
+FAULT = {"kind": "compute", "rank": 1, "factor": 2.0, "start": 40, "end": 52}
+PLAN = [4, 6, 3, 3]
+EVEN = [4, 4, 4, 4]
+MARGIN = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ctl(run: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "falconext.cli", "ctl", "--run", str(run), *args],
+                          capture_output=True, text=True, timeout=90, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+class Operator:
+    """The thread that plays operator; what it saw goes into ``seen``."""
+
+    def __init__(self, run: Path, port: int, proc: subprocess.Popen) -> None:
+        self.run, self.port, self.proc = run, port, proc
+        self.seen: dict = {}
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+
+    def status(self):
+        with_session = ctl_mod.Session(ctl_mod.open_run(str(self.run)))
+        try:
+            return with_session.status()
+        finally:
+            with_session.close()
+
+    def iteration(self) -> int:
+        return min(r["iteration"] for r in self.status().ranks.values())
+
+    def wait_iteration(self, it: int, timeout: float = 120) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                now = self.iteration()
+                if now >= it:
+                    return now
+            except (ctl_mod.CtlError, ValueError):
+                pass  # not started yet
+            time.sleep(0.2)
+        raise AssertionError(f"the job never reached iteration {it}")
+
+    def wait_event(self, type_: str, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            found = events(self.run, type_) if (self.run / "events.jsonl").exists() else []
+            if found:
+                return found[0]
+            time.sleep(0.2)
+        raise AssertionError(f"no {type_} event")
+
+    def do(self, name: str, *args: str) -> subprocess.CompletedProcess:
+        t0 = time.monotonic()
+        proc = ctl(self.run, *args)
+        self.seen[name] = {"rc": proc.returncode, "out": proc.stdout, "err": proc.stderr,
+                           "took_s": time.monotonic() - t0}
+        assert proc.returncode == 0, (name, proc.stdout, proc.stderr)
+        return proc
+
+    def _main(self) -> None:
+        try:
+            self.wait_iteration(30)
+            self.do("status", "status")
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+            self.seen["scrape"] = text
+            self.do("mute", "mute")
+            self.seen["held"] = self.wait_event("fail_slow_muted")
+            self.wait_iteration(FAULT["end"] + 4)
+            self.do("set8", "set", "suspend_margin_iterations", str(MARGIN))
+            self.seen["force_issued_at"] = self.iteration()
+            self.do("force", "force", "s2", "--plan", ",".join(map(str, PLAN)))
+            self.seen["after_force"] = self.iteration()
+            time.sleep(1.5)  # a heartbeat from every rank under the new plan, then a status round
+            self.seen["status_forced"] = self.status()
+            self.do("set3", "set", "suspend_margin_iterations", "3")
+            self.do("revert", "revert")
+            time.sleep(1.5)
+            self.seen["status_reverted"] = self.status()
+            self.do("unmute", "unmute")
+        except BaseException:  # noqa: BLE001 - reported by the tests
+            self.error = traceback.format_exc()
+
+
+@pytest.fixture(scope="module")
+def steered(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ctl_e2e") / "run"
+    out.mkdir()
+    inject = out.parent / "faults.json"
+    inject.write_text(json.dumps([FAULT]))
+    port = free_port()
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", "4", "--out", str(out), "--device", "emulated",
+           "--no-report", "--iters", str(ITERS), "--global-batch-size", "16", "--micro-batch-size", "1",
+           "--falcon-mitigation-strategies", "S2", "--falcon-metrics-port", str(port), "--inject", str(inject)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    op = Operator(out, port, proc)
+    op.thread.start()
+    stdout, _ = proc.communicate(timeout=400)
+    op.thread.join(30)
+    (out / "stdout.txt").write_text(stdout)
+    assert proc.returncode == 0, stdout[-3000:]
+    return out, op
+
+
+def _ok(op: Operator) -> None:
+    assert op.error is None, op.error
+
+
+def mitigations(out: Path) -> list[dict]:
+    return [e for e in events(out, "mitigation") if e.get("trigger") == "operator"]
+
+
+def test_status_answers_within_a_second(steered):
+    out, op = steered
+    _ok(op)
+    st = op.seen["status"]
+    assert st["took_s"] < 1.0, st  # a process of its own, start-up included
+    assert "job " in st["out"] and "4 ranks on 4 node(s), TP1 x DP4 x PP1; controller tracking" in st["out"]
+    assert "micro-batches per replica [4, 4, 4, 4] (even)" in st["out"]
+
+
+def test_force_s2_applies_at_the_agreed_iteration_on_every_rank(steered):
+    out, op = steered
+    _ok(op)
+    forced, reverted = mitigations(out)
+    assert forced["strategy"] == "S2" and forced["plan"] == PLAN and "acks_lost" not in forced
+    (state,) = [e for e in events(out, "controller_state")
+                if e["new"] == "mitigating" and e["session"] <= forced["session"] and e["time"] <= forced["time"]][-1:]
+    assert forced["iteration"] == state["iteration"] + 1
+    applied = [e for e in events(out, "plan_applied")]
+    assert [(e["iteration"], e["plan"]) for e in applied] == [(forced["iteration"], PLAN), (reverted["iteration"], EVEN)]
+    # every rank runs its replica's share, as its own heartbeat says
+    snap = op.seen["status_forced"]
+    assert {r: row["micro"] for r, row in snap.ranks.items()} == {str(r): m for r, m in enumerate(PLAN)}
+    assert snap.plan["microbatches"] == PLAN and snap.plan["even"] is False
+    assert "S2 applied from iteration" in op.seen["force"]["out"]
+    # iterations.csv: the replica with 6 micro-batches sets the pace, 6/4 of the even plan's
+    times = _iteration_times(out)
+    even = statistics.median(times[i] for i in range(forced["iteration"] - 6, forced["iteration"]))
+    uneven = statistics.median(times[i] for i in range(forced["iteration"] + 1, reverted["iteration"]))
+    back = statistics.median(times[i] for i in range(reverted["iteration"] + 1, ITERS))
+    assert 1.3 < uneven / even < 1.7, (even, uneven)
+    assert 0.85 < back / even < 1.15, (even, back)
+
+
+def test_revert_returns_to_the_even_plan(steered):
+    out, op = steered
+    _ok(op)
+    forced, reverted = mitigations(out)
+    assert reverted["strategy"] == "revert" and reverted["plan"] == EVEN and reverted["iteration"] > forced["iteration"]
+    snap = op.seen["status_reverted"]
+    assert {row["micro"] for row in snap.ranks.values()} == {4} and snap.plan["even"] is True
+
+
+def test_set_changes_the_margin_of_the_next_suspension(steered):
+    out, op = steered
+    _ok(op)
+    (s8, s3) = events(out, "threshold_set")
+    assert (s8["name"], s8["old"], s8["new"]) == ("suspend_margin_iterations", 3, MARGIN)
+    assert (s3["old"], s3["new"]) == (MARGIN, 3)
+    forced, reverted = mitigations(out)
+    states = [e for e in events(out, "controller_state") if e["new"] == "mitigating"]
+    assert [e["margin"] for e in states] == [MARGIN, 3]
+    # the forced plan's suspension lay at least MARGIN iterations past where the job was
+    assert forced["iteration"] - 1 >= op.seen["force_issued_at"] + MARGIN
+
+
+def test_mute_holds_detections_until_unmute(steered):
+    out, op = steered
+    _ok(op)
+    evs = events(out)
+    (mute,) = [e for e in evs if e["type"] == "operator_command" and e["command"] == "mute"]
+    (unmute,) = [e for e in evs if e["type"] == "operator_command" and e["command"] == "unmute"]
+    assert mute["accepted"] and unmute["accepted"] and mute["at"] < unmute["at"]
+    # the ranks detected the fault; the muted controller held it instead of localizing it
+    detected = [e for e in evs if e["type"] == "fail_slow" and mute["time"] < e["time"] < unmute["time"]]
+    assert detected, "the ranks detected no fail-slow while muted"
+    held = [e for e in evs if e["type"] == "fail_slow_muted"]
+    assert held and all(mute["time"] < e["time"] < unmute["time"] for e in held)
+    started = [e for e in evs if e["type"] == "controller_state" and e.get("trigger") == "fail_slow"
+               and mute["time"] < e["time"] < unmute["time"]]
+    assert not started
+
+
+def test_every_command_is_an_event(steered):
+    out, op = steered
+    _ok(op)
+    cmds = [(e["command"], e["accepted"]) for e in events(out, "operator_command")]
+    assert cmds == [("mute", True), ("set", True), ("mitigate", True), ("set", True), ("mitigate", True),
+                    ("unmute", True)]
+
+
+def test_metrics_scrape_matches_the_estimates(steered):
+    out, op = steered
+    _ok(op)
+    fams = {f.name: f for f in text_string_to_metric_families(op.seen["scrape"])}
+    est = {s.labels["rank"]: s.value for s in fams["falconext_rank_estimated_iteration_seconds"].samples}
+    upto = {s.labels["rank"]: int(s.value) for s in fams["falconext_rank_estimate_iteration"].samples}
+    assert sorted(est) == ["0", "1", "2", "3"]
+    rows = _estimates(out)
+    for r, value in est.items():
+        window = [rows[(int(r), i)] for i in range(upto[r] - 9, upto[r] + 1) if (int(r), i) in rows]
+        assert len(window) >= 8, (r, upto[r])
+        assert abs(value - statistics.median(window)) <= 0.02 * value, (r, value, window)
+    loop = {s.labels["rank"]: s.value for s in fams["falconext_rank_iteration_seconds"].samples}
+    times = _iteration_times(out)
+    healthy = statistics.median(times[i] for i in range(22, 38))
+    assert all(abs(v - healthy) < 0.15 * healthy for v in loop.values()), (loop, healthy)
+
+
+def test_progress_lines_and_the_summary(steered):
+    out, _ = steered
+    text = (out / "stdout.txt").read_text()
+    lines = [x for x in text.splitlines() if x.startswith("falconext: progress: iteration ")]
+    assert 3 <= len(lines) <= ITERS // 5, lines
+    assert "s/iter, controller" in lines[-1] and "latest event:" in lines[-1]
+    assert "median" in text and "s/iter" in text  # the run's own summary is still printed
+
+
+def test_access_file_is_marked_ended(steered):
+    out, _ = steered
+    info = json.loads((out / "access.json").read_text())
+    assert info["ended"] is not None and "url" not in info
+    assert os.stat(out / "access.json").st_mode & 0o777 == 0o600
+    proc = ctl(out, "status")
+    assert proc.returncode == 2 and "the job has ended" in proc.stderr
+
+
+def _iteration_times(out: Path) -> dict[int, float]:
+    """iteration -> the slowest rank's loop time (every rank waits for it)."""
+    import csv
+
+    got: dict[int, float] = {}
+    with open(out / "iterations.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            it = int(row["iteration"])
+            got[it] = max(got.get(it, 0.0), float(row["iter_time_s"]))
+    return got
+
+
+def _estimates(out: Path) -> dict[tuple[int, int], float]:
+    import csv
+
+    with open(out / "estimates.csv", newline="") as f:
+        return {(int(r["rank"]), int(r["iteration"])): float(r["iter_time_s"]) for r in csv.DictReader(f)}
