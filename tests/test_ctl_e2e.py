@@ -160,7 +160,7 @@ def test_status_answers_within_a_second(steered):
     _ok(op)
     st = op.seen["status"]
     assert st["took_s"] < 1.0, st  # a process of its own, start-up included
-    assert "job " in st["out"] and "4 ranks on 4 node(s), TP1 x DP4 x PP1; controller tracking" in st["out"]
+    assert "job " in st["out"] and "4 ranks on 2 node(s), TP1 x DP4 x PP1; controller tracking" in st["out"]
     assert "micro-batches per replica [4, 4, 4, 4] (even)" in st["out"]
 
 
