@@ -200,6 +200,12 @@ def test_set_changes_a_threshold_and_refuses_bad_ones(job):
         "metrics_port": job["port"]}
 
 
+def test_validate_without_ranks_fails_with_the_reason(job):
+    proc = ctl(job["run"], "validate", "--wait", "10")
+    assert "validation started" in proc.stdout
+    one_line_error(proc, 1, "failed", "no rank sent its profile in time")
+
+
 def test_bad_plans_are_refused_and_change_nothing(job):
     run = job["run"]
     one_line_error(ctl(run, "force", "s2", "--plan", "4,4,4,-1"), 2, "negative")
@@ -267,3 +273,102 @@ def test_an_access_file_others_can_read(job, tmp_path):
     run = _copy_run(job, tmp_path)
     os.chmod(run / ACCESS_FILE, 0o644)
     one_line_error(ctl(run, "status"), 2, "readable by others")
+
+
+# --- metrics without a server, and the example dashboard --------------------------------------
+
+
+def _scrape(metrics) -> dict:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics)
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+
+def _snapshot(**changes):
+    from falconext.control.messages import StatusSnapshot
+
+    ranks = {str(r): {"node": r // 2, "iteration": 90 + r, "iter_s": 0.5, "est_iter_s": 0.49, "score_iteration": 89,
+                      "score": 0.01 * r, "late_s": 0.001 * r, "compute_ratio": 1.0, "replica": r, "micro": m,
+                      "role": r, "stage": 0, "age_s": 0.1} for r, m in enumerate([4, 6, 3, 3])}
+    base = dict(time=time.time(), job="j", world=4, state="tracking", session=3, muted=False, ranks=ranks,
+                plan={"tp": 1, "pp": 1, "dp": 4, "nodes": 2, "microbatches": [4, 6, 3, 3], "even": False,
+                      "roles": [0, 1, 2, 3]},
+                planner={"current": "S2", "impact_s": 12.5, "slowdown_removed": 0.8})
+    base.update(changes)
+    return StatusSnapshot(**base)
+
+
+def test_metrics_strategy_suspensions_and_reliability_counters():
+    from falconext.control.metrics import JobMetrics
+
+    m = JobMetrics()
+    for ev in [{"type": "resumed", "pause_s": 0.5}, {"type": "resumed", "pause_s": 0.25},
+               {"type": "message_dropped"}, {"type": "controller_redis", "connected": False},
+               {"type": "controller_redis", "connected": True}, {"type": "mitigation_failed"}]:
+        m.on_event(ev)
+    fams = _scrape(m)
+    assert "falconext_rank_iteration_seconds" not in fams  # no snapshot yet
+    pause = {s.name: s.value for s in fams["falconext_suspension_pause_seconds"].samples}
+    assert pause == {"falconext_suspension_pause_seconds_count": 2.0, "falconext_suspension_pause_seconds_sum": 0.75}
+    assert fams["falconext_messages_dropped"].samples[0].value == 1.0
+    assert fams["falconext_redis_disconnects"].samples[0].value == 1.0
+    assert fams["falconext_mitigations_failed"].samples[0].value == 1.0
+    m.on_snapshot(_snapshot())
+    fams = _scrape(m)
+    strategy = {s.labels["strategy"]: s.value for s in fams["falconext_strategy_in_force"].samples}
+    assert strategy == {"S1": 0.0, "S2": 1.0, "S3": 0.0, "S4": 0.0}
+    assert fams["falconext_slowdown_removed"].samples[0].value == 0.8
+    assert fams["falconext_planner_impact_seconds"].samples[0].value == 12.5
+    assert {s.labels["rank"]: s.value for s in fams["falconext_rank_microbatches"].samples} == {
+        "0": 4.0, "1": 6.0, "2": 3.0, "3": 3.0}
+    assert fams["falconext_job_iteration"].samples[0].value == 90.0
+    # an operator's S3 without a planner: the roles say it
+    m.on_snapshot(_snapshot(planner=None, plan={"microbatches": [4, 4, 4, 4], "even": True, "roles": [0, 2, 1, 3]}))
+    strategy = {s.labels["strategy"]: s.value for s in _scrape(m)["falconext_strategy_in_force"].samples}
+    assert strategy["S3"] == 1.0 and "falconext_slowdown_removed" not in _scrape(m)
+
+
+def test_example_dashboard_uses_only_metrics_the_controller_serves():
+    import re
+
+    from falconext.control.metrics import JobMetrics
+
+    m = JobMetrics()
+    m.on_event({"type": "resumed", "pause_s": 0.5})
+    m.on_snapshot(_snapshot())
+    served = {s.name for f in _scrape(m).values() for s in f.samples}
+    path = Path(__file__).resolve().parents[1] / "examples" / "grafana" / "falconext-dashboard.json"
+    dash = json.loads(path.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"\bfalconext_[a-z_]+", e)}
+    assert len(dash["panels"]) >= 10 and used
+    assert used <= served, sorted(used - served)
+
+
+def test_progress_line_rates():
+    from falconext.testbed.progress import Progress, progress_line
+
+    snap = _snapshot(last_event={"type": "mitigation", "strategy": "S2", "time": 0.0}, state="mitigating", muted=True)
+    line = progress_line(snap, 95)
+    assert line.startswith("falconext: progress: iteration 90/95, 0.500 s/iter, controller mitigating (muted), "
+                           "latest event: mitigation S2 (")
+    out = io.StringIO()
+    p = Progress("redis://unused", "j", 95, stream=out, tty=False)
+
+    def at(it: int, t: float, **changes) -> bool:
+        ranks = {r: dict(row, iteration=it) for r, row in _snapshot().ranks.items()}
+        return p.show(_snapshot(ranks=ranks, **changes), t)
+
+    assert at(10, 0.0)  # the first
+    assert not at(15, 1.0)  # neither 10 iterations nor 5 s
+    assert at(20, 1.5)  # 10 iterations
+    assert at(21, 6.6)  # 5 s
+    assert not at(22, 7.0, state="profiling")  # a change, but within 2 s of the last line
+    assert at(22, 8.7, state="profiling")
+    assert len(out.getvalue().splitlines()) == 4
+    tty = io.StringIO()
+    p = Progress("redis://unused", "j", 95, stream=tty, tty=True)
+    assert p.show(snap, 0.0) and p.show(snap, 0.1)  # a terminal: rewritten in place, always
+    assert tty.getvalue().count("\r") == 2 and "\n" not in tty.getvalue()

@@ -4,7 +4,8 @@ A thread of the launcher reads the controller's status snapshot (the Redis key t
 ``falconext ctl status`` reads) once a second. On a terminal it rewrites one line in
 place (``\\r``); otherwise (a log file, a pipe, the tests) it prints a plain line every
 :data:`EVERY_ITERATIONS` iterations or :data:`EVERY_S` seconds, whichever comes first,
-and when the controller's state or latest event changes, so a log is not flooded. Every
+and when the controller's state or latest event changes (at most every
+:data:`CHANGE_S` seconds), so a log is not flooded. Every
 line starts with ``falconext: progress``: readers of the run's own summary (printed
 by rank 0 at the end) skip them. The line never stops training: a Redis that does not
 answer is a line not printed.
@@ -24,6 +25,8 @@ from falconext.control.messages import MAX_STATUS_BYTES, StatusSnapshot, decode
 EVERY_ITERATIONS = 10
 #: ... or per this many seconds, whichever comes first
 EVERY_S = 5.0
+#: ... and a change of state or latest event at most once per this many seconds
+CHANGE_S = 2.0
 #: how often the snapshot is read
 POLL_S = 1.0
 PREFIX = "falconext: progress"
@@ -107,7 +110,9 @@ class Progress:
             it = min((int(r["iteration"]) for r in snap.ranks.values()), default=-1)
             key = (snap.state, snap.muted, (snap.last_event or {}).get("time"))
             last_it, last_t, last_key = self._last
-            if it < 0 or not (it >= last_it + EVERY_ITERATIONS or now - last_t >= EVERY_S or key != last_key):
+            due = it >= last_it + EVERY_ITERATIONS or now - last_t >= EVERY_S or (
+                key != last_key and now - last_t >= CHANGE_S)
+            if it < 0 or not due:
                 return False
             self.stream.write(line + "\n")
             self._last = (it, now, key)
