@@ -273,6 +273,15 @@ def test_a_job_whose_redis_is_gone(job, tmp_path):
     one_line_error(ctl(run, "status"), 2, "not running")
 
 
+def test_events_follow_stops_when_the_launcher_is_gone(job, tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    run = _copy_run(job, tmp_path, launcher_pid=int(gone.stdout))
+    (run / "events.jsonl").write_text(json.dumps({"time": 1.0, "type": "x"}) + "\n")
+    t0 = time.monotonic()
+    proc = ctl(run, "events", "--follow", "--json")  # no --timeout: ends because the job did
+    assert proc.returncode == 0 and json.loads(proc.stdout)["type"] == "x" and time.monotonic() - t0 < 5
+
+
 def test_an_access_file_others_can_read(job, tmp_path):
     run = _copy_run(job, tmp_path)
     os.chmod(run / ACCESS_FILE, 0o644)

@@ -223,7 +223,7 @@ def format_event(ev: dict[str, Any]) -> str:
 
 def follow_events(directory: str, follow: bool, timeout_s: float | None) -> Iterator[dict[str, Any]]:
     """The run's events; with ``follow``, then new ones until the job ends (its access
-    file says so) or ``timeout_s`` passes."""
+    file says so, or its launcher is gone) or ``timeout_s`` passes."""
     path = os.path.join(directory, "events.jsonl")
     if not os.path.isdir(directory) or not (os.path.exists(path) or os.path.exists(os.path.join(directory, ACCESS_FILE))):
         raise CtlError(f"{directory}: not a falconext run (no events.jsonl)")
@@ -241,9 +241,21 @@ def follow_events(directory: str, follow: bool, timeout_s: float | None) -> Iter
 
 
 def _ended(directory: str) -> bool:
+    """The job is over: its access file says so, is gone, or names a launcher that is no
+    longer alive (a launcher killed outright marks nothing)."""
     try:
         with open(os.path.join(directory, ACCESS_FILE)) as f:
-            return json.load(f).get("ended") is not None
+            info = json.load(f)
+        if info.get("ended") is not None:
+            return True
+        pid = info.get("launcher_pid")
+        if isinstance(pid, int) and pid > 0:
+            os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
     except (OSError, ValueError, AttributeError):
         return True
 
