@@ -219,6 +219,9 @@ def test_bad_plans_are_refused_and_change_nothing(job):
     one_line_error(ctl(run, "force", "s2", "--roles", "0,1"), 2, "does not go with force s2")
     one_line_error(ctl(run, "force", "s3"), 2, "needs --roles")
     one_line_error(ctl(run, "force", "s3", "--roles", "0,1,1,3"), 1, "refused", "permutation")
+    one_line_error(ctl(run, "force", "s4", "--exclude-nodes", "zero"), 2, "whole numbers")
+    one_line_error(ctl(run, "force", "s5"), 2, "invalid choice")
+    one_line_error(ctl(run, "validate", "--wait", "-1"), 2, "--wait must be >= 0")
     assert not read_events(run, "operator_mitigate")
     snap = json.loads(ctl(run, "status", "--json").stdout)
     assert snap["state"] == "tracking" and snap["plan"]["microbatches"] == [4, 4, 4, 4]
