@@ -178,6 +178,8 @@ def steered(tmp_path_factory):
     stdout, _ = proc.communicate(timeout=400)
     op.thread.join(30)
     (out / "stdout.txt").write_text(stdout)
+    (out / "operator.json").write_text(json.dumps(  # what the operator saw, for a failure's reader
+        {k: v for k, v in op.seen.items() if isinstance(v, (dict, str, int, float, type(None)))}, indent=1))
     assert proc.returncode == 0, stdout[-3000:]
     return out, op
 
