@@ -388,3 +388,6 @@ def test_progress_line_rates():
     p = Progress("redis://unused", "j", 95, stream=tty, tty=True)
     assert p.show(snap, 0.0) and p.show(snap, 0.1)  # a terminal: rewritten in place, always
     assert tty.getvalue().count("\r") == 2 and "\n" not in tty.getvalue()
+    last = {r: dict(row, iteration=94) for r, row in snap.ranks.items()}
+    assert p.show(_snapshot(ranks=last), 0.2) and tty.getvalue().endswith("\n")  # ended before the summary
+    assert not p.show(_snapshot(ranks=last), 0.3)

@@ -67,6 +67,7 @@ class Progress:
         self._thread = threading.Thread(target=self._run, name="falcon-progress", daemon=True)
         self._last: tuple[int, float, Any] = (-EVERY_ITERATIONS, 0.0, None)
         self._width = 0
+        self._done = False  # a terminal's line was ended at the last iteration
         self.printed = 0
 
     def start(self) -> "Progress":
@@ -102,12 +103,18 @@ class Progress:
     def show(self, snap: StatusSnapshot, now: float) -> bool:
         """Print the line for ``snap`` if it is due (always on a terminal); True if printed."""
         line = progress_line(snap, self.iters)
+        it = min((int(r["iteration"]) for r in snap.ranks.values()), default=-1)
         if self.tty:
+            if self._done:
+                return False
             pad = max(0, self._width - len(line))
             self.stream.write("\r" + line + " " * pad)
             self._width = len(line)
+            if self.iters and it >= self.iters - 1:
+                # the last iteration: end the line before rank 0 prints the run's summary
+                self.stream.write("\n")
+                self._done, self._width = True, 0
         else:
-            it = min((int(r["iteration"]) for r in snap.ranks.values()), default=-1)
             key = (snap.state, snap.muted, (snap.last_event or {}).get("time"))
             last_it, last_t, last_key = self._last
             due = it >= last_it + EVERY_ITERATIONS or now - last_t >= EVERY_S or (
