@@ -110,8 +110,10 @@ class Progress:
             pad = max(0, self._width - len(line))
             self.stream.write("\r" + line + " " * pad)
             self._width = len(line)
-            if self.iters and it >= self.iters - 1:
-                # the last iteration: end the line before rank 0 prints the run's summary
+            pace = max((float(r["iter_s"]) for r in snap.ranks.values()), default=0.0)
+            if self.iters and it >= 0 and it + (POLL_S / pace if pace > 0 else 0.0) >= self.iters - 1:
+                # the last iteration before the next poll: end the line before rank 0 prints
+                # the run's summary
                 self.stream.write("\n")
                 self._done, self._width = True, 0
         else:
