@@ -391,3 +391,45 @@ def test_progress_line_rates():
     last = {r: dict(row, iteration=94) for r, row in snap.ranks.items()}
     assert p.show(_snapshot(ranks=last), 0.2) and tty.getvalue().endswith("\n")  # ended before the summary
     assert not p.show(_snapshot(ranks=last), 0.3)
+
+
+def test_a_restarted_controller_keeps_mute_and_thresholds(tmp_path):
+    """The supervisor restarts a controller that died: what operators changed survives."""
+    redis = start_redis()
+    run = tmp_path / "run"
+    run.mkdir()
+    write_private_json(str(run / ACCESS_FILE), {"job": "restart", "url": redis.url, "world": 4, "ended": None})
+    cfg = FalconConfig(link_baseline_iteration=0)
+
+    def controller() -> tuple[list[bool], threading.Thread]:
+        stop = [False]
+        t = threading.Thread(target=run_controller, args=(redis.url, "restart", 4, str(run / "events.jsonl"), cfg, stop),
+                             daemon=True)
+        t.start()
+        return stop, t
+
+    def wait(pred, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not pred():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    try:
+        stop, t = controller()
+        wait(lambda: ctl(run, "status").returncode == 0, "a first status")
+        assert ctl(run, "mute").returncode == 0
+        assert ctl(run, "set", "suspend_margin_iterations", "5").returncode == 0
+        stop[0] = True
+        t.join(5)
+        stop, t = controller()
+        wait(lambda: (run / "events.jsonl").exists() and read_events(run, "operator_state_restored"), "a restore")
+        (ev,) = read_events(run, "operator_state_restored")
+        assert ev["muted"] is True and ev["set"] == {"suspend_margin_iterations": 5}
+        time.sleep(1.2)  # the new controller's status round
+        snap = json.loads(ctl(run, "status", "--json").stdout)
+        assert snap["muted"] is True and snap["config"]["suspend_margin_iterations"] == 5
+        assert ctl(run, "unmute").returncode == 0
+        stop[0] = True
+        t.join(5)
+    finally:
+        redis.stop()

@@ -186,3 +186,23 @@ def test_snapshot_shows_ranks_plan_state_and_planner():
     back = decode(encode(snap), max_bytes=1 << 20)
     assert back == snap
     json.dumps(back.ranks)
+
+
+def test_a_restarted_controller_takes_up_the_operators_state():
+    job = _operator_job()
+    op(job, "mute")
+    op(job, "set", name="suspend_margin_iterations", value=6)
+    op(job, "set", name="bocd_threshold", value=0.5)  # refused: not kept
+    state = job.ctl.operator_state()
+    assert state == {"muted": True, "set": {"suspend_margin_iterations": 6}}
+    again = Controller(job.ctl.cfg.replace(suspend_margin_iterations=3), world=4)
+    (ev,) = events(again.restore(json.loads(json.dumps(state))), "operator_state_restored")
+    assert again.muted and again.cfg.suspend_margin_iterations == 6 and again.operator_state() == state
+    assert ev == {"type": "operator_state_restored", "muted": True, "set": {"suspend_margin_iterations": 6}}
+    # what does not check out is left out, and said
+    third = Controller(FalconConfig(), world=4)
+    (ev,) = events(third.restore({"muted": "yes", "set": {"suspend_tries": 0, "nope": 1, "min_slowdown": 0.2}}),
+                   "operator_state_restored")
+    assert not third.muted and third.cfg.min_slowdown == 0.2 and sorted(ev["skipped"]) == ["nope", "suspend_tries"]
+    (bad,) = events(third.restore([1, 2]), "operator_state_refused")
+    assert "not an operator state" in bad["reason"]

@@ -159,6 +159,8 @@ class Controller:
         self.muted = False
         #: fail-slow reports held while muted, by rank (taken up at unmute if still open)
         self._held: dict[int, FailSlowReport] = {}
+        #: thresholds operators set at run time (name -> value), for a restarted controller
+        self._operator_set: dict[str, Any] = {}
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -734,7 +736,29 @@ class Controller:
             return [_event("operator_ignored", reason=str(exc))], ""
         old = getattr(self.cfg, name)
         self.cfg = new
+        self._operator_set[name] = value
         return [_event("threshold_set", name=name, old=old, new=value)], f"{name}: {old!r} -> {value!r}"
+
+    def operator_state(self) -> dict[str, Any]:
+        """What operators changed (mute, thresholds set), as plain JSON data: a controller
+        that is restarted takes it up again with :meth:`restore`."""
+        return {"muted": self.muted, "set": dict(self._operator_set)}
+
+    def restore(self, state: Any) -> list[Output]:
+        """Take up a predecessor's :meth:`operator_state` (checked like the commands were:
+        what does not check out is left out and named in the event)."""
+        if not isinstance(state, dict):
+            return [_event("operator_state_refused", reason=f"not an operator state: {state!r}")]
+        skipped: dict[str, str] = {}
+        settings = state.get("set") if isinstance(state.get("set"), dict) else {}
+        for name, value in settings.items():
+            out, _ = self._set_threshold({"name": name, "value": value})
+            refused = [o.event["reason"] for o in out if o.event.get("type") == "operator_ignored"]
+            if refused:
+                skipped[str(name)] = refused[0]
+        self.muted = state.get("muted") is True
+        return [_event("operator_state_restored", muted=self.muted, set=dict(self._operator_set),
+                       **({"skipped": skipped} if skipped else {}))]
 
     def snapshot(self, now: float, job: str = "", last_event: dict[str, Any] | None = None) -> StatusSnapshot:
         """The job as the controller sees it now (pure: from heartbeats and its own state).

@@ -9,6 +9,7 @@ where any user of the machine could read it. Both loops are thin: the logic is i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -31,13 +32,18 @@ from falconext.control.messages import encode
 
 #: an operator's reply stays this long in Redis (``falconext ctl`` waits less)
 REPLY_TTL_S = 60.0
+#: where the controller keeps what operators changed (mute, thresholds), for a restarted
+#: controller; the job's Redis lives no longer than the job, so the TTL only bounds a leak
+OPERATOR_KEY = "operator"
+OPERATOR_TTL_S = 7 * 24 * 3600.0
 #: routine events that do not count as the "latest event" of the status and progress line
 ROUTINE_EVENTS = {"rank_scores"}
 
 
 def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool]) -> None:
     """The controller's loop: read the ctl stream, step the Controller, post its commands,
-    write its events, answer operators, and publish its status snapshot every
+    write its events, answer operators (what they changed is kept in Redis, and a restarted
+    controller takes it up), and publish its status snapshot every
     ``status_interval_s`` and after every step that produced something (the key lives
     three intervals, at least 3 s, so a dead controller's status vanishes). Prometheus
     metrics when ``metrics_port`` is set (a port that cannot be bound is an event, and
@@ -76,6 +82,16 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
     step = guarded(emit)
     emit("controller_started", pid=os.getpid(), world=world,
          **({"metrics": f"{cfg.metrics_host}:{cfg.metrics_port}"} if server is not None else {}))
+    saved = bus.get(OPERATOR_KEY)  # a predecessor's mute and thresholds (this one was restarted)
+    if saved is not None:
+        try:
+            state = json.loads(saved)
+        except ValueError:
+            state = saved
+        for out in step(ctl.restore, state):
+            ev = dict(out.event)
+            emit(ev.pop("type"), **ev)
+    kept = ctl.operator_state()
     next_beat = next_status = 0.0
     dropped = 0
     try:
@@ -91,6 +107,9 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             while bus.dropped > dropped:
                 dropped += 1
                 emit("message_dropped", where="controller", error=bus.errors[-1] if bus.errors else "")
+            if outputs and ctl.operator_state() != kept:  # saved before any reply says it is done
+                kept = ctl.operator_state()
+                bus.put(OPERATOR_KEY, json.dumps(kept), OPERATOR_TTL_S)
             for out in outputs:
                 if out.kind == "command":
                     bus.post(CMD_STREAM, out.message)
