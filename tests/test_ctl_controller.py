@@ -85,6 +85,7 @@ def test_muted_controller_holds_a_fail_slow_and_takes_it_up_at_unmute():
     (held,) = events(out, "fail_slow_muted")
     assert held["rank"] == 1 and ctl.state is State.TRACKING and ctl.episode is None
     assert not commands(out, "profile")
+    assert ctl.handle(report(1, job.t), job.t) == []  # the same fail-slow again (a ladder update): held once
     job.advance(5)  # tracking goes on: heartbeats are taken
     assert ctl.beats[0].iteration == job.it
     out = op(job, "unmute")

@@ -282,6 +282,8 @@ class Controller:
             return []
         if rep.end is None and self.muted and ep is None:
             self._held[rep.rank] = rep
+            if held is not None and held.event_id == rep.event_id:
+                return []  # a ladder update of a fail-slow already held
             return [_event("fail_slow_muted", rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
                            slowdown=rep.slowdown)]
         if rep.end is not None:
