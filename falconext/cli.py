@@ -16,17 +16,24 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
 from falconext.config import ConfigError, add_config_arguments, config_from_args
-from falconext.detect import METHOD_NAMES, UnknownMethod, detect
-from falconext.detect.evaluate import TraceScore, score_trace, summarize
-from falconext.detect.itertime import iteration_times_by_rank
-from falconext.detect.series_io import read_series
 from falconext.inputs import InputError
 from falconext.testbed.options import add_train_arguments
-from falconext.trace.logfile import read_call_log_lines
 from falconext.trace.records import RecordError
 
+# The detectors (numpy, scipy: half a second) are imported by the subcommands that use
+# them, so that `falconext ctl status` answers quickly.
+
 EXIT_BAD_INPUT = 2
-_USER_ERRORS = (InputError, RecordError, UnknownMethod, ConfigError)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that are the user's input, not a bug (one line, exit 2); a
+    detector's UnknownMethod only where the detectors were imported (nothing else raises it)."""
+    errors: list[type[Exception]] = [InputError, RecordError, ConfigError]
+    detect = sys.modules.get("falconext.detect")
+    if detect is not None:
+        errors.append(detect.UnknownMethod)
+    return tuple(errors)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +44,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _method(value: str) -> str:
+    from falconext.detect import METHOD_NAMES
+
     if value not in METHOD_NAMES:
         raise argparse.ArgumentTypeError(
             f"unknown method {value!r} (choose from {', '.join(METHOD_NAMES)})"
@@ -45,6 +54,8 @@ def _method(value: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``falconext`` command line: every subcommand and its options (``launch`` is
+    parsed apart, as torchrun's command line)."""
     parser = _Parser(prog="falconext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -84,27 +95,63 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="draw a run's figures and report.html (iteration time, scores, plan)")
     p.add_argument("dir", help="a run's folder (--out of falconext train, --falcon-out of falconext launch)")
+    _add_ctl_parser(sub)
     p = sub.add_parser("megatron-patch", help="check or apply falconext's patch to a Megatron-LM checkout")
     p.add_argument("action", choices=("check", "apply"), help="check: report only; apply: patch the checkout")
     p.add_argument("dir", help="the Megatron-LM checkout (holding megatron/core/package_info.py)")
     return parser
 
 
+def _add_ctl_parser(sub) -> None:
+    p = sub.add_parser("ctl", help="see and steer a running job (status, events, validate, force, mute, set)")
+    p.add_argument("--run", required=True, metavar="DIR",
+                   help="the job's run directory (--out of falconext train, --falcon-out of falconext launch)")
+    cs = p.add_subparsers(dest="ctl_command", required=True, parser_class=_Parser)
+    q = cs.add_parser("status", help="job shape, per-rank times and scores, controller state, plan, planner")
+    q.add_argument("--json", action="store_true", help="the controller's snapshot as JSON")
+    q = cs.add_parser("events", help="the run's events (human-readable; --json: one JSON object a line)")
+    q.add_argument("--follow", action="store_true", help="keep printing new events until the job ends")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--timeout", type=float, default=None, help="stop following after this many seconds")
+    q = cs.add_parser("validate", help="run the GEMM and P2P validation now and print the verdicts")
+    q.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the verdict (0: do not wait)")
+    q = cs.add_parser("force", help="apply a mitigation now: s2 --plan, s3 --roles, s4 [--exclude-nodes]")
+    q.add_argument("strategy", choices=("s2", "s3", "s4"))
+    q.add_argument("--plan", help="s2: micro-batches per DP replica, e.g. 3,5,4,4 (default: the balanced plan)")
+    q.add_argument("--roles", help="s3: the torch rank each process plays, a permutation, e.g. 0,2,1,3")
+    q.add_argument("--exclude-nodes", help="s4: nodes to restart without, e.g. 0")
+    q.add_argument("--wait", type=float, default=60.0, help="seconds to wait until it is applied (0: do not wait)")
+    q = cs.add_parser("revert", help="back to the even micro-batch plan")
+    q.add_argument("--wait", type=float, default=60.0, help="seconds to wait until it is applied (0: do not wait)")
+    cs.add_parser("mute", help="detection and mitigation off (tracking keeps running)")
+    cs.add_parser("unmute", help="detection and mitigation on again")
+    q = cs.add_parser("set", help="set a controller threshold (a FalconConfig field) at run time")
+    q.add_argument("name")
+    q.add_argument("value")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``falconext`` subcommand; returns its exit status (2 with one line on
+    stderr for the user's bad input, never a traceback for it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:  # torchrun's command line, taken whole (see falconext.megatron_lm.launcher)
         return _cmd_launch(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except _USER_ERRORS as exc:
-        print(f"falconext {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except BrokenPipeError:  # `falconext ... | head`
         return 0
+    except Exception as exc:
+        if not isinstance(exc, _user_errors()):
+            raise
+        print(f"falconext {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def _cmd_detect(args: argparse.Namespace) -> int:
+    from falconext.detect import detect
+    from falconext.detect.series_io import read_series
+
     cfg = config_from_args(args)
     data = read_series(args.file)
     if data.format == "jsonl" or any(s.id is not None for s in data.series):
@@ -120,6 +167,9 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 
 def _cmd_period(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    from falconext.detect.itertime import iteration_times_by_rank
+    from falconext.trace.logfile import read_call_log_lines
+
     records, lines = read_call_log_lines(args.log)
     counts = Counter(r.rank for r in records)
     first_line: dict[int, int] = {}
@@ -146,13 +196,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.tolerance < 0:
         raise InputError(f"--tolerance must be >= 0, got {args.tolerance}")
+    from falconext.detect import METHODS
+    from falconext.detect.evaluate import summarize
+    from falconext.detect.series_io import read_series
+
     data = read_series(args.traces)
     if data.format != "jsonl":
         raise InputError(f"{args.traces}: eval-detect needs JSONL lines with id, iter_times and events (got {data.format})")
     unlabelled = [s.id for s in data.series if s.labels is None]
     if unlabelled:
         raise InputError(f"{args.traces}: every line needs 'events' labels (missing on id {unlabelled[0]!r})")
-    methods = args.method or list(METHOD_NAMES)
+    methods = args.method or list(METHODS)
     groups = sorted({s.kind for s in data.series if s.kind})
     report: dict[str, dict] = {}
     jobs = [(s.iter_times, m, cfg, s.labels or [], args.tolerance) for m in methods for s in data.series]
@@ -172,7 +226,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _score_one(job: tuple) -> TraceScore:
+def _score_one(job: tuple) -> "TraceScore":  # noqa: F821 - falconext.detect.evaluate's
+    from falconext.detect import detect
+    from falconext.detect.evaluate import score_trace
+
     times, method, cfg, labels, tolerance = job
     return score_trace(detect(times, method, cfg), labels, tolerance)
 
@@ -227,7 +284,9 @@ def _cmd_launch(argv: list[str]) -> int:
         return 0
     try:
         return launch(argv)
-    except _USER_ERRORS as exc:
+    except Exception as exc:
+        if not isinstance(exc, _user_errors()):
+            raise
         print(f"falconext launch: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
@@ -243,6 +302,91 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     print(write_report(args.dir))
     return 0
+
+
+def _cmd_ctl(args: argparse.Namespace) -> int:
+    """``falconext ctl``: 0 done, 1 refused by the controller or failed in the job, 2 bad
+    input or a job that cannot be reached (one line on stderr either way)."""
+    from falconext.control import ctl
+
+    wait = getattr(args, "wait", None) or 0.0
+    if wait < 0:
+        raise InputError(f"--wait must be >= 0, got {wait}")
+    cmd = args.ctl_command
+    if cmd == "events":
+        for ev in ctl.follow_events(args.run, args.follow, args.timeout):
+            print(json.dumps(ev) if args.json else ctl.format_event(ev), flush=True)
+        return 0
+    run = ctl.open_run(args.run)
+    if cmd == "set":
+        from falconext.config import field_value
+
+        value = field_value(args.name, args.value)  # ConfigError: exit 2, nothing sent
+        args_out: dict = {"name": args.name, "value": value}
+    elif cmd == "force":
+        strategy = args.strategy.upper()
+        args_out = {"strategy": strategy}
+        given = {"s2": "plan", "s3": "roles", "s4": "exclude_nodes"}[args.strategy]
+        for opt in ("plan", "roles", "exclude_nodes"):
+            if getattr(args, opt) is not None and opt != given:
+                raise InputError(f"--{opt.replace('_', '-')} does not go with force {args.strategy}")
+        if args.plan is not None:
+            args_out["plan"] = ctl.parse_counts(args.plan, "--plan")
+        if args.roles is not None:
+            args_out["roles"] = ctl.parse_counts(args.roles, "--roles")
+        elif strategy == "S3":
+            raise InputError("force s3 needs --roles (the torch rank each process plays)")
+        if args.exclude_nodes is not None:
+            args_out["exclude_nodes"] = ctl.parse_counts(args.exclude_nodes, "--exclude-nodes")
+    elif cmd == "revert":
+        args_out = {"strategy": "revert"}
+    else:
+        args_out = {}
+    session = ctl.Session(run)
+    try:
+        if cmd == "status":
+            snap = session.status()
+            if args.json:
+                import dataclasses
+
+                print(json.dumps(dataclasses.asdict(snap)))
+            else:
+                print(ctl.format_status(snap))
+            return 0
+        kind = {"force": "mitigate", "revert": "mitigate"}.get(cmd, cmd)
+        tail = ctl.EventTail(run.events_path, from_end=True)
+        try:
+            rep = session.send(kind, args_out)
+        except ctl.Refused as exc:
+            print(f"falconext ctl {cmd}: {exc}", file=sys.stderr)
+            return 1
+        print(rep.text, flush=True)
+        if cmd == "validate" and wait > 0:
+            ev = tail.wait_for(lambda e: (e.get("type") == "localized" and e.get("evidence", {}).get("session", -1) >= rep.session)
+                               or (e.get("type") == "localization_failed" and e.get("session", -1) >= rep.session), wait)
+            if ev is None:
+                print(f"falconext ctl validate: no verdict within {wait:g} s", file=sys.stderr)
+                return 1
+            if ev["type"] == "localization_failed":
+                print(f"falconext ctl validate: failed: {ev.get('reason')}", file=sys.stderr)
+                return 1
+            gflops = ev.get("evidence", {}).get("gemm_gflops", {})
+            print(f"slow GPUs {ev['gpus']}, slow links {ev['links']}; GEMM GFLOP/s {json.dumps(gflops)}")
+        elif kind == "mitigate" and wait > 0:
+            ev = tail.wait_for(lambda e: e.get("type") in ("mitigation", "mitigation_failed")
+                               and e.get("session", -1) >= rep.session, wait)
+            if ev is None:
+                print(f"falconext ctl {cmd}: not applied within {wait:g} s", file=sys.stderr)
+                return 1
+            if ev["type"] == "mitigation_failed":
+                print(f"falconext ctl {cmd}: failed: {ev.get('reason')}", file=sys.stderr)
+                return 1
+            what = {k: ev[k] for k in ("plan", "roles", "exclude_nodes") if k in ev}
+            print(f"{ev['strategy']} applied from iteration {ev['iteration']} (paused {ev.get('pause_s')} s) "
+                  f"{json.dumps(what)}")
+        return 0
+    finally:
+        session.close()
 
 
 def _cmd_megatron_patch(args: argparse.Namespace) -> int:
@@ -262,6 +406,7 @@ _COMMANDS = {
     "experiment": _cmd_experiment,
     "megatron-patch": _cmd_megatron_patch,
     "report": _cmd_report,
+    "ctl": _cmd_ctl,
 }
 
 

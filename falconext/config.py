@@ -166,6 +166,12 @@ class FalconConfig:
     #: heartbeats kept per rank (at one per heartbeat_s, longer than detection takes from
     #: a fail-slow's onset to planning): S3 reads each process's compute before the onset
     heartbeat_history: int = 64
+    #: the controller serves Prometheus metrics on this TCP port (0: off) ...
+    metrics_port: int = 0
+    #: ... bound to this address (loopback unless an operator widens it)
+    metrics_host: str = "127.0.0.1"
+    #: the controller publishes its status snapshot (``falconext ctl status``) this often
+    status_interval_s: float = 1.0
 
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
@@ -273,6 +279,9 @@ class FalconConfig:
         _check(self.control_slack_s >= 0.0, "control_slack_s must be >= 0")
         _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")
         _check(self.restart_probe_bytes >= 4096, "restart_probe_bytes must be >= 4096")
+        _check(0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]")
+        _check(bool(self.metrics_host.strip()), "metrics_host must not be empty")
+        _check(0.0 < self.status_interval_s <= 1.0, "status_interval_s must be in (0, 1]")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
         _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")
@@ -373,6 +382,39 @@ def parse_microbatches(text: str) -> list[int] | None:
             )
         counts.append(int(part))
     return counts
+
+
+def field_value(name: str, value: Any) -> Any:
+    """``value`` as FalconConfig field ``name``'s type, or ConfigError naming the problem.
+
+    A string is parsed the way ``--falcon-<name>`` parses it (``falconext ctl set``); any
+    other value must already be of the field's type (JSON from the control plane: an
+    integer is accepted for a float field, a bool never for a number). Ranges are not
+    checked here: a config built with the value checks them (``FalconConfig.replace``).
+    """
+    defaults = FalconConfig()
+    if name not in {f.name for f in fields(FalconConfig)}:
+        raise ConfigError(f"unknown threshold {name!r} (a FalconConfig field, e.g. min_slowdown)")
+    kind = type(getattr(defaults, name))
+    if isinstance(value, str) and kind is not str:
+        try:
+            value = _parse_bool(value) if kind is bool else kind(value.strip())
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ConfigError(f"{name} takes a {kind.__name__}, got {value!r}") from None
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"{name} takes a {kind.__name__}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite, got {value!r}")
+    return value
 
 
 def _check(ok: bool, message: str) -> None:

@@ -189,6 +189,21 @@ class Bus:
         px = max(1, round(ttl_s * 1000))
         return bool(self._call(f"beat {name}", lambda: self._client.set(key, f"{time.time():.3f}", px=px), False))
 
+    def put(self, name: str, value: str, ttl_s: float) -> bool:
+        """Set key ``name`` to ``value`` for ``ttl_s`` seconds (a status snapshot, an
+        operator's reply); False when Redis is unreachable or refuses."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        key = self.key(name)
+        px = max(1, round(ttl_s * 1000))
+        return bool(self._call(f"put {name}", lambda: self._client.set(key, value, px=px), False))
+
+    def get(self, name: str) -> str | None:
+        """Key ``name``'s value; None when it is not set or Redis cannot say."""
+        key = self.key(name)
+        value = self._call(f"get {name}", lambda: self._client.get(key), None)
+        return None if value is None else _text(value)
+
     def alive(self, name: str) -> bool | None:
         """Whether ``name``'s last beat is still within its TTL; None when Redis cannot say."""
         key = self.key(name)

@@ -29,6 +29,13 @@ CMD_STREAM = "cmd"
 CTL_STREAM = "ctl"
 LOCALIZED_STREAM = "localized"
 CONTROLLER_KEY = "controller"
+#: the controller's latest StatusSnapshot (``falconext ctl status``, the progress line)
+STATUS_KEY = "status"
+
+
+def reply_key(command_id: str) -> str:
+    """Where the controller leaves its CommandReply to the operator command ``command_id``."""
+    return f"reply:{command_id}"
 
 
 def node_stream(node: int) -> str:

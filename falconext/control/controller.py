@@ -22,6 +22,16 @@ comes, a deadline) is tested without Redis. :func:`main` is the thin process aro
 One episode per fail-slow: reports from the other ranks, and ladder updates, join the
 episode rather than start new ones; the episode closes when every rank that reported
 it has reported its end, and only then can a new one start.
+
+Operators (``falconext ctl``) send :data:`OPERATOR_COMMANDS`: validate now, apply or
+revert a mitigation, mute and unmute, set a threshold. Every one is an
+``operator_command`` event naming the command, its arguments, the time and whether it
+was accepted (a refusal says why), and, when the command carries an ``id``, a
+:class:`CommandReply`. While muted, the controller keeps tracking (heartbeats, scores,
+status) but starts no episode on a fail-slow report (``fail_slow_muted``: it is held, and
+taken up at ``unmute`` if the rank has not reported its end meanwhile) and its planner
+neither observes nor decides. :meth:`Controller.snapshot` is the job as the controller
+sees it (``ctl status``, the metrics, the launcher's progress line).
 """
 
 from __future__ import annotations
@@ -34,16 +44,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from falconext.config import FalconConfig
+from falconext.config import ConfigError, FalconConfig, field_value
 from falconext.control.messages import (
     MAX_MESSAGE_BYTES,
     Command,
+    CommandReply,
     FailSlowReport,
     Heartbeat,
     Localized,
     NodeHealth,
     ProfileData,
     SessionAck,
+    StatusSnapshot,
     ValidationResult,
     encode,
 )
@@ -57,12 +69,28 @@ from falconext.mitigate.mitigation import (
     straggler_recovered,
 )
 from falconext.mitigate.microbatch import plan_microbatches
-from falconext.mitigate.planner import Decision, Planner
+from falconext.mitigate.planner import Decision, Planner, slowdown_removed
 from falconext.detect.scores import RankSample, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import validation_plan
 from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
+
+#: the commands an operator may send the controller (``falconext ctl``)
+OPERATOR_COMMANDS = ("validate", "mitigate", "mute", "unmute", "set")
+
+#: the thresholds the controller itself decides with, which ``ctl set`` changes at run time
+#: (the next decision uses the new value); the others are read by the ranks' detectors or
+#: by the processes when they start, and ``ctl set`` refuses them rather than pretend
+RUNTIME_SETTABLE = frozenset({
+    "profile_window_s", "profile_timeout_s", "profile_min_bytes", "suspicious_factor", "wait_causer_share",
+    "wait_causer_dominance", "score_interval_s", "episode_timeout_s", "suspend_tries", "control_slack_s",
+    "suspend_margin_iterations", "suspend_deadline_s", "validation_slow_factor", "validation_min_link_excess_s",
+    "gemm_size", "gemm_repeats", "gemm_concurrency", "validation_sweeps", "p2p_concurrency", "p2p_bytes",
+    "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
+    "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
+    "max_microbatches_per_replica", "min_slowdown", "status_interval_s",
+})
 
 
 class State(str, Enum):
@@ -78,7 +106,7 @@ class State(str, Enum):
 class Output:
     """Something the I/O loop must do: post a message, or write an event."""
 
-    kind: str  # "command" | "localized" | "event"
+    kind: str  # "command" | "localized" | "event" | "reply" (a CommandReply for the operator)
     message: Any = None
     event: dict[str, Any] = field(default_factory=dict)
 
@@ -97,6 +125,8 @@ class _Episode:
     first_end_t: float | None = None
     #: since when every rank's heartbeat reads healthy again (None: not now)
     healthy_since: float | None = None
+    #: the slow iteration times the reports measured (baseline x slowdown)
+    slow_levels: list[float] = field(default_factory=list)
 
 
 class Controller:
@@ -135,6 +165,12 @@ class Controller:
         self._first_beat: dict[int, int] = {}  # rank -> iteration of its first heartbeat seen
         self._past_baseline: set[int] = set()  # ranks seen at or past link_baseline_iteration
         self._next_scores = -math.inf  # when the next rank_scores event is due
+        #: operator's mute: no new episode, no planner decision (tracking goes on)
+        self.muted = False
+        #: fail-slow reports held while muted, by rank (taken up at unmute if still open)
+        self._held: dict[int, FailSlowReport] = {}
+        #: thresholds operators set at run time (name -> value), for a restarted controller
+        self._operator_set: dict[str, Any] = {}
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -158,12 +194,8 @@ class Controller:
             return self._observe(msg, now) + self._maybe_baseline(msg, now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
-        if isinstance(msg, Command) and msg.kind == "validate":
-            if self.state is not State.TRACKING:
-                return [_event("operator_ignored", reason=f"busy ({self.state.value})")]
-            return self._start("operator", now)
-        if isinstance(msg, Command) and msg.kind == "mitigate":
-            return self._operator_mitigate(msg, now)
+        if isinstance(msg, Command) and msg.kind in OPERATOR_COMMANDS:
+            return self._operator(msg, now)
         if isinstance(msg, ProfileData) and self.state is State.PROFILING and msg.session == self.session:
             self._profiles[msg.rank] = msg
             if set(self._profiles) >= self.ranks():
@@ -261,6 +293,16 @@ class Controller:
 
     def _on_report(self, rep: FailSlowReport, now: float) -> list[Output]:
         ep = self.episode
+        held = self._held.get(rep.rank)
+        if rep.end is not None and held is not None and held.event_id == rep.event_id:
+            del self._held[rep.rank]  # over while muted: nothing to take up
+            return []
+        if rep.end is None and self.muted and ep is None:
+            self._held[rep.rank] = rep
+            if held is not None and held.event_id == rep.event_id:
+                return []  # a ladder update of a fail-slow already held
+            return [_event("fail_slow_muted", rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
+                           slowdown=rep.slowdown)]
         if rep.end is not None:
             if ep is not None and ep.reporters.get(rep.rank) == rep.event_id:
                 ep.ended.add(rep.rank)
@@ -273,6 +315,7 @@ class Controller:
             if rep.rank not in ep.reporters:
                 ep.onsets.append(rep.onset)
                 ep.baselines.append(rep.baseline_s)
+                ep.slow_levels.append(rep.baseline_s * rep.slowdown)
             ep.reporters.setdefault(rep.rank, rep.event_id)
             return []
         out = self._start("fail_slow", rep.time, now)
@@ -280,6 +323,7 @@ class Controller:
         self.episode.reporters[rep.rank] = rep.event_id
         self.episode.onsets.append(rep.onset)
         self.episode.baselines.append(rep.baseline_s)
+        self.episode.slow_levels.append(rep.baseline_s * rep.slowdown)
         return out
 
     def _start(self, trigger: str, t_event: float, now: float | None = None) -> list[Output]:
@@ -390,7 +434,7 @@ class Controller:
             iteration=self._iteration,
             args={"session": self.session, "plan": plan},
         )
-        change = [] if self.state is state else [self._set(state, now, iteration=self._iteration)]
+        change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
         return change + [Output("command", cmd)]
 
     def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:
@@ -473,7 +517,10 @@ class Controller:
         ]
         self._deadline = math.inf
         if ep is not None and ep.trigger == "fail_slow" and (gpus or links) and self.cfg.mitigation:
-            out += self._plan_mitigation(ep, loc, now)
+            if self.muted:
+                out.append(_event("mitigation_skipped", session=self.session, reason="muted by the operator"))
+            else:
+                out += self._plan_mitigation(ep, loc, now)
         return out + self._maybe_close()
 
     # --- mitigation -------------------------------------------------------------------
@@ -533,7 +580,7 @@ class Controller:
         """Feed the planner one observation per loop iteration (from one rank)."""
         ep = self.episode
         mit = ep.mitigation if ep is not None else None
-        if mit is None or mit.planner.finished or beat.rank != min(self.beats):
+        if self.muted or mit is None or mit.planner.finished or beat.rank != min(self.beats):
             return []
         planner = mit.planner
         status = planner.status()
@@ -648,6 +695,157 @@ class Controller:
         elif mit is not None and mit.planner.finished:
             out += self._maybe_close()
         return out
+
+    # --- operators (falconext ctl) ---------------------------------------------------
+
+    def _operator(self, cmd: Command, now: float) -> list[Output]:
+        """One operator command: do it or refuse it, record it as an ``operator_command``
+        event (command, arguments, time, accepted or the reason it was refused) and, when
+        it carries an ``id``, answer with a CommandReply."""
+        cid = cmd.args.get("id")
+        args = {k: v for k, v in cmd.args.items() if k != "id"}
+        text = ""
+        if cmd.kind == "validate":
+            if self.state is not State.TRACKING:
+                out = [_event("operator_ignored", reason=f"busy ({self.state.value})")]
+            else:
+                out = self._start("operator", now)
+                text = f"validation started (session {self.session})"
+        elif cmd.kind == "mitigate":
+            out = self._operator_mitigate(cmd, now)
+            text = (f"{args.get('strategy')} applies after the suspension at iteration {self._iteration} "
+                    f"(session {self.session})")
+        elif cmd.kind == "mute":
+            text = "already muted" if self.muted else "muted: fail-slow reports are held, the planner waits"
+            out = [] if self.muted else [_event("muted")]
+            self.muted = True
+        elif cmd.kind == "unmute":
+            out, text = self._unmute(now)
+        else:
+            out, text = self._set_threshold(args)
+        refused = next((o.event.get("reason") for o in out
+                        if o.kind == "event" and o.event.get("type") == "operator_ignored"), None)
+        record = _event("operator_command", command=cmd.kind, args=args, at=round(now, 3),
+                        accepted=refused is None, **({"reason": refused} if refused is not None else {}),
+                        **({"id": cid} if isinstance(cid, str) else {}))
+        out = [record] + out
+        if isinstance(cid, str) and cid:
+            reply = CommandReply(cid, cmd.kind, refused is None, str(refused) if refused is not None else text, now,
+                                 self.session)
+            out.append(Output("reply", reply))
+        return out
+
+    def _unmute(self, now: float) -> tuple[list[Output], str]:
+        """Detection and mitigation on again; fail-slows held meanwhile, and not over, are
+        taken up now (the first starts an episode, the others join it)."""
+        if not self.muted:
+            return [], "not muted"
+        self.muted = False
+        held = sorted(self._held.values(), key=lambda r: (r.time, r.rank))
+        self._held.clear()
+        out = [_event("unmuted", held=[r.rank for r in held])]
+        for rep in held:
+            out += self._on_report(dataclasses.replace(rep, time=now), now)
+        text = "unmuted" + (f"; fail-slow reports of ranks {[r.rank for r in held]} taken up" if held else "")
+        return out, text
+
+    def _set_threshold(self, args: dict[str, Any]) -> tuple[list[Output], str]:
+        """``set``: one of :data:`RUNTIME_SETTABLE` to a value of its type, checked by the
+        config itself; the next decision uses it."""
+        name, value = args.get("name"), args.get("value")
+        if not isinstance(name, str):
+            return [_event("operator_ignored", reason=f"set needs a threshold name, got {name!r}")], ""
+        try:
+            value = field_value(name, value)
+            if name not in RUNTIME_SETTABLE:
+                raise ConfigError(f"{name} is read by the ranks or at start-up, not by the controller's decisions; "
+                                  "set it with --falcon-" + name.replace("_", "-") + " when the job starts")
+            new = self.cfg.replace(**{name: value})
+        except ConfigError as exc:
+            return [_event("operator_ignored", reason=str(exc))], ""
+        old = getattr(self.cfg, name)
+        self.cfg = new
+        self._operator_set[name] = value
+        return [_event("threshold_set", name=name, old=old, new=value)], f"{name}: {old!r} -> {value!r}"
+
+    def operator_state(self) -> dict[str, Any]:
+        """What operators changed (mute, thresholds set), as plain JSON data: a controller
+        that is restarted takes it up again with :meth:`restore`."""
+        return {"muted": self.muted, "set": dict(self._operator_set)}
+
+    def restore(self, state: Any) -> list[Output]:
+        """Take up a predecessor's :meth:`operator_state` (checked like the commands were:
+        what does not check out is left out and named in the event)."""
+        if not isinstance(state, dict):
+            return [_event("operator_state_refused", reason=f"not an operator state: {state!r}")]
+        skipped: dict[str, str] = {}
+        settings = state.get("set") if isinstance(state.get("set"), dict) else {}
+        for name, value in settings.items():
+            out, _ = self._set_threshold({"name": name, "value": value})
+            refused = [o.event["reason"] for o in out if o.event.get("type") == "operator_ignored"]
+            if refused:
+                skipped[str(name)] = refused[0]
+        self.muted = state.get("muted") is True
+        return [_event("operator_state_restored", muted=self.muted, set=dict(self._operator_set),
+                       **({"skipped": skipped} if skipped else {}))]
+
+    def snapshot(self, now: float, job: str = "", last_event: dict[str, Any] | None = None) -> StatusSnapshot:
+        """The job as the controller sees it now (pure: from heartbeats and its own state).
+
+        Per rank: its latest heartbeat (node, loop iteration and iteration time, the
+        estimate from calls, replica, micro-batches, role) with its straggler score
+        against its peers and the heartbeat's age. The plan in force is read from the
+        heartbeats: what the ranks run, not what was asked.
+        """
+        beats = dict(sorted(self.beats.items()))
+        scored = {r: b for r, b in beats.items() if b.score_iteration >= 0}
+        scores = rank_scores({r: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for r, b in scored.items()},
+                             {r: role_key(b.stage, b.role, b.tp) for r, b in scored.items()}) if len(scored) >= 2 else {}
+        ranks: dict[str, dict[str, Any]] = {}
+        for r, b in beats.items():
+            sc = scores.get(r)
+            ranks[str(r)] = {
+                "node": b.node, "iteration": b.iteration, "iter_s": round(b.iter_s, 6),
+                "est_iter_s": round(b.est_iter_s, 6), "score_iteration": b.score_iteration,
+                "score": None if sc is None else round(sc.score, 4),
+                "late_s": None if sc is None else round(sc.late_s, 6),
+                "compute_ratio": None if sc is None else round(sc.compute_ratio, 4),
+                "replica": b.replica, "micro": b.micro, "role": b.role, "stage": b.stage,
+                "age_s": round(max(0.0, now - b.time), 3),
+            }
+        view = replica_view(beats.values())
+        any_beat = next(iter(beats.values()), None)
+        tp = any_beat.tp if any_beat is not None else 0
+        pp = any_beat.pp if any_beat is not None else 0
+        world = self.world if self.world is not None else len(beats)
+        plan = {
+            "tp": tp, "pp": pp, "dp": world // (tp * pp) if tp > 0 and pp > 0 else None,
+            "nodes": len({b.node for b in beats.values()}),
+            "microbatches": None if view is None else list(view.plan),
+            "even": None if view is None else view.plan == [view.total // len(view.plan)] * len(view.plan),
+            "roles": [b.role for b in beats.values()] if beats and all(b.role >= 0 for b in beats.values()) else None,
+        }
+        episode = planner = None
+        ep = self.episode
+        if ep is not None:
+            episode = {"trigger": ep.trigger, "t_event": round(ep.t_event, 3), "reporters": sorted(ep.reporters),
+                       "ended": sorted(ep.ended), "localized": ep.localized,
+                       "onset": min(ep.onsets) if ep.onsets else None}
+            mit = ep.mitigation
+            if mit is not None:
+                planner = dict(mit.planner.status(), gpus=mit.gpus, links=mit.links, applied=list(mit.applied))
+                removed = None
+                job_s = max((b.iter_s for b in beats.values()), default=0.0)
+                if mit.applied and ep.slow_levels and job_s > 0:
+                    slow = sorted(ep.slow_levels)[len(ep.slow_levels) // 2]
+                    removed = slowdown_removed(mit.planner.status()["healthy_s"], slow, job_s)
+                planner["slowdown_removed"] = None if removed is None else round(removed, 4)
+        defaults = FalconConfig().to_dict()
+        config = {k: v for k, v in self.cfg.to_dict().items() if v != defaults[k]}
+        return StatusSnapshot(
+            time=now, job=job, world=world, state=self.state.value, session=self.session, muted=self.muted,
+            ranks=ranks, plan=plan, episode=episode, planner=planner, config=config, last_event=last_event,
+        )
 
     def _operator_mitigate(self, cmd: Command, now: float) -> list[Output]:
         """An operator's override: apply S2 (a given plan, or the balanced one), S4, or revert."""

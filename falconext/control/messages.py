@@ -171,8 +171,11 @@ class Command:
     kinds: ``profile`` (send ProfileData; args: session, window_s), ``suspend`` (trap
     at loop iteration ``iteration``, at most ``deadline_s``; args: session, plan; a
     plan may carry an ``action`` to apply from the next iteration), ``go`` and
-    ``release`` (args: session), and from an operator ``validate`` or ``mitigate``
-    (args: strategy S2|S4|revert, optional plan).
+    ``release`` (args: session), and from an operator (``falconext ctl``): ``validate``,
+    ``mitigate`` (args: strategy S2|S3|S4|revert, optional plan, roles or
+    exclude_nodes), ``mute``, ``unmute`` and ``set`` (args: name, value). An operator's
+    command may carry ``args["id"]``: the controller then answers with a
+    :class:`CommandReply` of that id.
     """
 
     kind: str
@@ -181,9 +184,54 @@ class Command:
     args: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CommandReply:
+    """Controller -> operator: what became of the operator command ``id``.
+
+    ``ok`` false means refused, and ``text`` says why; true means accepted (an action
+    then runs through the usual suspension: its outcome is a later event). ``session``
+    is the controller's session after the command (an action's suspension has it).
+    """
+
+    id: str
+    command: str
+    ok: bool
+    text: str
+    time: float
+    session: int = 0
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """Controller -> operators, tools and the launcher's progress line: the job as the
+    controller sees it, published every ``status_interval_s`` (``falconext ctl status``).
+
+    ``ranks[str(rank)]``: node, iteration, iter_s (loop), est_iter_s (from calls),
+    score, late_s, compute_ratio, replica, micro, role, stage, age_s (of its heartbeat).
+    ``plan``: micro-batches per DP replica and roles per process in force. ``episode``
+    and ``planner``: the fail-slow in hand and what the planner has done and would do
+    next (None: none). ``config``: the thresholds changed at run time or on the command
+    line (name -> value). ``last_event``: the latest event the controller wrote.
+    """
+
+    time: float
+    job: str
+    world: int
+    state: str
+    session: int
+    muted: bool
+    ranks: dict[str, dict[str, Any]]
+    plan: dict[str, Any]
+    episode: dict[str, Any] | None = None
+    planner: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    last_event: dict[str, Any] | None = None
+
+
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult, NodeHealth, Localized, Command)
+    for cls in (FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult, NodeHealth, Localized, Command,
+                CommandReply, StatusSnapshot)
 }
 
 
@@ -206,17 +254,22 @@ def _schema(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
     return {f.name: f for f in fields(cls)}, typing.get_type_hints(cls)
 
 
-def decode(data: str | bytes, accept: set[str] | None = None) -> Any:
-    """Parse one message; ``accept`` limits the types this receiver handles."""
+#: a status snapshot lists every rank: it is stored in a key, not a stream, and may be larger
+MAX_STATUS_BYTES = 8 * 1024 * 1024
+
+
+def decode(data: str | bytes, accept: set[str] | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
+    """Parse one message; ``accept`` limits the types this receiver handles; ``max_bytes``
+    bounds its size (only a status snapshot's reader raises it)."""
     if isinstance(data, bytes):
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        if len(data) > max_bytes:
+            raise MessageError(f"message of {len(data)} bytes exceeds {max_bytes}")
         try:
             data = data.decode("utf-8")
         except UnicodeDecodeError:
             raise MessageError("message is not UTF-8") from None
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise MessageError(f"message of {len(data)} characters exceeds {MAX_MESSAGE_BYTES}")
+    if len(data) > max_bytes:
+        raise MessageError(f"message of {len(data)} characters exceeds {max_bytes}")
     try:
         obj = json.loads(data, parse_constant=_no_constant)
     except (json.JSONDecodeError, MessageError) as exc:

@@ -8,6 +8,11 @@ are child processes that get the URL through the environment; a supervisor threa
 restarts whichever dies (the ranks log the loss and keep training meanwhile), so a
 crash costs seconds of control, never the job. ``control.json`` in the run directory
 lists the processes (not the password) for operators and tests.
+
+``access.json`` (:data:`ACCESS_FILE`), readable by its owner only (mode 0600), is how
+``falconext ctl`` finds the running job: the job's name and the Redis URL with its
+password. It is written when the plane starts and, when it stops, rewritten without
+the URL and with ``ended`` set.
 """
 
 from __future__ import annotations
@@ -26,6 +31,21 @@ from falconext.control.client import JOB_ENV, REDIS_URL_ENV
 
 #: restarts per process before the supervisor gives up on it
 MAX_RESTARTS = 5
+#: the run directory's file for operators (``falconext ctl``): job, Redis URL, mode 0600
+ACCESS_FILE = "access.json"
+
+
+def write_private_json(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` readable and writable by the owner only (0600), whatever
+    the umask, replacing any older file atomically."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, json.dumps(data, indent=2).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 class ControlPlane:
@@ -56,6 +76,7 @@ class ControlPlane:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name="falcon-supervisor", daemon=True)
         self._lock = threading.Lock()
+        self._started = time.time()
 
     def env(self) -> dict[str, str]:
         """What the ranks need to join (the URL stays out of their command lines)."""
@@ -72,8 +93,17 @@ class ControlPlane:
         for n in range(self.nodes):
             self._spawn(f"agent{n}")
         self._write()
+        self._write_access(ended=None)
         self._thread.start()
         return self
+
+    def _write_access(self, ended: float | None) -> None:
+        """``access.json``: what ``falconext ctl`` needs (the URL only while running)."""
+        info: dict[str, Any] = {"job": self.job, "world": self.world, "nodes": self.nodes,
+                                "launcher_pid": os.getpid(), "started": self._started, "ended": ended}
+        if ended is None:
+            info["url"] = self.url
+        write_private_json(os.path.join(self.out, ACCESS_FILE), info)
 
     def _argv(self, name: str) -> list[str]:
         base = [sys.executable, "-m", "falconext.control.service"]
@@ -143,6 +173,8 @@ class ControlPlane:
                     proc.kill()
         if self.redis is not None:
             self.redis.stop()
+        if os.path.exists(os.path.join(self.out, ACCESS_FILE)):
+            self._write_access(ended=time.time())
 
     def __enter__(self) -> "ControlPlane":
         return self.start()

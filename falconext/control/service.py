@@ -9,6 +9,7 @@ where any user of the machine could read it. Both loops are thin: the logic is i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -17,68 +18,138 @@ import time
 
 from falconext.config import add_config_arguments, config_from_args
 from falconext.control.bus import Bus
-from falconext.control.client import CMD_STREAM, CONTROLLER_KEY, CTL_STREAM, LOCALIZED_STREAM, REDIS_URL_ENV
+from falconext.control.client import (
+    CMD_STREAM,
+    CONTROLLER_KEY,
+    CTL_STREAM,
+    LOCALIZED_STREAM,
+    REDIS_URL_ENV,
+    STATUS_KEY,
+    reply_key,
+)
 from falconext.control.controller import Controller
 from falconext.control.eventlog import EventLog
+from falconext.control.messages import MessageError, encode
+
+#: an operator's reply stays this long in Redis (``falconext ctl`` waits less)
+REPLY_TTL_S = 60.0
+#: where the controller keeps what operators changed (mute, thresholds), for a restarted
+#: controller; the job's Redis lives no longer than the job, so the TTL only bounds a leak
+OPERATOR_KEY = "operator"
+OPERATOR_TTL_S = 7 * 24 * 3600.0
+#: routine events that do not count as the "latest event" of the status and progress line
+ROUTINE_EVENTS = {"rank_scores"}
 
 
 def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool]) -> None:
-    """Run the controller of job ``job`` on the bus at ``url`` until ``stop[0]`` turns True,
-    appending its decisions to ``events_path``. A lost Redis is logged as an event and
-    waited out (fail-open); a malformed message is dropped and counted, never fatal."""
+    """The controller's loop: read the ctl stream, step the Controller, post its commands,
+    write its events, answer operators (what they changed is kept in Redis, and a restarted
+    controller takes it up), and publish its status snapshot every
+    ``status_interval_s`` and after every step that produced something (the key lives
+    three intervals, at least 3 s, so a dead controller's status vanishes). Prometheus
+    metrics when ``metrics_port`` is set (a port that cannot be bound is an event, and
+    the controller goes on without them)."""
     events = EventLog(events_path)
     lost = False
+    metrics = server = None
+    last_event: dict | None = None
+
+    def emit(type_: str, **fields) -> None:
+        nonlocal last_event
+        record = events.emit(type_, **fields)
+        if metrics is not None:
+            metrics.on_event(record)
+        if type_ not in ROUTINE_EVENTS:
+            last_event = {k: v for k, v in record.items() if v is None or isinstance(v, (str, int, float, bool))}
 
     def on_state(ok: bool, why: str) -> None:
         nonlocal lost
         if ok == lost:
             lost = not ok
-            events.emit("controller_redis", connected=ok, reason=why)
+            emit("controller_redis", connected=ok, reason=why)
 
+    if cfg.metrics_port:
+        from falconext.control.metrics import JobMetrics, MetricsServer
+
+        metrics = JobMetrics()
+        try:
+            server = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:
+            events.emit("metrics_failed", host=cfg.metrics_host, port=cfg.metrics_port, error=str(exc))
+            metrics = None
     bus = Bus(url, job, on_state=on_state)
     # sessions of a restarted controller must not be taken for its predecessor's
     ctl = Controller(cfg, world, first_session=10_000 * (1 + int(time.time()) % 100_000))
-    step = guarded(events)
-    events.emit("controller_started", pid=os.getpid(), world=world)
-    next_beat = 0.0
+    step = guarded(emit)
+    emit("controller_started", pid=os.getpid(), world=world,
+         **({"metrics": f"{cfg.metrics_host}:{cfg.metrics_port}"} if server is not None else {}))
+    saved = bus.get(OPERATOR_KEY)  # a predecessor's mute and thresholds (this one was restarted)
+    if saved is not None:
+        try:
+            state = json.loads(saved)
+        except ValueError:
+            state = saved
+        for out in step(ctl.restore, state):
+            ev = dict(out.event)
+            emit(ev.pop("type"), **ev)
+    kept = ctl.operator_state()
+    next_beat = next_status = 0.0
     dropped = 0
     try:
         while not stop[0]:
+            c = ctl.cfg  # an operator may change it (ctl set)
             if time.monotonic() >= next_beat:
-                bus.beat(CONTROLLER_KEY, cfg.controller_timeout_s)
-                next_beat = time.monotonic() + cfg.heartbeat_s
+                bus.beat(CONTROLLER_KEY, c.controller_timeout_s)
+                next_beat = time.monotonic() + c.heartbeat_s
             outputs = []
             for _, msg in bus.read([CTL_STREAM], block_ms=100):
                 outputs += step(ctl.handle, msg, time.time())
             outputs += step(ctl.tick, time.time())
             if bus.dropped > dropped:  # one event a round, however many: a burst must not flood the log
-                events.emit("message_dropped", where="controller", count=bus.dropped - dropped, dropped=bus.dropped,
-                            error=bus.errors[-1] if bus.errors else "")
+                emit("message_dropped", where="controller", count=bus.dropped - dropped, dropped=bus.dropped,
+                     error=bus.errors[-1] if bus.errors else "")
                 dropped = bus.dropped
+            if outputs and ctl.operator_state() != kept:  # saved before any reply says it is done
+                kept = ctl.operator_state()
+                bus.put(OPERATOR_KEY, json.dumps(kept), OPERATOR_TTL_S)
             for out in outputs:
-                if out.kind == "command":
-                    bus.post(CMD_STREAM, out.message)
-                elif out.kind == "localized":
-                    bus.post(LOCALIZED_STREAM, out.message)
+                if out.kind in ("command", "localized"):
+                    stream = CMD_STREAM if out.kind == "command" else LOCALIZED_STREAM
+                    try:
+                        bus.post(stream, out.message)
+                    except MessageError as exc:  # too large for the bus: said, never the controller's end
+                        emit("post_failed", what=type(out.message).__name__, error=str(exc))
+                elif out.kind == "reply":
+                    bus.put(reply_key(out.message.id), encode(out.message), REPLY_TTL_S)
                 else:
                     ev = dict(out.event)
-                    events.emit(ev.pop("type"), **ev)
+                    emit(ev.pop("type"), **ev)
+            if outputs or time.monotonic() >= next_status:
+                snap = step(lambda: [ctl.snapshot(time.time(), job, last_event)])
+                if snap:
+                    bus.put(STATUS_KEY, encode(snap[0]), max(3.0, 3 * ctl.cfg.status_interval_s))
+                    if metrics is not None:
+                        metrics.on_snapshot(snap[0])
+                next_status = time.monotonic() + ctl.cfg.status_interval_s
     finally:
+        if server is not None:
+            server.close()
         bus.close()
         events.close()
 
 
-def guarded(events: EventLog):
+def guarded(events):
     """A caller of controller steps (``handle``, ``tick``) that turns an exception into a
     ``controller_error`` event and no output, never the end of the controller; the
-    caller's ``errors`` counts them."""
+    caller's ``errors`` counts them. ``events``: an EventLog, or an ``emit(type, **fields)``."""
+    say = getattr(events, "emit", events)
 
     def call(step, *args):
         try:
             return step(*args)
         except Exception as exc:  # a message or a state the controller cannot handle
             call.errors += 1
-            events.emit("controller_error", error=repr(exc), errors=call.errors)
+            say("controller_error", error=repr(exc), errors=call.errors)
             return []
 
     call.errors = 0

@@ -25,6 +25,8 @@ from falconext.ports import free_port
 
 
 def torchrun_command(args: argparse.Namespace, argv_tail: list[str], port: int) -> list[str]:
+    """The torchrun command line of one attempt: this machine's ranks running
+    ``falconext.train`` with ``argv_tail``, rendezvous on loopback ``port``."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(args.nproc),
@@ -97,6 +99,9 @@ def testbed_knobs(args: argparse.Namespace) -> dict[str, float]:
 
 
 def launch_training(args: argparse.Namespace) -> int:
+    """``falconext train``: check the arguments, start the control plane, run torchrun
+    (again after each S4 restart request), then write the summary and report; returns
+    the exit status (2 for bad input, with one line)."""
     from falconext.testbed.faults import read_faults
     from falconext.testbed.options import check_train_arguments
 
@@ -125,6 +130,11 @@ def launch_training(args: argparse.Namespace) -> int:
     from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
     env[LAUNCH_TIME_ENV] = repr(time.time())
+    progress = None
+    if plane is not None and plane.url:
+        from falconext.testbed.progress import Progress
+
+        progress = Progress(plane.url, plane.job, args.iters).start()
     try:
         while True:
             proc = subprocess.run(cmd, env=env)
@@ -139,6 +149,8 @@ def launch_training(args: argparse.Namespace) -> int:
             cmd = torchrun_command(args, rank_argv(args), free_port())
             env[LAUNCH_TIME_ENV] = repr(req.requested_at)  # S4's downtime runs from the request
     finally:
+        if progress is not None:
+            progress.stop()
         if plane is not None:
             plane.stop()
 
