@@ -22,6 +22,7 @@ costs each rank 1.2 s of CPU (torch's dynamo and inductor) before its first iter
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Any
 
@@ -53,6 +54,70 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+#: torch functions that create tensors (the only ones that take a device)
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
+              "randperm", "linspace", "eye", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+              "randn_like", "randint_like", "empty_strided", "tril_indices", "triu_indices")
+_NEW_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor")
+
+
+def _on_cpu(fn: Any) -> Any:
+    """``fn`` with a CUDA ``device=`` keyword replaced by the CPU."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs["device"] = _CPU
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _to_on_cpu(to: Any) -> Any:
+    """``Tensor.to`` with a CUDA device (positional or keyword) replaced by the CPU."""
+
+    @functools.wraps(to)
+    def call(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args and _is_cuda(args[0]):
+            args = (_CPU, *args[1:])
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs["device"] = _CPU
+        return to(self, *args, **kwargs)
+
+    return call
+
+
+class _Factories:
+    """The fast way to the same end as :class:`_CudaToCpu`: only the calls that take a
+    device (tensor factories, ``Tensor.to``, ``Tensor.new_*``, ``Tensor.cuda``) are
+    wrapped, instead of every torch call passing through a mode (600 per micro-batch
+    there, about a third of a test-bed rank's CPU)."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def _swap(self, owner: Any, name: str, new: Any) -> None:
+        self.saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def __enter__(self) -> "_Factories":
+        for name in _FACTORIES:
+            if hasattr(torch, name):
+                self._swap(torch, name, _on_cpu(getattr(torch, name)))
+        for name in _NEW_METHODS:
+            self._swap(torch.Tensor, name, _on_cpu(getattr(torch.Tensor, name)))
+        self._swap(torch.Tensor, "to", _to_on_cpu(torch.Tensor.to))
+        self._swap(torch.Tensor, "cuda", lambda self, *a, **k: self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, old in reversed(self.saved):
+            setattr(owner, name, old)
+        self.saved.clear()
+
+
 _state: dict[str, Any] = {}
 
 
@@ -77,15 +142,18 @@ def import_megatron_core() -> None:
         torch.compile = compile_  # type: ignore[assignment]
 
 
-def enable() -> None:
+def enable(fast: bool = False) -> None:
     """Apply the CPU compatibility layer to this process (idempotent); imports
-    megatron-core first if nothing has (:func:`import_megatron_core`)."""
+    megatron-core first if nothing has (:func:`import_megatron_core`). ``fast``: rewrite
+    CUDA placements only where tensors are made (:class:`_Factories`, what the test bed's
+    trainer needs); otherwise a mode sees every torch call (:class:`_CudaToCpu`, for code
+    such as Megatron-LM's training loop that may place tensors in ways nobody listed)."""
     if _state:
         return
     import_megatron_core()
     from megatron.core.tensor_parallel import random as mrandom
 
-    mode = _CudaToCpu()
+    mode = _Factories() if fast else _CudaToCpu()
     mode.__enter__()
     saved = {
         "mode": mode,

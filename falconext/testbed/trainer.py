@@ -167,7 +167,7 @@ def init_distributed(opts: TrainOptions) -> None:
     if opts.device in ("cpu", "emulated"):
         from falconext.testbed import cpu_compat
 
-        cpu_compat.enable()  # first: it imports megatron-core the cheap way on CPU
+        cpu_compat.enable(fast=True)  # first: it imports megatron-core the cheap way on CPU
         backend = "gloo"
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
