@@ -51,6 +51,13 @@ def test_damaged_messages_are_refused_by_every_reader_and_each_action_is_an_even
             decode(chaos.damage(data))
 
 
+def test_a_delay_is_recorded_once_per_rank():
+    seen = []
+    chaos = BusChaos(ChaosSpec(delay_ms=50.0), 2, lambda type_, **f: seen.append((type_, f)))
+    assert [chaos.fate("Heartbeat") for _ in range(100)] == ["post"] * 100
+    assert seen == [("chaos", {"rank": 2, "action": "delay", "delay_ms": 50.0})]
+
+
 def test_the_launcher_refuses_a_bad_spec_before_anything_starts(tmp_path):
     proc = launch(tmp_path / "run", "--iters", "5", "--chaos", "kill-agent:9@3", nproc=2)
     assert proc.returncode != 0

@@ -135,6 +135,8 @@ class BusChaos:
         self.emit = emit
         self._rng = random.Random(spec.seed * 1_000_003 + rank)
         self.dropped = self.corrupted = 0
+        if spec.delay_ms:  # every post is delayed: one event says so, not one per message
+            emit("chaos", rank=rank, action="delay", delay_ms=spec.delay_ms)
 
     def fate(self, kind: str) -> str:
         """``drop``, ``corrupt`` or ``post`` for the next message of type ``kind``."""
