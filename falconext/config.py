@@ -172,9 +172,6 @@ class FalconConfig:
     metrics_host: str = "127.0.0.1"
     #: the controller publishes its status snapshot (``falconext ctl status``) this often
     status_interval_s: float = 1.0
-    #: most of the controller's time its status snapshots may take: one lists every rank
-    #: (130 ms and 850 KB at 4,096 ranks), so at scale they are published less often
-    status_max_share: float = 0.1
 
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
@@ -285,7 +282,6 @@ class FalconConfig:
         _check(0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]")
         _check(bool(self.metrics_host.strip()), "metrics_host must not be empty")
         _check(0.0 < self.status_interval_s <= 1.0, "status_interval_s must be in (0, 1]")
-        _check(0.0 < self.status_max_share <= 1.0, "status_max_share must be in (0, 1]")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
         _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")

@@ -15,7 +15,6 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
 
 from falconext.config import add_config_arguments, config_from_args
 from falconext.control.bus import Bus
@@ -94,7 +93,7 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             ev = dict(out.event)
             emit(ev.pop("type"), **ev)
     kept = ctl.operator_state()
-    next_beat = next_status = next_eager = 0.0
+    next_beat = next_status = 0.0
     dropped = 0
     try:
         while not stop[0]:
@@ -125,29 +124,18 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                 else:
                     ev = dict(out.event)
                     emit(ev.pop("type"), **ev)
-            now = time.monotonic()
-            if now >= next_status or (outputs and now >= next_eager):
-                snap = step(lambda: [encode_snapshot(ctl.snapshot(time.time(), job, last_event))])
-                # a snapshot lists every rank: at scale, publish it less often, so that it
-                # takes at most status_max_share of the controller's time
-                pause = (time.monotonic() - now) / ctl.cfg.status_max_share
-                gap = max(ctl.cfg.status_interval_s, pause)
+            if outputs or time.monotonic() >= next_status:
+                snap = step(lambda: [ctl.snapshot(time.time(), job, last_event)])
                 if snap:
-                    snapshot, data = snap[0]
-                    bus.put(STATUS_KEY, data, max(3.0, 3 * gap))
+                    bus.put(STATUS_KEY, encode(snap[0]), max(3.0, 3 * ctl.cfg.status_interval_s))
                     if metrics is not None:
-                        metrics.on_snapshot(snapshot)
-                next_status, next_eager = now + gap, now + pause
+                        metrics.on_snapshot(snap[0])
+                next_status = time.monotonic() + ctl.cfg.status_interval_s
     finally:
         if server is not None:
             server.close()
         bus.close()
         events.close()
-
-
-def encode_snapshot(snapshot: Any) -> tuple[Any, str]:
-    """(the snapshot, its encoding): encoded inside the guarded step, so its cost is timed."""
-    return snapshot, encode(snapshot)
 
 
 def guarded(events):
