@@ -19,28 +19,13 @@ import warnings
 
 import numpy as np
 
+from falconext.experiments.table6 import best_of, draw_times  # the same draw and timing as the table6 experiment
 from falconext.mitigate.microbatch import plan_microbatches, plan_microbatches_cvxpy, slowest_time
 
 PER_REPLICA = 8
 TARGET_S = 0.1  # planner budget on the reconfiguration path
 PAPER_S = 35.93  # Falcon paper, solver time at 512 replicas
 REL_TOL = 1e-6  # the MILP's feasibility tolerances are ~1e-7
-
-
-def draw_times(rng: np.random.Generator, d: int) -> np.ndarray:
-    t = np.clip(1.0 + 0.02 * rng.standard_normal(d), 0.5, None)
-    slow = rng.random(d) < 0.10
-    t[slow] *= rng.uniform(1.5, 4.0, int(slow.sum()))
-    return t
-
-
-def best_of(fn, repeats: int) -> tuple[float, list[int]]:
-    best, out = float("inf"), []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
 
 
 def main() -> int:

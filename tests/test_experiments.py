@@ -13,24 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from falconext.cli import main
 from falconext.experiments import runner
 from falconext.experiments.detection_accuracy import accuracy_rows
 from falconext.experiments.registry import EXPERIMENTS, Experiment, lookup
 from falconext.experiments.result import Comparison, ExperimentResult
+from test_cli import run_cli
 
 #: every figure and table issue 17 asks for
 ISSUE_17 = ("fig12", "table4", "table5", "fig13", "fig14", "fig15", "fig16", "fig17", "fig18",
             "fig19", "table6", "table7", "scale", "ablations")
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:
-        rc = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def one_line_error(err: str) -> str:

@@ -44,7 +44,8 @@ def draw_times(rng: np.random.Generator, replicas: int) -> np.ndarray:
     return t
 
 
-def _best_of(fn: Callable[[], list[int]], repeats: int) -> tuple[float, list[int]]:
+def best_of(fn: Callable[[], list[int]], repeats: int) -> tuple[float, list[int]]:
+    """(the fastest of ``repeats`` runs of ``fn`` in seconds, the plan it returned last)."""
     best, out = float("inf"), []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -81,7 +82,7 @@ def solve_times(sizes: tuple[int, ...], budget_s: float, seed: int = SEED) -> li
     for d in sizes:
         times = draw_times(rng, d)
         total = PER_REPLICA * d
-        greedy_s, plan = _best_of(lambda: plan_microbatches(times, total), GREEDY_REPEATS)
+        greedy_s, plan = best_of(lambda: plan_microbatches(times, total), GREEDY_REPEATS)
         row: Row = {"replicas": d, "microbatches": total, "paper_s": PAPER_S.get(d, ""),
                     "greedy_s": round(greedy_s, 6), "greedy_slowest_s": round(slowest_time(times, plan), 6),
                     "milp_s": "", "milp_status": "skipped", "milp_slowest_s": "", "agree": ""}
