@@ -37,7 +37,7 @@ def test_list_names_every_experiment_of_the_issue(capsys: pytest.CaptureFixture[
     listed = [line.split()[0] for line in out.splitlines()]
     assert listed == list(ISSUE_17)
     status = {line.split()[0]: line.split()[1] for line in out.splitlines()}
-    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "table6", "scale"}
+    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "fig13", "fig14", "table6", "scale"}
 
 
 def test_table6_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -81,11 +81,11 @@ def test_missing_arguments_are_one_line(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_pending_experiment_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = run_cli(capsys, "experiment", "run", "fig13", "--out", str(tmp_path / "o"))
+    rc, out, err = run_cli(capsys, "experiment", "run", "table7", "--out", str(tmp_path / "o"))
     assert rc == 1 and out == ""
     line = one_line_error(err)
-    assert "fig13" in line and "not implemented yet" in line
-    assert not (tmp_path / "o" / "fig13").exists()
+    assert "table7" in line and "not implemented yet" in line
+    assert not (tmp_path / "o" / "table7").exists()
 
 
 def _fake_module(fail: bool) -> types.ModuleType:
@@ -113,16 +113,16 @@ def test_run_all_writes_summary_skips_pending_and_survives_a_failure(
     monkeypatch.setitem(sys.modules, "fake_bad", _fake_module(True))
     monkeypatch.setattr(runner, "EXPERIMENTS", (
         Experiment("ok1", "An experiment", "42", module="fake_ok"),
-        lookup("fig18"),
+        lookup("ablations"),
         Experiment("bad1", "A broken one", "1", module="fake_bad"),
     ))
     rc, out, err = run_cli(capsys, "experiment", "run", "all", "--quick", "--out", str(tmp_path))
     assert rc == 1  # one experiment failed
     assert "1 experiments written, 1 skipped, failed: bad1" in out
     summary = (tmp_path / "summary.md").read_text()
-    assert "| ok1 | done |" in summary and "| fig18 | skipped |" in summary and "| bad1 | failed |" in summary
+    assert "| ok1 | done |" in summary and "| ablations | skipped |" in summary and "| bad1 | failed |" in summary
     assert "| the number | 42 | 41.5 | close |" in summary
-    assert "fig18: skipped: not implemented yet" in summary
+    assert "ablations: skipped: not implemented yet" in summary
     assert "RuntimeError: broken on purpose" in summary
     rows = list(csv.DictReader((tmp_path / "ok1" / "results.csv").open()))
     assert rows == [{"x": "1", "y": "2.5", "z": ""}, {"x": "2", "y": "", "z": "a"}]
@@ -190,3 +190,87 @@ def test_scale_64_ranks_against_the_real_controller() -> None:
     assert "error" not in row, row
     assert row["localized_right"] is True and row["report_to_localized_s"] < 10
     assert row["controller_msgs_per_s"] > 0 and 0 < row["largest_message_bytes"] <= row["cap_bytes"]
+
+
+# --- fig13 / fig14: S2 in real emulated jobs; their rows and verdicts from given summaries ---
+
+
+def _s2_summary(healthy: float, slow: float, mitigated: float | None, removed_max: float | None,
+                plan: list[int] | None) -> dict:
+    from falconext.mitigate.planner import slowdown_removed
+
+    applied = [{"strategy": "S2", "iteration": 63, "plan": plan}] if plan else []
+    return {
+        "healthy_iter_s": healthy, "slow_iter_s": slow, "mitigated_iter_s": mitigated,
+        "slowdown_removed": None if mitigated is None else slowdown_removed(healthy, slow, mitigated),
+        "slowdown_removed_max": removed_max,
+        "detection": {"events": 2 if plan else 0,
+                      "faults": [{"detected": True, "first_detection_delay": 9}] if plan else []},
+        "localization": {"localized": [{"gpus": [1], "links": []}] if plan else []},
+        "mitigation": {"applied": applied},
+        "device": {"overrun_share": 0.02},
+    }
+
+
+def _job_result(name: str, summary: dict):
+    from falconext.experiments.training import Job, JobResult
+
+    return JobResult(Job(name, ()), Path("/nonexistent"), summary)
+
+
+def test_s2_job_makes_the_named_ranks_slow_from_the_onset() -> None:
+    from falconext.experiments import fig14
+    from falconext.experiments.s2_effect import FAULT_START, PER_REPLICA, s2_job
+
+    job = s2_job("x", 8, fig14.slow_ranks(3), 2.0)
+    assert job.nproc == 8 and [f["rank"] for f in job.faults] == [1, 2, 3]
+    assert all(f["start"] == FAULT_START and f["factor"] == 2.0 for f in job.faults)
+    args = dict(zip(job.args[::2], job.args[1::2]))
+    assert args["--global-batch-size"] == str(8 * PER_REPLICA) and args["--falcon-mitigation-strategies"] == "S2"
+    assert fig14.slow_ranks(4) == [1, 2, 3, 0] and fig14.slow_ranks(0) == []
+
+
+def test_s2_row_reads_times_slowdowns_and_what_the_loop_did() -> None:
+    from falconext.experiments.s2_effect import s2_row
+
+    row = s2_row(_job_result("dp2-medium", _s2_summary(0.4, 0.8, 0.55, 0.625, [11, 5])))
+    assert row["slowdown_before"] == 2.0 and row["slowdown_after"] == 1.375
+    assert row["removed"] == pytest.approx(0.625) and row["removed_max"] == 0.625
+    assert (row["plan"], row["applied_at"], row["localized_gpus"], row["detected_after"]) == ("11 5", 63, "1", 9)
+    quiet = s2_row(_job_result("slow0", _s2_summary(0.4, 0.4, None, None, None)))
+    assert quiet["plan"] == "" and quiet["removed"] is None and quiet["detected_after"] is None
+
+
+def test_meeting_the_paper_or_the_optimum() -> None:
+    from falconext.experiments.s2_effect import meets
+
+    assert meets(0.80, 0.778, 0.9) and not meets(0.70, 0.778, 0.9)
+    # the best plan cannot reach the paper's share: within 0.05 of the optimum is enough
+    assert meets(0.60, 0.778, 0.625) and not meets(0.55, 0.778, 0.625)
+    assert meets(None, 0.778, 0.6) is None
+
+
+def test_fig13_compares_each_dp_size_with_the_paper() -> None:
+    from falconext.experiments import fig13
+    from falconext.experiments.s2_effect import s2_row
+
+    rows = [{"dp": 2, "severity": sev, "factor": f, **s2_row(_job_result(sev, _s2_summary(0.4, 0.4 * f, m, best, [11, 5])))}
+            for sev, f, m, best in (("weak", 1.5, 0.5, 0.5), ("severe", 3.0, 0.6, 0.75))]
+    table = {c.quantity: c for c in fig13.comparisons(rows)}
+    dp2 = table["DP2: slowdown removed (mean)"]
+    assert dp2.paper == "55.3%" and dp2.measured == "62.5%"  # mean of 50% and 75%
+    assert "optimum 62.5%" in dp2.note and "reaches" in dp2.note
+    assert table["largest share removed"].measured == "75.0%" and "severe" in table["largest share removed"].note
+
+
+def test_fig14_names_an_untouched_job_and_one_short_of_the_optimum() -> None:
+    from falconext.experiments import fig14
+    from falconext.experiments.s2_effect import s2_row
+
+    rows = [{"slow_replicas": 0, **s2_row(_job_result("slow0", _s2_summary(0.45, 0.45, None, None, None))),
+             "fail_slow_events": 0},
+            {"slow_replicas": 1, **s2_row(_job_result("slow1", _s2_summary(0.45, 0.9, 0.75, 0.75, [9, 5, 9, 9]))),
+             "fail_slow_events": 2}]
+    untouched, one = fig14.comparisons(rows)
+    assert untouched.measured == "no event, no plan"
+    assert one.measured == "2.0x -> 1.667x (33.3%)" and "short of" in one.note
