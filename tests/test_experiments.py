@@ -37,7 +37,7 @@ def test_list_names_every_experiment_of_the_issue(capsys: pytest.CaptureFixture[
     listed = [line.split()[0] for line in out.splitlines()]
     assert listed == list(ISSUE_17)
     status = {line.split()[0]: line.split()[1] for line in out.splitlines()}
-    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "fig13", "fig14", "table6", "scale"}
+    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "fig13", "fig14", "fig15", "fig16", "table6", "scale"}
 
 
 def test_table6_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -274,3 +274,68 @@ def test_fig14_names_an_untouched_job_and_one_short_of_the_optimum() -> None:
     untouched, one = fig14.comparisons(rows)
     assert untouched.measured == "no event, no plan"
     assert one.measured == "2.0x -> 1.667x (33.3%)" and "short of" in one.note
+
+
+# --- fig15 / fig16: S3 in real emulated jobs; rows and comparisons from given runs ---
+
+
+def _s3_result(name: str, healthy: float, slow: float, mitigated: float, predicted: list[float] | None):
+    from falconext.experiments.training import Job, JobResult
+    from falconext.mitigate.planner import slowdown_removed
+
+    summary = {
+        "healthy_iter_s": healthy, "slow_iter_s": slow, "mitigated_iter_s": mitigated,
+        "slowdown_removed": slowdown_removed(healthy, slow, mitigated),
+        "detection": {"faults": [{"detected": True, "first_detection_delay": 11}]},
+        "localization": {"localized": [{"gpus": [], "links": [[2, 3]]}]},
+        "mitigation": {"switches": [{"probe": True, "pause_s": 1.1}, {"probe": False, "pause_s": 0.5}]},
+    }
+    events = [{"type": "mitigation", "strategy": "S3", "iteration": 66, "roles": [1, 0, 2, 3],
+               "predicted_s": predicted}] if predicted else []
+    return JobResult(Job(name, ()), Path("/nonexistent"), summary, events)
+
+
+def test_s3_job_congests_the_named_links_with_only_s3() -> None:
+    from falconext.experiments.s3_effect import FAULT_START, s3_job
+
+    job = s3_job("x", 16, 4, 2, [(2, 3), (4, 5)], 8.0, 0.5, 16)
+    assert job.nproc == 16 and [f["nodes"] for f in job.faults] == [[2, 3], [4, 5]]
+    assert all(f["kind"] == "link" and f["factor"] == 8.0 and f["start"] == FAULT_START for f in job.faults)
+    args = dict(zip(job.args[::2], job.args[1::2]))
+    assert (args["--pp"], args["--ranks-per-node"], args["--falcon-mitigation-strategies"]) == ("4", "2", "S3")
+
+
+def test_s3_row_reads_the_prediction_and_the_real_switch() -> None:
+    from falconext.experiments.s3_effect import s3_row
+
+    row = s3_row(_s3_result("links1", 0.4, 0.64, 0.52, [0.66, 0.5]))
+    assert row["slowdown_before"] == 1.6 and row["slowdown_after"] == 1.3
+    assert row["removed"] == pytest.approx(0.5)
+    assert row["planner_expected"] == pytest.approx((0.66 - 0.5) / (0.66 - 0.4), abs=1e-4)
+    assert row["switch_pause_s"] == 0.5  # the real switch, not the start-up probe
+    assert (row["localized_links"], row["roles"], row["applied_at"], row["detected_after"]) == ("2-3", "1 0 2 3", 66, 11)
+    none = s3_row(_s3_result("links1", 0.4, 0.64, 0.64, None))
+    assert none["planner_expected"] is None and none["roles"] == "" and none["applied_at"] is None
+
+
+def test_fig16_compares_with_the_papers_share() -> None:
+    from falconext.experiments import fig16
+    from falconext.experiments.s3_effect import s3_row
+
+    assert fig16.paper_removed(1) == pytest.approx(0.5) and fig16.paper_removed(3) == pytest.approx(2 / 9)
+    rows = [{"slow_links": 1, **s3_row(_s3_result("a", 0.4, 0.64, 0.52, [0.66, 0.5]))},
+            {"slow_links": 2, **s3_row(_s3_result("b", 0.4, 0.68, 0.60, [0.7, 0.5]))}]
+    one, two = fig16.comparisons(rows)
+    assert one.paper == "1.6x -> 1.3x (50.0%)" and one.measured == "1.6x -> 1.3x (50.0%)" and "reaches" in one.note
+    assert "short of" in two.note  # 28.6% removed where the paper removed 57.1%
+
+
+def test_fig15_means_per_pipeline_depth() -> None:
+    from falconext.experiments import fig15
+    from falconext.experiments.s3_effect import s3_row
+
+    rows = [{"pp": 2, "severity": sev, **s3_row(_s3_result(sev, 0.2, 0.2 + d, 0.2 + d * (1 - got), [0.2 + d, 0.2]))}
+            for sev, d, got in (("weak", 0.1, 0.5), ("severe", 0.4, 0.9))]
+    pp2, top = fig15.comparisons(rows)
+    assert pp2.measured == "70.0%" and "planner expected 100.0%" in pp2.note and pp2.paper == "53.7% (PP4)"
+    assert top.measured == "90.0%" and top.note == "PP2 severe"

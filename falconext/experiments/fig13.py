@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from statistics import mean
 
+from falconext.experiments.bars import before_after_bars
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.experiments.s2_effect import SEVERITIES, meets, pct, s2_job, s2_row
 from falconext.experiments.training import jobs_folder, run_job
@@ -70,27 +71,13 @@ def notes(base) -> list[str]:
     ]
 
 
+
 def draw(result: ExperimentResult, path: str) -> None:
     """Grouped bars as in the paper: per DP size and severity, the slowdown before and
     after S2, with the best plan's slowdown marked."""
-    import matplotlib.pyplot as plt
-
     rows = result.rows
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    labels = [f"DP{r['dp']}\n{r['severity'][0].upper()}" for r in rows]
-    xs = range(len(rows))
-    before = [r["slowdown_before"] or 0 for r in rows]
-    after = [r["slowdown_after"] or 0 for r in rows]
-    ax.bar([x - 0.2 for x in xs], before, 0.4, label="fail-slow", color="#d62728")
-    ax.bar([x + 0.2 for x in xs], after, 0.4, label="after S2", color="#2ca02c")
-    for x, r in zip(xs, rows):
-        if r["removed_max"] is not None and r["slowdown_before"]:
-            best = r["slowdown_before"] - r["removed_max"] * (r["slowdown_before"] - 1)
-            ax.plot([x + 0.02, x + 0.38], [best, best], color="black", lw=1)
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("iteration time / healthy")
-    ax.set_title("S2 under compute fail-slow (black: best plan)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    marks = [r["slowdown_before"] - r["removed_max"] * (r["slowdown_before"] - 1)
+             if r["removed_max"] is not None and r["slowdown_before"] else None for r in rows]
+    before_after_bars(path, [f"DP{r['dp']}\n{r['severity'][0].upper()}" for r in rows],
+                      [r["slowdown_before"] or 0 for r in rows], [r["slowdown_after"] or 0 for r in rows],
+                      marks, "after S2", "S2 under compute fail-slow (black: best plan)")

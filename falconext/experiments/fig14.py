@@ -12,6 +12,7 @@ Quick: 1 and 2 slow replicas.
 
 from __future__ import annotations
 
+from falconext.experiments.bars import before_after_bars
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.experiments.s2_effect import meets, pct, s2_job, s2_row
 from falconext.experiments.training import jobs_folder, run_job
@@ -69,22 +70,13 @@ def notes(base) -> list[str]:
     ]
 
 
-def draw(result: ExperimentResult, path: str) -> None:
-    """Bars as in the paper: slowdown with and without S2 against the number of slow replicas."""
-    import matplotlib.pyplot as plt
 
+def draw(result: ExperimentResult, path: str) -> None:
+    """Bars as in the paper: slowdown with and without S2 against the number of slow
+    replicas, with the best plan's slowdown marked."""
     rows = result.rows
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    xs = [r["slow_replicas"] for r in rows]
-    ax.bar([x - 0.2 for x in xs], [r["slowdown_before"] or 1.0 for r in rows], 0.4, label="fail-slow",
-           color="#d62728")
-    ax.bar([x + 0.2 for x in xs], [r["slowdown_after"] or r["slowdown_before"] or 1.0 for r in rows], 0.4,
-           label="after S2", color="#2ca02c")
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set_xticks(xs)
-    ax.set_xlabel("slow DP replicas (of 4)")
-    ax.set_ylabel("iteration time / healthy")
-    ax.set_title("S2 with several slow replicas")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    before = [r["slowdown_before"] or 1.0 for r in rows]
+    marks = [b - r["removed_max"] * (b - 1) if r["removed_max"] is not None else None for b, r in zip(before, rows)]
+    before_after_bars(path, [str(r["slow_replicas"]) for r in rows], before,
+                      [r["slowdown_after"] or b for b, r in zip(before, rows)], marks, "after S2",
+                      "S2 with several slow replicas (black: best plan)", "slow DP replicas (of 4)")
