@@ -320,3 +320,27 @@ def test_a_verdict_too_large_for_the_bus_travels_cut_and_whole_in_the_event():
     assert for_bus(fits) is fits
     many = Localized(gpus=list(range(20000)), links=[], evidence=evidence)
     assert len(encode(for_bus(many)).encode()) <= MAX_MESSAGE_BYTES
+
+
+def test_three_slow_gpus_of_four_are_named_by_their_own_compute_rise():
+    """fig14's three slow replicas: the GEMMs (2, 1, 1, 1 GFLOP/s) alone name nobody, since
+    their median is a slow one; the heartbeats show ranks 1-3's compute per micro-batch
+    doubled since before the onset (iteration 40), rank 0's unchanged."""
+    ctl = Controller(CFG, world=4)
+    for it, t in ((30, 95.0), (54, 100.0)):
+        for r, n in NODES.items():
+            mb = 0.05 * (2.0 if r and it > 40 else 1.0)
+            ctl.handle(Heartbeat(r, n, it, 0.8, t, replica=r, mb_s=mb, micro=8, role=r), t)
+    ctl.handle(report(), 101.0)
+    for r in NODES:
+        ctl.handle(profile(r, ctl.session), 101.2)
+    assert ctl.state is State.VALIDATING
+    session = ctl.session
+    it = max(b.iteration for b in ctl.beats.values()) + CFG.suspend_margin_iterations
+    for r in NODES:
+        ctl.handle(SessionAck(r, session, "held", it, 102.0), 102.0)
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(ValidationResult(r, session, 1e9 if r else 2e9, []), 102.5)
+    (loc,) = events(outs, "localized")
+    assert loc["gpus"] == [1, 2, 3], loc["evidence"]

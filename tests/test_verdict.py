@@ -89,6 +89,25 @@ def test_a_suspect_must_stand_out_from_the_unsuspected_ranks():
     assert slow_ranks(flops, 1.5, suspects=[3]) == [3]
 
 
+def test_most_ranks_slow_are_named_when_their_own_compute_rose():
+    """Three 2x stragglers among four (fig14's three slow replicas): the readings' median
+    is a slow one, so the GEMM alone names nobody; each one's own compute time, which
+    doubled since before the onset, agrees with the GEMM against the fastest reading."""
+    flops = {0: 1.991e9, 1: 0.997e9, 2: 0.997e9, 3: 0.997e9}
+    assert slow_ranks(flops, 1.5) == []
+    rise = {0: 1.01, 1: 2.0, 2: 1.98, 3: 2.02}
+    assert slow_ranks(flops, 1.5, compute_rise=rise) == [1, 2, 3]
+    # all four slow: nothing stands below the fastest, nothing to name (no room anyway)
+    assert slow_ranks({r: 0.997e9 for r in range(4)}, 1.5, compute_rise=rise) == []
+
+
+def test_a_rise_without_a_slow_gemm_or_a_slow_gemm_without_a_rise_names_nobody():
+    flops = {0: 177.1, 1: 177.9, 2: 118.8, 3: 121.2}  # CI noise on a link-fault job
+    assert slow_ranks(flops, 1.5, compute_rise={0: 1.0, 1: 1.0, 2: 1.05, 3: 1.1}) == []
+    # compute rose everywhere (e.g. waits counted by a loaded host), GEMMs agree: nobody
+    assert slow_ranks({r: 100.0 for r in range(4)}, 1.5, compute_rise={r: 2.0 for r in range(4)}) == []
+
+
 @pytest.mark.parametrize("factor", [0.9, math.nan, -1.0])
 def test_bad_factor(factor):
     with pytest.raises(ValueError, match="factor"):

@@ -484,7 +484,7 @@ class Controller:
             # rows were checked when decoded; one handed in directly (a test, a bug) is too
             pairs = [(int(s), int(d), float(t)) for r in self._results.values() for s, d, t in r.links]
             suspects = self._findings.compute_suspects if self._findings else []
-            gpus = slow_ranks(flops, self.cfg.validation_slow_factor, suspects)
+            gpus = slow_ranks(flops, self.cfg.validation_slow_factor, suspects, compute_rise=self._compute_rise(ep))
             links, link_evidence = slow_links(
                 [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, self.cfg.validation_slow_factor,
                 self.cfg.validation_min_link_excess_s, baseline=self.link_baseline,
@@ -522,6 +522,15 @@ class Controller:
             else:
                 out += self._plan_mitigation(ep, loc, now)
         return out + self._maybe_close()
+
+    def _compute_rise(self, ep: _Episode | None) -> dict[int, float]:
+        """Each rank's compute per micro-batch in its latest heartbeat over its own before
+        the episode's onset (ranks without both are left out; no onset, no figures)."""
+        if ep is None or not ep.onsets:
+            return {}
+        before = healthy_mb_s(self.history, min(ep.onsets))
+        return {r: self.beats[r].mb_s / t for r, t in before.items()
+                if r in self.beats and t > 0 and self.beats[r].mb_s > 0}
 
     # --- mitigation -------------------------------------------------------------------
 

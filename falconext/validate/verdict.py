@@ -38,6 +38,7 @@ def slow_ranks(
     factor: float = _DEFAULT.validation_slow_factor,
     suspects: Sequence[int] = (),
     confirm_factor: float | None = None,
+    compute_rise: Mapping[int, float] | None = None,
 ) -> list[int]:
     """Ranks whose FLOP/s is below reference / factor, sorted.
 
@@ -54,6 +55,14 @@ def slow_ranks(
     not itself slow (by ``factor``) by that same margin: two independent measurements
     agree on it. (In CI a link-fault job's last arriver read 121 GFLOP/s against 177
     and 178, with an unsuspected rank at 119: noise, not a straggler.)
+
+    When most ranks are slow, no median of the readings is a healthy speed (three 2x
+    stragglers among four read 1.0, 1.0, 1.0 against 2.0: the upper half's median is a
+    slow one). ``compute_rise`` (each rank's compute time per micro-batch now over its own
+    before the fail-slow's onset, from the heartbeats) settles it: a rank is also slow when
+    its GEMM is below the fastest reading / ``factor`` (interference only ever lowers a
+    reading, so the fastest is the nearest to a healthy device's speed) and its own compute
+    rose by at least ``confirm_factor``: two independent measurements agree on it.
 
     Fewer than two ranks give no verdict: a lone rank has nothing to be compared with,
     and there is no nominal speed to fall back on.
@@ -77,6 +86,10 @@ def slow_ranks(
             others = upper_half_median(v for r, v in flops.items() if r != rank)
             if flops[rank] * confirm < min(others, floor):
                 slow.add(rank)
+    if compute_rise:
+        fastest = max(flops.values())
+        slow.update(rank for rank, value in flops.items()
+                    if value * factor < fastest and compute_rise.get(rank, 0.0) >= confirm)
     return sorted(slow)
 
 
