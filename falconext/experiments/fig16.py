@@ -3,7 +3,7 @@
 Each job is a real emulated 16-rank job, TP1 x DP4 x PP4 on 8 virtual nodes of 2 ranks
 (falconext/experiments/s3_effect.py): each pipeline stage's 4 ranks sit on 2 nodes, so
 its DP all-reduce crosses one node link. From iteration 45 the links of stages 1, 2 and
-3 in turn (nodes 2-3, 4-5, 6-7) are congested 8x; falconext must localize them and give
+3 in turn (nodes 2-3, 4-5, 6-7) are congested 16x; falconext must localize them and give
 processes new roles, live. The paper: one slow link 1.6x -> 1.3x, two in two stages
 1.7x -> 1.3x (consolidated into one stage), three 1.9x -> 1.7x.
 Quick: one congested link.
@@ -16,7 +16,7 @@ from falconext.experiments.s2_effect import pct
 from falconext.experiments.s3_effect import draw_s3, s3_job, s3_row
 from falconext.experiments.training import jobs_folder, run_job
 
-FACTOR = 8.0
+FACTOR = 16.0
 LINKS: tuple[tuple[int, int], ...] = ((2, 3), (4, 5), (6, 7))
 #: 16 ranks on 2 cores: a slow device keeps the real CPU work inside its time
 GFLOPS = 0.5
