@@ -144,6 +144,23 @@ def pp2_reference(jobs: JobCache) -> Path:
     return jobs.train(*PP2_JOB, "--iters", str(PP2_REFERENCE_ITERS), "--no-falcon")
 
 
+#: the S3 link job: from iteration 45 the link 0-1 (x8) carries stage 0's DP gradient
+#: all-reduce and 0-2 (x3) replica 0's pipeline messages (test_topology_e2e explains why)
+S3_LINK_FAULT_START = 45
+S3_LINK_FAULTS = [{"kind": "link", "nodes": [0, 1], "factor": 8.0, "start": S3_LINK_FAULT_START},
+                  {"kind": "link", "nodes": [0, 2], "factor": 3.0, "start": S3_LINK_FAULT_START}]
+
+
+def s3_link_job(jobs: JobCache) -> Path:
+    """Emulated PP2_JOB for PP2_REFERENCE_ITERS iterations with two congested links, only S3
+    allowed; links at 10 MB/s so that DP gradients weigh (47 ms a ring), a 4 GFLOP/s
+    device. test_topology_e2e's S3 run, and test_train's detection and localization of
+    link faults."""
+    return jobs.train(*PP2_JOB, "--iters", str(PP2_REFERENCE_ITERS), "--link-bandwidth", "10e6",
+                      "--device-gflops", "4", "--falcon-mitigation-strategies", "S3",
+                      faults=S3_LINK_FAULTS, device="emulated")
+
+
 #: the forced PP2 job: an uneven plan from the start, and a 4-cycle of roles at iteration 10
 FORCED_PLAN, FORCED_SWITCH_AT, FORCED_ROLES = [3, 5], 10, [1, 2, 3, 0]
 

@@ -34,16 +34,23 @@ from pathlib import Path
 
 import pytest
 
-from jobs import PP2_JOB, assert_same_trajectory, events, losses, pp2_reference, train
+from jobs import (
+    PP2_JOB,
+    PP2_REFERENCE_ITERS,
+    S3_LINK_FAULT_START,
+    assert_same_trajectory,
+    events,
+    losses,
+    pp2_reference,
+    s3_link_job,
+    train,
+)
 
-FAULT_START = 45
+FAULT_START = S3_LINK_FAULT_START
 #: the faulty runs: S3 applies near iteration 67, and 30 iterations after its settling
 #: measure the mitigated speed; their references may run longer (the PP2 one is shared)
-ITERS = 105
+ITERS = PP2_REFERENCE_ITERS
 JOB = [*PP2_JOB, "--iters", str(ITERS)]
-#: the link run's network: its DP gradients weigh (47 ms a ring); its device computes at
-#: 4 GFLOP/s, like the consolidation run's (two layers per stage)
-LINKS = ["--link-bandwidth", "10e6", "--device-gflops", "4"]
 #: the consolidation run's: a heavier last stage (see above), two micro-batches of 2 per
 #: replica (its own reference, ``ref_vocab``, has the same shape)
 VOCAB = ["--vocab", "4096", "--global-batch-size", "8"]
@@ -52,13 +59,12 @@ VOCAB = ["--vocab", "4096", "--global-batch-size", "8"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, jobs) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("topology")
-    # x8 on the DP path: about 0.17 s more per iteration on a 0.2 s one, well above this
-    # host's noise; x3 on the pipeline path: about 0.03 s
-    links = [{"kind": "link", "nodes": [0, 1], "factor": 8.0, "start": FAULT_START},
-             {"kind": "link", "nodes": [0, 2], "factor": 3.0, "start": FAULT_START}]
+    # the links (tests/jobs.py: s3_link_job): x8 on the DP path, about 0.17 s more per
+    # iteration on a 0.2 s one, well above this host's noise; x3 on the pipeline path,
+    # about 0.03 s
     slow_gpus = [{"kind": "compute", "rank": r, "factor": 3.0, "start": FAULT_START} for r in (0, 3)]
     return {
-        "s3": train(base / "s3", *JOB, *LINKS, "--falcon-mitigation-strategies", "S3", faults=links, device="emulated"),
+        "s3": s3_link_job(jobs),
         "consolidate": train(base / "consolidate", *JOB, *VOCAB, "--device-gflops", "4",
                              "--falcon-mitigation-strategies", "S3", faults=slow_gpus, device="emulated"),
         "ref": pp2_reference(jobs),

@@ -17,10 +17,19 @@ import pytest
 
 from falconext.detect.tracking import RankTracking
 from falconext.trace.logfile import read_call_log
-from jobs import S2_FAULT_START, TP2_PP2_REFERENCE_ITERS, events, s2_job, tp2_pp2_reference, train
+from jobs import (
+    S2_FAULT_START,
+    S3_LINK_FAULT_START,
+    TP2_PP2_REFERENCE_ITERS,
+    events,
+    s2_job,
+    s3_link_job,
+    tp2_pp2_reference,
+    train,
+)
 
-FAULT_START = S2_FAULT_START  # the link run's too
-ITERS = 80
+FAULT_START = S2_FAULT_START
+assert S3_LINK_FAULT_START == FAULT_START  # the link run's fault starts there too
 
 
 def rows(path: Path) -> list[dict[str, str]]:
@@ -39,14 +48,9 @@ def runs(tmp_path_factory, jobs) -> dict[str, Path]:
         "pp2": train(base / "pp2", "--tp", "1", "--pp", "2", "--iters", "60", "--device-gflops", "4", **emu),
         # the compute fault: the S2 job test_mitigation_e2e also reads (tests/jobs.py)
         "compute": s2_job(jobs),
-        # four nodes of one rank: the DP ring crosses four network links, one of them x4
-        # (+85 ms of a 0.26 s iteration); validation compares it with the other three.
-        # Mitigation off: this run tests detection and localization only
-        "link": train(
-            base / "link", "--iters", str(ITERS), "--global-batch-size", "16", "--micro-batch-size", "1",
-            "--ranks-per-node", "1", "--falcon-mitigation", "false",
-            faults=[{"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": FAULT_START}], **emu,
-        ),
+        # two congested links on four one-rank nodes (tests/jobs.py: s3_link_job, the S3
+        # run test_topology_e2e reads): detection and localization of link faults
+        "link": s3_link_job(jobs),
         "tp2": tp2_pp2_reference(jobs),
     }
 
@@ -158,7 +162,7 @@ def test_tensor_parallel_trains(runs):
     assert (runs["tp2"] / "estimates.csv").read_text().strip() == "rank,iteration,iter_time_s,loss,compute_s,wait_s,late_s,score"
 
 
-@pytest.mark.parametrize("name, gpus, links", [("compute", [1], []), ("link", [], [[0, 1]])])
+@pytest.mark.parametrize("name, gpus, links", [("compute", [1], []), ("link", [], [[0, 1], [0, 2]])])
 def test_fault_is_localized_in_job(runs, name, gpus, links):
     """Detected -> profiled -> every rank suspended -> validated -> the right component named."""
     found = events(runs[name], "localized")

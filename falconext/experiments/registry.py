@@ -58,7 +58,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("fig16", "Fig. 16: straggler consolidation, 4DP x 4PP, 1..3 slow links",
                "1.6x -> 1.3x, 1.7x -> 1.3x, 1.9x -> 1.7x", module=_PKG + "fig16"),
     Experiment("fig17", "Fig. 17: compound computation + communication fail-slow, escalation to S4",
-               "S3, then S2, then checkpoint-restart", pending=NEEDS_TRAINING),
+               "S3, then S2, then checkpoint-restart", module=_PKG + "fig17"),
     Experiment("fig18", "Fig. 18: detector overhead across layouts",
                "0.39% mean, 1.1% max", pending=NEEDS_TRAINING),
     Experiment("fig19", "Fig. 19: topology-switch pause, in-memory vs disk checkpoint",
