@@ -339,3 +339,34 @@ def test_fig15_means_per_pipeline_depth() -> None:
     pp2, top = fig15.comparisons(rows)
     assert pp2.measured == "70.0%" and "planner expected 100.0%" in pp2.note and pp2.paper == "53.7% (PP4)"
     assert top.measured == "90.0%" and top.note == "PP2 severe"
+
+
+# --- fig17: the compound job's story from a given run ---
+
+
+def test_fig17_timeline_orders_onsets_detections_mitigations_and_phases(tmp_path: Path) -> None:
+    from falconext.experiments import fig17
+    from falconext.experiments.training import JobResult
+
+    lines = ["rank,iteration,iter_time_s,loss"]
+    for it in range(fig17.ITERS):
+        t = 0.2 if it < 45 else 0.4 if it < 70 else 0.22 if it < 110 else 0.5 if it < 130 else 0.21
+        lines += [f"0,{it},{t},", f"1,{it},{t - 0.01},1.0"]
+    (tmp_path / "iterations.csv").write_text("\n".join(lines) + "\n")
+    summary = {"detection": {"faults": [{"fault": dict(fig17.FAULTS[0]), "detected": True, "first_detection_delay": 10},
+                                        {"fault": dict(fig17.FAULTS[1]), "detected": True, "first_detection_delay": 9}]},
+               "mitigation": {"restarts": [{"attempt": 1}]}}
+    events = [{"type": "mitigation", "strategy": "S3", "iteration": 70, "roles": [0, 3, 2, 1], "overhead_s": 0.7},
+              {"type": "mitigation", "strategy": "S4", "iteration": 130, "exclude_nodes": [3], "overhead_s": 9.0},
+              {"type": "localized", "after_event_s": 3.0}, {"type": "localized", "after_event_s": 5.0}]
+    result = JobResult(fig17.job(), tmp_path, summary, events)
+    rows = fig17.timeline(result)
+    marks = [(r["iteration"], r["what"]) for r in rows if "median_iter_s" not in r]
+    assert marks == [(45, "onset: link x8.0"), (55, "detected: link"), (70, "mitigation S3"),
+                     (110, "onset: compute x4.0"), (119, "detected: compute"), (130, "mitigation S4")]
+    phases = {r["what"]: r["median_iter_s"] for r in rows if "median_iter_s" in r}
+    assert phases == {"phase 0-44": 0.2, "phase 45-69": 0.4, "phase 70-109": 0.22, "phase 110-129": 0.5,
+                      "phase 130-229": 0.21}
+    order, localized, end, restarts = fig17.comparisons(result, rows)
+    assert order.measured == "S3, then S4" and order.note == "differs"
+    assert localized.measured == "4.0 s" and end.measured == "1.05x (worst phase 2.50x)" and restarts.measured == "1"
