@@ -27,6 +27,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from falconext.config import config_from_args, parse_microbatches, parse_topology  # noqa: E402
+from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange  # noqa: E402
 from falconext.mitigate import restart  # noqa: E402
 from falconext.testbed.options import add_train_arguments, check_train_arguments  # noqa: E402
 
@@ -278,8 +279,8 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
             if runtime is not None and args.bench_falcon_toggle:  # benchmark: off N, on N, ...
                 runtime.set_enabled((it // args.bench_falcon_toggle) % 2 == 1)
             if forced_topology is not None and it == forced_topology[0]:
-                action = {"kind": "topology", "roles": forced_topology[1], "strategy": "S3", "forced": True}
-            if action is not None and action.get("kind") == "topology":
+                action = TopologyChange(list(forced_topology[1]), forced=True)
+            if isinstance(action, TopologyChange):
                 switches += 1
                 job.trainer = _switch(action, it, job.trainer, job.opts, switches, job.events, rank, switch_layout,
                                       runtime, rig.injector, rig.device)
@@ -294,7 +295,7 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
                 # S3's cost, measured: a switch to the same roles (state handed round a
                 # ring and dropped, groups re-created, model rebuilt and reloaded)
                 switches += 1
-                job.trainer = _switch({"kind": "topology", "roles": None, "probe": True}, it, job.trainer, job.opts,
+                job.trainer = _switch(TopologyChange([], probe=True), it, job.trainer, job.opts,
                                       switches, job.events, rank, switch_layout, runtime, rig.injector, rig.device)
             loss = job.trainer.step(it)
             if runtime is not None:
@@ -404,7 +405,7 @@ def device_model(args: argparse.Namespace):
                        inter_bandwidth=DEFAULT_INTER_BANDWIDTH if args.link_bandwidth is None else args.link_bandwidth)
 
 
-def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: int, layout: dict, runtime, injector,
+def _switch(action: TopologyChange, it: int, trainer, opts, epoch: int, events, process: int, layout: dict, runtime, injector,
             device=None):
     """S3 at this boundary (every process does, at the same one): new roles, same state.
     Returns the trainer of this process's new role (the old one if the switch was refused)."""
@@ -417,9 +418,9 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
     from falconext.trace.groups import to_rank
 
     world = layout["world"]
-    probe = bool(action.get("probe"))
+    probe = action.probe
     try:
-        roles = [to_rank(p) for p in range(world)] if probe else list(check_roles(action.get("roles"), world))
+        roles = [to_rank(p) for p in range(world)] if probe else list(check_roles(action.roles, world))
         check_tp_in_nodes(roles, layout["tp"], layout["ranks_per_node"])
     except ValueError as exc:  # agreed but impossible: every process refuses alike
         events.emit("control_error", rank=process, error=f"topology not applied: {exc}")
@@ -443,7 +444,7 @@ def _switch(action: dict, it: int, trainer, opts, epoch: int, events, process: i
         device.attach_model(new.model.module, new.forward_flops())
     events.emit(
         "topology_switch", rank=process, iteration=it, roles=roles, role=roles[process], epoch=epoch,
-        strategy=action.get("strategy", "S3"), forced=bool(action.get("forced", False)), probe=probe,
+        strategy=action.strategy, forced=action.forced, probe=probe,
         pause_s=round(times.total_s, 4), serialize_s=round(times.serialize_s, 4),
         transfer_s=round(times.transfer_s, 4), regroup_s=round(times.regroup_s, 4),
         rebuild_s=round(times.rebuild_s, 4), load_s=round(times.load_s, 4), sent_bytes=times.sent_bytes,
@@ -458,30 +459,30 @@ def _tell_role(runtime, trainer, opts) -> None:
     runtime.set_role(torch.distributed.get_rank(), ps.get_pipeline_model_parallel_rank(), opts.tp, opts.pp, grad, act)
 
 
-def _apply(action: dict, it: int, trainer, events, rank: int, out: str, layout: dict, args) -> "restart.RestartRequest | None":
+def _apply(action: MitigationAction, it: int, trainer, events, rank: int, out: str, layout: dict,
+           args) -> "restart.RestartRequest | None":
     """Apply a committed mitigation at this iteration boundary (every rank does, at the same one)."""
-    kind = action.get("kind")
-    if kind == "microbatches":
+    if isinstance(action, MicrobatchPlan):
         try:
-            trainer.set_plan(action["plan"])
+            trainer.set_plan(action.plan)
         except (KeyError, TypeError, ValueError) as exc:  # agreed but impossible: keep training as is
             events.emit("control_error", rank=rank, error=f"plan not applied: {exc}")
             return None
         if rank == 0:
-            events.emit("plan_applied", iteration=it, plan=trainer.plan, strategy=action.get("strategy", "S2"))
+            events.emit("plan_applied", iteration=it, plan=trainer.plan, strategy=action.strategy)
         return None
-    if kind == "restart":
+    if isinstance(action, Restart):
         directory = os.path.join(out, restart.CHECKPOINT_DIR)
         # a shard belongs to the role (torch rank), which a topology switch may have moved:
         # the restarted job starts with launch ranks = roles again
         save_s = restart.save_shard(directory, torch.distributed.get_rank(), layout, it, trainer.model, trainer.optimizer,
                                     extra={"requested_at": time.time()})
         return restart.RestartRequest(
-            iteration=it, exclude_nodes=[int(n) for n in action.get("exclude_nodes", [])], checkpoint=directory,
-            session=int(action.get("session", 0)), requested_at=time.time(), save_s=save_s,
-            attempt=args.attempt + 1, reason=str(action.get("reason", "")),
+            iteration=it, exclude_nodes=[int(n) for n in action.exclude_nodes], checkpoint=directory,
+            session=action.session, requested_at=time.time(), save_s=save_s,
+            attempt=args.attempt + 1, reason=action.reason,
         )
-    events.emit("control_error", rank=rank, error=f"unknown action {kind!r}")
+    events.emit("control_error", rank=rank, error=f"unknown action {type(action).__name__}")
     return None
 
 

@@ -17,6 +17,7 @@ from falconext.control.messages import (
     Command,
     FailSlowReport,
     Heartbeat,
+    MicrobatchPlan,
     SessionAck,
     ValidationResult,
 )
@@ -148,11 +149,11 @@ def test_s2_caps_an_inflated_forward_time_by_the_validated_gemm_slowdown():
     them twice): S2 plans for 2x, and records what was measured."""
     job = Job(mb=[FAST_MB, 2.6 * FAST_MB, FAST_MB, FAST_MB])
     out, sus = s2_decided(job)
-    action = sus.args["plan"]["action"]
-    assert action["measured_mb_s"] == [FAST_MB, 2.6 * FAST_MB, FAST_MB, FAST_MB]
-    assert action["replica_mb_s"] == pytest.approx([FAST_MB, 2 * FAST_MB, FAST_MB, FAST_MB])
-    assert action["plan"] == plan_microbatches([FAST_MB, 2 * FAST_MB, FAST_MB, FAST_MB], TOTAL)
-    assert action["plan"] != plan_microbatches([FAST_MB, 2.6 * FAST_MB, FAST_MB, FAST_MB], TOTAL)
+    action = sus.action
+    assert action.measured_mb_s == [FAST_MB, 2.6 * FAST_MB, FAST_MB, FAST_MB]
+    assert action.replica_mb_s == pytest.approx([FAST_MB, 2 * FAST_MB, FAST_MB, FAST_MB])
+    assert action.plan == plan_microbatches([FAST_MB, 2 * FAST_MB, FAST_MB, FAST_MB], TOTAL)
+    assert action.plan != plan_microbatches([FAST_MB, 2.6 * FAST_MB, FAST_MB, FAST_MB], TOTAL)
 
 
 def test_cap_by_gemm_keeps_the_smaller_reading():
@@ -180,11 +181,11 @@ def test_s2_is_decided_when_impact_crosses_the_overhead_and_applied_at_the_next_
     (sus,) = commands(out, "suspend")
     k = sus.iteration
     assert k > job.it  # an iteration no rank has started yet
-    action = sus.args["plan"]["action"]
-    assert action["kind"] == "microbatches" and action["strategy"] == "S2"
-    assert action["session"] == sus.args["session"] == ctl.session
-    assert action["replica_mb_s"] == [FAST_MB, SLOW_MB, FAST_MB, FAST_MB]
-    plan = action["plan"]
+    action = sus.action
+    assert action.KIND == "microbatches" and action.strategy == "S2"
+    assert action.session == sus.args["session"] == ctl.session
+    assert action.replica_mb_s == [FAST_MB, SLOW_MB, FAST_MB, FAST_MB]
+    plan = action.plan
     assert sum(plan) == TOTAL and len(plan) == 4 and all(m >= 1 for m in plan)
     assert plan[1] < 4 and min(plan) == plan[1]  # the straggler gets the fewest
     assert plan == plan_microbatches([FAST_MB, SLOW_MB, FAST_MB, FAST_MB], TOTAL)
@@ -247,9 +248,9 @@ def test_s2_not_enough_escalates_to_s4_only_after_s2_was_judged():
     assert "S2 judged not enough" in dec["reason"]
     assert dec["overhead_s"] == 2.0
     (sus,) = commands(out, "suspend")
-    action = sus.args["plan"]["action"]
-    assert action["kind"] == "restart" and action["strategy"] == "S4"
-    assert action["exclude_nodes"] == [0]  # rank 1 lives on node 0
+    action = sus.action
+    assert action.KIND == "restart" and action.strategy == "S4"
+    assert action.exclude_nodes == [0]  # rank 1 lives on node 0
     assert job.ctl.state is State.MITIGATING
 
     out = job.apply(sus)
@@ -329,9 +330,9 @@ def test_recovery_under_s2_reverts_to_the_even_plan_once_and_closes_the_episode(
     (dec,) = decisions(out)
     assert dec["action"] == "revert" and dec["strategy"] == "S2"
     (sus,) = commands(out, "suspend")
-    action = sus.args["plan"]["action"]
-    assert action["kind"] == "microbatches" and action["strategy"] == "revert"
-    assert action["plan"] == EVEN
+    action = sus.action
+    assert action.KIND == "microbatches" and action.strategy == "revert"
+    assert action.plan == EVEN
     assert ctl.state is State.MITIGATING and ctl.episode is not None  # open until it is applied
 
     out = job.apply(sus)
@@ -363,8 +364,8 @@ def test_a_recovery_during_the_s2_suspension_is_judged_once_s2_is_in_effect():
     job.it = mit["iteration"] - 1
     out, _ = job.run_until("fail_slow_recovered")
     (sus2,) = commands(out, "suspend")
-    assert sus2.args["plan"]["action"]["strategy"] == "revert"
-    assert sus2.args["plan"]["action"]["plan"] == EVEN
+    assert sus2.action.strategy == "revert"
+    assert sus2.action.plan == EVEN
 
 
 # --- 4. suspensions that do not go through ---------------------------------------------
@@ -436,7 +437,7 @@ def test_a_rank_that_missed_the_iteration_gets_a_retry_with_a_new_session():
     assert missed["rank"] == 2 and missed["at"] == k + 1
     (again,) = commands(out, "suspend")
     assert again.args["session"] == s + 1 and again.iteration > k
-    assert again.args["plan"]["action"]["plan"] == sus.args["plan"]["action"]["plan"]
+    assert again.action.plan == sus.action.plan
     assert ctl.state is State.MITIGATING and not events(out, "mitigation_failed")
     # a stale ack of the old session is ignored
     assert ctl.handle(SessionAck(1, s, "held", k, job.t), job.t) == []
@@ -451,7 +452,7 @@ def test_the_retried_action_carries_the_retry_session():
     s, k = sus.args["session"], sus.iteration
     out = job.ctl.handle(SessionAck(2, s, "missed", k + 1, job.t), job.t)
     (again,) = commands(out, "suspend")
-    assert again.args["plan"]["action"]["session"] == again.args["session"]
+    assert again.action.session == again.args["session"]
 
 
 def test_a_rank_that_keeps_missing_fails_the_mitigation():
@@ -492,8 +493,7 @@ def test_operator_s2_with_an_explicit_plan_suspends_with_that_plan():
     (ev,) = events(out, "operator_mitigate")
     assert ev["strategy"] == "S2"
     (sus,) = commands(out, "suspend")
-    assert sus.args["plan"]["action"] == {"kind": "microbatches", "strategy": "S2", "plan": [6, 2, 4, 4],
-                                          "session": sus.args["session"]}
+    assert sus.action == MicrobatchPlan("S2", [6, 2, 4, 4], session=sus.args["session"])
     assert ctl.state is State.MITIGATING
     # busy: a second request is ignored
     (ign,) = events(mitigate(job, strategy="S2", plan=[4, 4, 4, 4]), "operator_ignored")
@@ -511,14 +511,14 @@ def test_operator_s2_without_a_plan_balances_and_revert_evens():
     job = _operator_job()
     out = mitigate(job, strategy="S2")
     (sus,) = commands(out, "suspend")
-    assert sus.args["plan"]["action"]["plan"] == [5, 2, 5, 4]
+    assert sus.action.plan == [5, 2, 5, 4]
     job.apply(sus)
     job.micro = [5, 2, 5, 4]
     job.advance()
     out = mitigate(job, strategy="revert")
     (sus,) = commands(out, "suspend")
-    assert sus.args["plan"]["action"]["strategy"] == "revert"
-    assert sus.args["plan"]["action"]["plan"] == EVEN
+    assert sus.action.strategy == "revert"
+    assert sus.action.plan == EVEN
 
 
 @pytest.mark.parametrize("plan", [
@@ -573,8 +573,8 @@ def test_operator_s4_restarts_without_the_given_nodes():
     job = _operator_job()
     out = mitigate(job, strategy="S4", exclude_nodes=[1])
     (sus,) = commands(out, "suspend")
-    action = sus.args["plan"]["action"]
-    assert action["kind"] == "restart" and action["exclude_nodes"] == [1] and action["reason"] == "operator"
+    action = sus.action
+    assert action.KIND == "restart" and action.exclude_nodes == [1] and action.reason == "operator"
     out = job.apply(sus)
     (mit,) = events(out, "mitigation")
     assert mit["strategy"] == "S4" and mit["exclude_nodes"] == [1] and mit["trigger"] == "operator"
@@ -609,7 +609,7 @@ def test_s2_without_compute_times_fails_and_the_planner_moves_on_to_s4():
     out, it2 = job.run_until("mitigation_decision")
     (dec,) = decisions(out)
     assert dec["strategy"] == "S4" and it2 == ONSET + 7
-    assert commands(out, "suspend")[0].args["plan"]["action"]["exclude_nodes"] == [0]
+    assert commands(out, "suspend")[0].action.exclude_nodes == [0]
 
 
 def test_without_compute_times_s2_is_unavailable_and_never_decided():

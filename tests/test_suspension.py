@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from falconext.control.messages import SessionAck, ValidationResult
+from falconext.control.messages import MicrobatchPlan, SessionAck, ValidationResult
 from falconext.trace.trap import Trap
 from falconext.validate.suspension import Bench, Suspension
 
@@ -180,3 +180,20 @@ def test_a_budget_that_is_not_reached_changes_nothing():
     assert calls == [("barrier",), ("gemm", 64, 2), ("barrier",), ("barrier",), ("passes", 2)]
     (result,) = [m for m in posted if isinstance(m, ValidationResult)]
     assert result.error == "" and not sus.budget_spent and "budget_spent" not in events[0][1]
+
+
+def test_an_action_is_committed_typed_once_every_rank_holds_go():
+    action = MicrobatchPlan("S2", [3, 1], session=5)
+    committed, posted, events, calls = [], [], [], []
+    bench = Bench(lambda n, r: 0.0, lambda *a: [], lambda: calls.append("barrier"))
+    sus = Suspension(0, 5, 40, {}, bench, posted.append, lambda t, **f: events.append((t, f)),
+                     commit=committed.append, action=action)
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    assert committed == [action] and calls == ["barrier"]  # the agreement, no validation
+    assert posted[-1].committed and events[0][1]["committed"] is True
+    # without the action nothing is committed and the event says nothing of it
+    sus = Suspension(0, 6, 40, {}, bench, posted.append, lambda t, **f: events.append((t, f)), commit=committed.append)
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    assert committed == [action] and "committed" not in events[-1][1]

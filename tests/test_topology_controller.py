@@ -12,7 +12,8 @@ import pytest
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
-from falconext.control.messages import Command, FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
+from falconext.control.messages import (Command, FailSlowReport, Heartbeat, ProfileData, SessionAck, TopologyChange,
+                                         ValidationResult)
 from falconext.mitigate.mitigation import healthy_mb_s, link_excess, topology_inputs
 from test_controller import commands, events
 
@@ -86,13 +87,13 @@ def test_link_on_the_dp_path_is_moved_by_s3():
     assert d["strategy"] == "S3" and d["impact_s"] >= d["overhead_s"]
     assert d["overhead_s"] == pytest.approx(SWITCH_S + PAUSE)  # the probe's pause + the last suspension
     (sus,) = commands(decided, "suspend")
-    action = sus.args["plan"]["action"]
-    assert action["kind"] == "topology" and sorted(action["roles"]) == [0, 1, 2, 3]
-    roles = action["roles"]
+    action = sus.action
+    assert action.KIND == "topology" and sorted(action.roles) == [0, 1, 2, 3]
+    roles = action.roles
     process_of = {r: p for p, r in enumerate(roles)}
     dp_groups = [{process_of[0], process_of[1]}, {process_of[2], process_of[3]}]
     assert {0, 1} not in dp_groups, roles
-    before, after = action["predicted_s"]
+    before, after = action.predicted_s
     assert after < before
 
 
@@ -128,11 +129,11 @@ def test_two_stragglers_in_different_stages_are_consolidated_by_s3(case):
             break
     assert decided is not None, "S3 was never decided"
     (sus,) = commands(decided, "suspend")
-    action = sus.args["plan"]["action"]
-    roles = action["roles"]
+    action = sus.action
+    roles = action.roles
     assert roles[0] // 2 == roles[3] // 2, roles  # one stage (TP1 x DP2: ranks 2s, 2s+1)
-    assert "slow GPUs {0: 2.0, 3: 2.0}" in action["model_inputs"]
-    before, after = action["predicted_s"]
+    assert "slow GPUs {0: 2.0, 3: 2.0}" in action.model_inputs
+    before, after = action.predicted_s
     assert after < before
 
 
@@ -144,8 +145,7 @@ def test_operator_s3_checks_the_roles():
     assert "must be a permutation of the 4 ranks" in ign["reason"]
     out = ctl.handle(Command("mitigate", 0.0, args={"strategy": "S3", "roles": [0, 2, 1, 3]}), 111.0)
     (sus,) = commands(out, "suspend")
-    assert sus.args["plan"]["action"] == {"kind": "topology", "strategy": "S3", "roles": [0, 2, 1, 3],
-                                          "session": sus.args["session"]}
+    assert sus.action == TopologyChange([0, 2, 1, 3], session=sus.args["session"])
 
 
 # --- pure inputs ------------------------------------------------------------------------

@@ -52,11 +52,16 @@ from falconext.control.messages import (
     FailSlowReport,
     Heartbeat,
     Localized,
+    MicrobatchPlan,
+    MitigationAction,
     NodeHealth,
     ProfileData,
+    Restart,
     SessionAck,
     StatusSnapshot,
+    TopologyChange,
     ValidationResult,
+    action_details,
     encode,
 )
 from falconext.mitigate.mitigation import (
@@ -156,7 +161,7 @@ class Controller:
         self._tries = 0
         self._iteration = 0
         self._go_sent = False
-        self._action: dict[str, Any] | None = None  # the action of the MITIGATING session
+        self._action: MitigationAction | None = None  # the action of the MITIGATING session
         self._last_pause_s = 0.0
         self.localizations: list[Localized] = []
         #: healthy inter-node link times (node pair -> s), from the baseline session
@@ -426,14 +431,13 @@ class Controller:
         wait = (self._iteration - latest + 1) * max(iter_s, 0.05)
         self._deadline = now + wait + self.cfg.suspend_deadline_s + self.cfg.control_slack_s
         if state is State.MITIGATING and self._action is not None:
-            self._action["session"] = self.session  # a retry is a new session
-        plan = self._plan if state is State.VALIDATING else {"action": self._action}
-        cmd = Command(
-            "suspend",
-            self.cfg.suspend_deadline_s,
-            iteration=self._iteration,
-            args={"session": self.session, "plan": plan},
-        )
+            self._action = dataclasses.replace(self._action, session=self.session)  # a retry is a new session
+        if state is State.VALIDATING:
+            cmd = Command("suspend", self.cfg.suspend_deadline_s, iteration=self._iteration,
+                          args={"session": self.session, "plan": self._plan})
+        else:
+            cmd = Command("suspend", self.cfg.suspend_deadline_s, iteration=self._iteration,
+                          args={"session": self.session}, action=self._action)
         change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
         return change + [Output("command", cmd)]
 
@@ -644,17 +648,17 @@ class Controller:
             mit.planner.failed(d.strategy, reason)
         return [_event("mitigation_failed", session=self.session, strategy=d.strategy, action=d.action, reason=reason)]
 
-    def _start_action(self, action: dict[str, Any], now: float) -> list[Output]:
+    def _start_action(self, action: MitigationAction, now: float) -> list[Output]:
         self.session += 1
         self._acks.clear()
         self._tries = 0
         self._go_sent = False
-        self._action = dict(action, session=self.session)
+        self._action = dataclasses.replace(action, session=self.session)
         return self._suspend(now, State.MITIGATING)
 
     def _mitigated(self, now: float, timed_out: bool = False) -> list[Output]:
         """The action's suspension is over: applied on every rank, or on none."""
-        action, self._action = self._action or {}, None
+        action, self._action = self._action, None
         acks = self._acks.get("resumed", {})
         # A rank commits only past a barrier that every rank must enter (Suspension._agree),
         # so one rank's "committed" means all committed: a lost ack must not turn an action
@@ -669,7 +673,7 @@ class Controller:
         d = mit.in_flight if mit is not None else None
         if mit is not None:
             mit.in_flight = None
-        strategy = action.get("strategy", "?")
+        strategy = action.strategy if action is not None else "?"
         if not committed:
             reason = "timed out" if timed_out else "not every rank committed the action"
             if mit is not None and d is not None:
@@ -684,7 +688,7 @@ class Controller:
             overhead += max((b.switch_s for b in self.beats.values()), default=0.0)
         elif strategy == "S4" and d is not None and d.overhead_s is not None:
             overhead += d.overhead_s  # the measured save + restart + load estimate; the run logs the real downtime
-        fields = {k: v for k, v in action.items() if k not in ("kind", "strategy", "session")}
+        fields = action_details(action) if action is not None else {}
         out.append(_event("mitigation", strategy=strategy, session=self.session, iteration=effective,
                           pause_s=round(pause, 4), overhead_s=round(overhead, 4),
                           impact_s=None if mit is None else round(mit.planner.impact_s, 4),
@@ -877,19 +881,19 @@ class Controller:
             if (not isinstance(plan, list) or len(plan) != n or sum(plan) != view.total
                     or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in plan)):
                 return [_event("operator_ignored", reason=f"plan {plan!r} must give {n} replicas >= 1 each, {view.total} in all")]
-            action = {"kind": "microbatches", "strategy": strategy, "plan": plan}
+            action: MitigationAction = MicrobatchPlan(strategy, plan)
         elif strategy == "S3":
             roles = cmd.args.get("roles")
             world = len(self.beats)
             if (not isinstance(roles, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in roles)
                     or sorted(roles) != list(range(world))):
                 return [_event("operator_ignored", reason=f"roles {roles!r} must be a permutation of the {world} ranks")]
-            action = {"kind": "topology", "strategy": "S3", "roles": roles}
+            action = TopologyChange(roles)
         elif strategy == "S4":
             nodes = cmd.args.get("exclude_nodes", [])
             if not isinstance(nodes, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in nodes):
                 return [_event("operator_ignored", reason=f"exclude_nodes {nodes!r} must be node numbers")]
-            action = {"kind": "restart", "strategy": "S4", "exclude_nodes": nodes, "reason": "operator"}
+            action = Restart(nodes, reason="operator")
         else:
             return [_event("operator_ignored", reason=f"unknown strategy {strategy!r} (S2, S3, S4 or revert)")]
         return [_event("operator_mitigate", strategy=strategy)] + self._start_action(action, now)

@@ -14,8 +14,8 @@ import json
 import math
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Union
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar, Union
 
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -164,24 +164,124 @@ class Localized:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
+# --- mitigation actions: what every rank applies from the iteration after a suspension ------
+#
+# They travel inside a suspend :class:`Command` (its ``action`` field), tagged on the wire by
+# ``"kind"`` (each class's ``KIND``), and are decoded as strictly as the messages: exactly
+# the class's fields, each of its declared type. ``session`` is the suspension that
+# committed the action (0: none, e.g. an override from the command line).
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    """S2 (or its revert to the even plan): micro-batches per DP replica.
+
+    ``replica_mb_s`` is the compute seconds per micro-batch per replica the plan balanced
+    (after the GEMM cap), ``measured_mb_s`` the heartbeats' figures where the cap changed
+    them (None: not given, e.g. an operator's plan).
+    """
+
+    KIND: ClassVar[str] = "microbatches"
+    STRATEGIES: ClassVar[tuple[str, ...]] = ("S2", "revert")
+
+    strategy: str
+    plan: list[int]
+    session: int = 0
+    replica_mb_s: list[float] | None = None
+    measured_mb_s: list[float] | None = None
+
+    def check(self) -> None:
+        """The strategy is S2 or revert."""
+        _check_strategy(self)
+
+
+@dataclass(frozen=True)
+class TopologyChange:
+    """S3: the role (torch rank) each process plays from the next iteration.
+
+    ``roles[p]`` is process p's role. The planner adds what its model predicted
+    (``predicted_s``: iteration seconds before and after), the processes it ``moved``,
+    ``why`` and the ``model_inputs``; an override from the command line is ``forced`` or
+    has ``reason`` "forced"; a ``probe`` switches to the same roles to measure the
+    switch's cost (its ``roles`` are ignored).
+    """
+
+    KIND: ClassVar[str] = "topology"
+    STRATEGIES: ClassVar[tuple[str, ...]] = ("S3",)
+
+    roles: list[int]
+    strategy: str = "S3"
+    session: int = 0
+    predicted_s: list[float] | None = None
+    moved: list[int] | None = None
+    why: str | None = None
+    model_inputs: str | None = None
+    reason: str | None = None
+    forced: bool = False
+    probe: bool = False
+
+    def check(self) -> None:
+        """The strategy is S3."""
+        _check_strategy(self)
+
+
+@dataclass(frozen=True)
+class Restart:
+    """S4: every rank saves a checkpoint and the job restarts without ``exclude_nodes``."""
+
+    KIND: ClassVar[str] = "restart"
+    STRATEGIES: ClassVar[tuple[str, ...]] = ("S4",)
+
+    exclude_nodes: list[int]
+    reason: str = ""
+    strategy: str = "S4"
+    session: int = 0
+
+    def check(self) -> None:
+        """The strategy is S4 and the nodes are node numbers (>= 0)."""
+        _check_strategy(self)
+        bad = [n for n in self.exclude_nodes if n < 0]
+        if bad:
+            raise MessageError(f"Restart.exclude_nodes: node numbers are >= 0, got {bad}")
+
+
+#: what a suspension may carry for every rank to apply
+MitigationAction = Union[MicrobatchPlan, TopologyChange, Restart]
+ACTION_TYPES: dict[str, type] = {cls.KIND: cls for cls in (MicrobatchPlan, TopologyChange, Restart)}
+
+
+def action_details(action: MitigationAction) -> dict[str, Any]:
+    """An action's fields for an event, as the untyped actions had them: all but the
+    strategy and the session, leaving out those not given (None) and flags not set."""
+    return {f.name: getattr(action, f.name) for f in fields(action)
+            if f.name not in ("strategy", "session") and getattr(action, f.name) not in (None, False)}
+
+
+def _check_strategy(action: Any) -> None:
+    if action.strategy not in action.STRATEGIES:
+        raise MessageError(f"{type(action).__name__}.strategy: expected one of {', '.join(action.STRATEGIES)}, "
+                           f"got {action.strategy!r}")
+
+
 @dataclass(frozen=True)
 class Command:
     """Controller -> ranks (and operator -> controller).
 
     kinds: ``profile`` (send ProfileData; args: session, window_s), ``suspend`` (trap
-    at loop iteration ``iteration``, at most ``deadline_s``; args: session, plan; a
-    plan may carry an ``action`` to apply from the next iteration), ``go`` and
-    ``release`` (args: session), and from an operator (``falconext ctl``): ``validate``,
-    ``mitigate`` (args: strategy S2|S3|S4|revert, optional plan, roles or
-    exclude_nodes), ``mute``, ``unmute`` and ``set`` (args: name, value). An operator's
-    command may carry ``args["id"]``: the controller then answers with a
-    :class:`CommandReply` of that id.
+    at loop iteration ``iteration``, at most ``deadline_s``; args: session and plan, what
+    to validate; or ``action``: the mitigation to apply from the next iteration once every
+    rank agrees), ``go`` and ``release`` (args: session), and from an operator
+    (``falconext ctl``): ``validate``, ``mitigate`` (args: strategy S2|S3|S4|revert,
+    optional plan, roles or exclude_nodes), ``mute``, ``unmute`` and ``set`` (args: name,
+    value). An operator's command may carry ``args["id"]``: the controller then answers
+    with a :class:`CommandReply` of that id.
     """
 
     kind: str
     deadline_s: float
     iteration: int | None = None
     args: dict[str, Any] = field(default_factory=dict)
+    action: MitigationAction | None = None
 
 
 @dataclass(frozen=True)
@@ -242,8 +342,21 @@ def encode(msg: Any) -> str:
     name = type(msg).__name__
     if MESSAGE_TYPES.get(name) is not type(msg):
         raise MessageError(f"not a message type: {name}")
-    return json.dumps({"v": SCHEMA_VERSION, "type": name, "body": asdict(msg)}, separators=(",", ":"), allow_nan=False)
+    return json.dumps({"v": SCHEMA_VERSION, "type": name, "body": _data(msg)}, separators=(",", ":"), allow_nan=False)
 
+
+def _data(obj: Any) -> Any:
+    """``obj`` as plain JSON data: a dataclass as the object of its fields (a tagged one,
+    such as an action, led by its ``kind``), lists and objects item by item."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: _data(getattr(obj, f.name)) for f in fields(obj)}
+        kind = getattr(type(obj), "KIND", None)
+        return {"kind": kind, **out} if kind is not None else out
+    if isinstance(obj, (list, tuple)):
+        return [_data(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _data(v) for k, v in obj.items()}
+    return obj
 
 
 @functools.lru_cache(maxsize=None)
@@ -287,24 +400,36 @@ def decode(data: str | bytes, accept: set[str] | None = None, max_bytes: int = M
     body = obj["body"]
     if not isinstance(body, dict):
         raise MessageError(f"{name}: body must be an object")
+    return _build(cls, body, name)
+
+
+def _build(cls: type, body: dict[str, Any], where: str) -> Any:
+    """An instance of the dataclass ``cls`` from the JSON object ``body``: exactly its
+    fields (and, for a tagged class, its ``kind``), each of its declared type, then its
+    own ``check`` (the shape of rows inside lists, allowed values)."""
     declared, hints = _schema(cls)
+    kind = getattr(cls, "KIND", None)
+    if kind is not None:
+        if body.get("kind") != kind:
+            raise MessageError(f"{where}: kind {body.get('kind')!r} is not {kind!r}")
+        body = {k: v for k, v in body.items() if k != "kind"}
     unknown = sorted(set(body) - set(declared))
     if unknown:
-        raise MessageError(f"{name}: unknown field(s) {', '.join(unknown)}")
+        raise MessageError(f"{where}: unknown field(s) {', '.join(map(str, unknown))}")
     values = {}
     for fname, f in declared.items():
         if fname not in body:
             if f.default is not MISSING or f.default_factory is not MISSING:
                 continue  # optional: the dataclass default applies
-            raise MessageError(f"{name}: missing field {fname}")
-        values[fname] = _check(body[fname], hints[fname], f"{name}.{fname}")
+            raise MessageError(f"{where}: missing field {fname}")
+        values[fname] = _check(body[fname], hints[fname], f"{where}.{fname}")
     try:
         msg = cls(**values)
     except TypeError as exc:
-        raise MessageError(f"{name}: {exc}") from None
+        raise MessageError(f"{where}: {exc}") from None
     check = getattr(msg, "check", None)
     if check is not None:
-        check()  # the shape of rows inside lists: MessageError naming the row
+        check()  # MessageError naming the problem
     return msg
 
 
@@ -323,6 +448,15 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
+        tagged = {getattr(o, "KIND"): o for o in options if is_dataclass(o) and hasattr(o, "KIND")}
+        if tagged:  # a tagged union (the actions): "kind" names the class, whose errors are kept
+            if not isinstance(value, dict):
+                raise MessageError(f"{where}: expected an object")
+            kind = value.get("kind")
+            cls = tagged.get(kind) if isinstance(kind, str) else None
+            if cls is None:
+                raise MessageError(f"{where}: unknown kind {kind!r} (expected one of {', '.join(sorted(tagged))})")
+            return _build(cls, value, f"{where}({kind})")
         for opt in options:
             if opt is type(None):
                 continue
@@ -333,6 +467,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         raise MessageError(f"{where}: {value!r} is not a {hint}")
     if hint is Any:
         return _check_json_value(value, where)
+    if is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected an object")
+        return _build(hint, value, where)
     if hint is bool:
         if isinstance(value, bool):
             return value

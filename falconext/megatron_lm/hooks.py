@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches, parse_topology
+from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 from falconext.sim.itertime import check_roles
 
 #: the environment variable holding the launcher's ``--falcon*`` flags (a JSON list)
@@ -325,9 +326,9 @@ class Session:
         action = self.runtime.before_iteration(iteration) if self.cfg.loop_hooks else None
         if self._restart is None:  # operator overrides: a restart at a given iteration
             if self.flags.falcon_force_restart == iteration:
-                action = {"kind": "restart", "exclude_nodes": [], "strategy": "S4", "reason": "forced"}
+                action = Restart([], reason="forced")
             elif self.forced_topology is not None and self.forced_topology[0] == iteration:
-                action = {"kind": "topology", "roles": self.forced_topology[1], "strategy": "S3", "reason": "forced"}
+                action = TopologyChange(list(self.forced_topology[1]), reason="forced")
         if action is not None:
             self._apply(action, iteration)
 
@@ -336,11 +337,10 @@ class Session:
         if self.runtime is not None:
             self.runtime.after_step(self._micro, self._forward_s)
 
-    def _apply(self, action: dict[str, Any], iteration: int) -> None:
+    def _apply(self, action: MitigationAction, iteration: int) -> None:
         from falconext.megatron_lm.sampler import PlanError
 
-        kind = action.get("kind")
-        if kind == "microbatches":
+        if isinstance(action, MicrobatchPlan):
             why = self.s2_refused or (None if self.sampler_planned else
                                       "the training data loader does not draw from Megatron's single sampler")
             if why:
@@ -348,17 +348,18 @@ class Session:
                 return
             start = iteration + self._prefetch_lag()
             try:
-                self.schedule.set(start, action.get("plan"))
+                self.schedule.set(start, action.plan)
             except PlanError as exc:  # agreed but impossible: every rank refuses alike
                 self.events.emit("control_error", rank=self.process, error=f"plan not applied: {exc}")
                 return
             if self.rank == 0:
                 self.events.emit("plan_applied", iteration=start, plan=self.schedule.plan_at(start),
-                                 strategy=action.get("strategy", "S2"), committed_at=iteration)
-        elif kind in ("restart", "topology"):
+                                 strategy=action.strategy, committed_at=iteration)
+        elif isinstance(action, (Restart, TopologyChange)):
             self._request_restart(action, iteration)
         else:
-            self.events.emit("control_error", rank=self.process, error=f"not applied inside Megatron-LM: {kind!r}")
+            self.events.emit("control_error", rank=self.process,
+                             error=f"not applied inside Megatron-LM: {type(action).__name__}")
 
     def _prefetch_lag(self) -> int:
         """Iterations the training data loader may have drawn ahead: a plan starts after them."""
@@ -369,19 +370,19 @@ class Session:
         # replica runs at least one micro-batch per iteration
         return 2 * workers + 1
 
-    def _request_restart(self, action: dict[str, Any], iteration: int) -> None:
+    def _request_restart(self, action: Restart | TopologyChange, iteration: int) -> None:
         """S4 (and S3, a restart with new roles) through Megatron's own exit path: its signal
         handler sees the signal after this step, every rank saves with ``save_checkpoint``
         and Megatron exits 0; rank 0 leaves the launcher a restart request at exit."""
         a = self.margs
-        strategy = "S3" if action.get("kind") == "topology" else "S4"
+        strategy = "S3" if isinstance(action, TopologyChange) else "S4"
         why = None
         if not getattr(a, "exit_signal_handler", False) or not getattr(a, "save", None):
             why = "Megatron-LM runs without --exit-signal-handler or --save"
         roles: list[int] | None = None
         if strategy == "S3" and why is None:
             try:
-                roles = list(check_roles(action.get("roles") or [], self.world))
+                roles = list(check_roles(action.roles if isinstance(action, TopologyChange) else [], self.world))
             except ValueError as exc:
                 why = str(exc)
             if why is None and int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) != self.world:
@@ -389,15 +390,16 @@ class Session:
         if why is not None:
             self.events.emit("control_error", rank=self.process, error=f"{strategy} not applied: {why}")
             return
-        self._restart = {"iteration": iteration + 1, "exclude_nodes": [int(n) for n in action.get("exclude_nodes", [])],
-                         "session": int(action.get("session", 0)), "reason": str(action.get("reason", "")),
+        nodes = action.exclude_nodes if isinstance(action, Restart) else []
+        self._restart = {"iteration": iteration + 1, "exclude_nodes": [int(n) for n in nodes],
+                         "session": action.session, "reason": action.reason or "",
                          "requested_at": time.time(), "checkpoint": a.save,
                          "extra": {"strategy": strategy, **({"roles": roles} if roles is not None else {})}}
         if self.rank == 0:
             fields: dict[str, Any] = {"roles": roles} if roles is not None else {}
             self.events.emit("restart_requested", iteration=iteration, resume_at=iteration + 1,
                              exclude_nodes=self._restart["exclude_nodes"], strategy=strategy,
-                             forced=action.get("reason") == "forced", **fields)
+                             forced=action.reason == "forced", **fields)
         sig = getattr(a, "exit_signal", signal.SIGTERM)
         signal.raise_signal(sig)
 

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Planner
 from falconext.mitigate.topology import Layout, TopologyPlan, plan_topology
@@ -250,7 +251,7 @@ def straggler_recovered(times: list[float], slow: set[int], margin: float) -> bo
     return max(mine) <= (1.0 + margin) * statistics.median(others)
 
 
-def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None) -> dict[str, Any] | str:
+def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None) -> MitigationAction | str:
     """What every rank must do to apply the planner's decision ``d`` (the suspension's
     action), or why it cannot be done now."""
     if d.action == "revert":
@@ -258,7 +259,7 @@ def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replic
         if view is None:
             return "replica layout unknown"
         n = len(view.plan)
-        return {"kind": "microbatches", "strategy": "revert", "plan": [view.total // n] * n}
+        return MicrobatchPlan("revert", [view.total // n] * n)
     if d.strategy == "S2":
         view = replica_view(beats.values())
         if view is None:
@@ -275,22 +276,20 @@ def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replic
             return f"no plan: {exc}"
         if plan == view.plan:
             return f"the balanced plan {plan} is the plan in effect"
-        action = {"kind": "microbatches", "strategy": "S2", "plan": plan, "replica_mb_s": times}
-        if times != view.times:
-            action["measured_mb_s"] = view.times
-        return action
+        return MicrobatchPlan("S2", plan, replica_mb_s=times,
+                              measured_mb_s=list(view.times) if times != view.times else None)
     if d.strategy == "S3":
         plan_or_why = topology_for(mit, beats)
         if isinstance(plan_or_why, str):
             return plan_or_why
-        return {"kind": "topology", "strategy": "S3", "roles": list(plan_or_why.roles),
-                "predicted_s": [round(plan_or_why.predicted_before_s, 4), round(plan_or_why.predicted_after_s, 4)],
-                "moved": list(plan_or_why.moved_processes), "why": plan_or_why.reason,
-                "model_inputs": mit.model_inputs}
+        return TopologyChange(list(plan_or_why.roles),
+                              predicted_s=[round(plan_or_why.predicted_before_s, 4),
+                                           round(plan_or_why.predicted_after_s, 4)],
+                              moved=list(plan_or_why.moved_processes), why=plan_or_why.reason,
+                              model_inputs=mit.model_inputs)
     if d.strategy == "S4":
         node_of = {r: b.node for r, b in beats.items()}
-        return {"kind": "restart", "strategy": "S4", "exclude_nodes": exclude_nodes(mit.gpus, mit.links, node_of),
-                "reason": d.reason}
+        return Restart(exclude_nodes(mit.gpus, mit.links, node_of), reason=d.reason)
     return f"{d.strategy} is not available"
 
 

@@ -39,7 +39,7 @@ import torch
 
 from falconext.config import FalconConfig
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
-from falconext.control.messages import Command, FailSlowReport, SessionAck
+from falconext.control.messages import Command, FailSlowReport, MitigationAction, SessionAck
 from falconext.control.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
 from falconext.validate.gemm import gemm_benchmark
@@ -98,7 +98,7 @@ class FalconRuntime:
         #: the role this process plays, for the heartbeats (see :meth:`set_role`)
         self.role: dict[str, int] = {}
         self._mb_s: collections.deque[float] = collections.deque(maxlen=8)
-        self._action: tuple[int, dict[str, Any]] | None = None
+        self._action: tuple[int, MitigationAction] | None = None
         self._micro = 0
         self._enabled = True
         #: loop iterations run with falconext on (the denominator of the per-iteration cost)
@@ -136,7 +136,7 @@ class FalconRuntime:
 
     # --- called by the training loop --------------------------------------------------------
 
-    def before_iteration(self, it: int) -> dict[str, Any] | None:
+    def before_iteration(self, it: int) -> MitigationAction | None:
         """Arms a scheduled suspension; returns the action committed for this iteration."""
         self._iteration = it
         self.iterations_on += self._enabled
@@ -365,7 +365,7 @@ class FalconRuntime:
     def schedule(self, cmd: Command) -> int | None:
         """Arm a suspension for ``cmd.iteration``; the current iteration if already past it."""
         session = cmd.args["session"]
-        plan = cmd.args.get("plan")
+        plan = cmd.args.get("plan", {} if cmd.action is not None else None)
         if cmd.iteration is None or not isinstance(plan, dict):
             self.events.emit("control_error", rank=self.rank, error="suspend without iteration or plan")
             return None
@@ -381,7 +381,8 @@ class FalconRuntime:
     def _suspension(self, cmd: Command, session: int, plan: dict[str, Any]) -> Suspension:
         """This rank's side of the suspension ``cmd`` asks for (either way of trapping)."""
         return Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
-                          commit=self._commit, resend_s=self.cfg.heartbeat_s, budget_s=self.cfg.validation_budget_s)
+                          commit=self._commit, resend_s=self.cfg.heartbeat_s, budget_s=self.cfg.validation_budget_s,
+                          action=cmd.action)
 
     def _schedule_by_calls(self, cmd: Command, session: int, plan: dict[str, Any]) -> int | None:
         """No loop hooks: trap the first call of ``cmd.iteration`` as this rank's calls
@@ -414,7 +415,7 @@ class FalconRuntime:
 
     # --- internals -----------------------------------------------------------------------
 
-    def _commit(self, action: dict[str, Any]) -> None:
+    def _commit(self, action: MitigationAction) -> None:
         """Runs on the trapped training thread of iteration K: the step of K is already
         under way with the old plan, so the action takes effect from K + 1 on every rank."""
         self._action = (self._iteration + 1, action)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from falconext.control.messages import SessionAck, ValidationResult
+from falconext.control.messages import MitigationAction, SessionAck, ValidationResult
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Bench:
 
 class Suspension:
     """One rank's part in suspension ``session`` (module docstring): built when the trap is
-    armed, :meth:`run` on the trapped training thread, :meth:`signal` from the control
+    armed, with the validation ``plan`` and/or the mitigation ``action`` it carries, :meth:`run` on the trapped training thread, :meth:`signal` from the control
     client. However it ends, it posts a final "resumed" acknowledgement and a
     "suspension" event; after "go" it posts a ValidationResult (a benchmark's error, or
     the note that ``budget_s`` ran out and the result is partial, goes into it, never to
@@ -59,9 +59,10 @@ class Suspension:
         bench: Bench,
         post: Callable[[Any], None],
         emit: Callable[..., Any],
-        commit: Callable[[dict[str, Any]], None] | None = None,
+        commit: Callable[[MitigationAction], None] | None = None,
         resend_s: float = 0.5,
         budget_s: float | None = None,
+        action: MitigationAction | None = None,
     ) -> None:
         self.rank = rank
         self.session = session
@@ -71,6 +72,8 @@ class Suspension:
         self.post = post
         self.emit = emit
         self.commit = commit
+        #: the mitigation this suspension carries: committed once every rank holds "go"
+        self.action = action
         self.resend_s = resend_s
         #: seconds validation may take once it starts (None: no budget)
         self.budget_s = budget_s
@@ -107,7 +110,7 @@ class Suspension:
         if self._go.is_set() and not self._release.is_set():
             if self.plan.get("gemm") or self.plan.get("passes"):
                 self.post(self._validate())
-            if isinstance(self.plan.get("action"), dict):
+            if self.action is not None:
                 self._agree()
         self.pause_s = time.monotonic() - t0
         self.post(
@@ -118,7 +121,7 @@ class Suspension:
             "suspension", rank=self.rank, session=self.session, iteration=self.iteration,
             outcome=outcome, pause_s=round(self.pause_s, 4),
             **({"fabric": self.bench.fabric} if self.plan.get("passes") and outcome == "validated" else {}),
-            **({"committed": self.committed} if "action" in self.plan else {}),
+            **({"committed": self.committed} if self.action is not None else {}),
             **({"budget_spent": True} if self.budget_spent else {}),
         )
 
@@ -135,8 +138,8 @@ class Suspension:
         except Exception as exc:  # the peers did not all come: apply nothing
             self.emit("control_error", rank=self.rank, error=f"action not agreed: {type(exc).__name__}: {exc}"[:300])
             return
-        if self.commit is not None:
-            self.commit(dict(self.plan["action"]))
+        if self.commit is not None and self.action is not None:
+            self.commit(self.action)
         self.committed = True
 
     def _out_of_budget(self, t0: float) -> bool:
