@@ -179,9 +179,10 @@ class FalconConfig:
     #: longest a rank stays suspended, whatever happens to the controller
     suspend_deadline_s: float = 4.0
     #: longest validation runs on the trapped training thread once "go" has come: checked
-    #: between benchmark steps (a GEMM round, a P2P sweep), and the ranks agree to stop at
-    #: the same step; what was measured by then is reported, marked partial. A step that
-    #: has begun is bounded by the validation group's timeout
+    #: between benchmark steps (a GEMM round, a P2P sweep), counting the next step as long
+    #: as the last of its kind, and the ranks agree to stop at the same step; what was
+    #: measured by then is reported, marked partial. A step that has begun is bounded by
+    #: the validation group's timeout
     validation_budget_s: float = 3.0
     #: a GPU (link) is slow when its GEMM (transfer) takes this x the median
     validation_slow_factor: float = 1.5

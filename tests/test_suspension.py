@@ -154,6 +154,25 @@ def test_validation_stops_when_its_budget_is_spent_and_reports_what_it_measured(
     assert [m.status for m in posted if isinstance(m, SessionAck)] == ["held", "resumed"]
 
 
+def test_a_step_that_would_overrun_the_budget_is_not_begun():
+    """A P2P sweep over a congested link took 2.5 s of a 3 s budget on the test bed and the
+    second sweep began anyway (5.5 s in all): a step is counted as long as the last of its
+    kind, so here the second of two 0.3 s sweeps is not begun under a 0.5 s budget."""
+    def slow_passes(*args):
+        time.sleep(0.3)
+        return [(1, 0, 0.01)]
+
+    sus, posted, _, calls = make(rank=0, plan={**PLAN, "gemm": [], "validation_sweeps": 2})
+    sus.bench.passes = slow_passes
+    sus.budget_s = 0.5
+    sus.signal("go")
+    t0 = time.monotonic()
+    sus.run(time.monotonic() + 5.0)
+    assert time.monotonic() - t0 < 0.5, time.monotonic() - t0
+    (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+    assert result.links == [[1, 0, 0.01]] and "after 1 of 2 steps" in result.error
+
+
 def test_every_rank_stops_at_the_step_where_any_rank_ran_out():
     asked: list[bool] = []
 

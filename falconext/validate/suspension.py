@@ -11,8 +11,9 @@ Deadlines: the wait for "go" ends at the trap's deadline whatever happens to the
 controller or Redis; a "release" ends it at once. While it waits, the rank says "held"
 again every ``resend_s``: one lost message must not cost the whole suspension. The
 validation itself has a budget (``budget_s``): before each benchmark step (a GEMM round,
-a P2P sweep) the ranks agree whether any of them has spent it (:attr:`Bench.agree_stop`),
-and if one has, every rank stops there and reports what it measured, marked partial.
+a P2P sweep) the ranks agree whether any of them has spent it, or would during a step as
+long as the last of its kind (:attr:`Bench.agree_stop`), and if one has, every rank stops
+there and reports what it measured, marked partial.
 The validation traffic runs on a dedicated process group whose timeout bounds a step
 that loses its peer.
 """
@@ -142,12 +143,14 @@ class Suspension:
             self.commit(self.action)
         self.committed = True
 
-    def _out_of_budget(self, t0: float) -> bool:
+    def _out_of_budget(self, t0: float, expected_s: float = 0.0) -> bool:
         """Before a benchmark step: stop here? True once this rank, or (with
-        :attr:`Bench.agree_stop`) any rank, has spent ``budget_s`` since ``t0``."""
+        :attr:`Bench.agree_stop`) any rank, has spent ``budget_s`` since ``t0``, or would
+        spend it during a step expected to take ``expected_s`` (as long as the last step of
+        its kind took: a second P2P sweep over a congested link is as slow as the first)."""
         if self.budget_s is None:
             return False
-        spent = time.monotonic() - t0 >= self.budget_s
+        spent = time.monotonic() - t0 + expected_s >= self.budget_s
         if self.bench.agree_stop is not None:
             spent = bool(self.bench.agree_stop(spent))
         self.budget_spent = spent
@@ -171,22 +174,28 @@ class Suspension:
             passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
             rounds = range(0, len(gemm), conc)
             steps = sweeps * len(rounds) + (sweeps if passes else 0)
+            last_s = 0.0  # the last step of the kind about to run: its expected time
             for _ in range(sweeps):  # each rank keeps its best sweep
                 for start in rounds:  # rounds: every rank takes part in each barrier
-                    if self._out_of_budget(t0):
+                    if self._out_of_budget(t0, last_s):
                         raise _BudgetSpent
+                    t_step = time.monotonic()
                     if conc < len(gemm):
                         self.bench.barrier()
                     if self.rank in gemm[start : start + conc]:
                         got = float(self.bench.gemm(int(plan["gemm_n"]), int(plan["gemm_repeats"])))
                         flops = got if flops is None else max(flops, got)
+                    last_s = time.monotonic() - t_step
                     done += 1
             p2p_conc = int(plan.get("p2p_concurrency", 0))
+            last_s = 0.0
             for _ in range(sweeps if passes else 0):  # each pair keeps its best sweep
-                if self._out_of_budget(t0):
+                if self._out_of_budget(t0, last_s):
                     raise _BudgetSpent
+                t_step = time.monotonic()
                 for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"]), p2p_conc):
                     best[(src, dst)] = min(float(sec), best.get((src, dst), math.inf))
+                last_s = time.monotonic() - t_step
                 done += 1
         except _BudgetSpent:
             error = (f"partial: validation budget of {self.budget_s:g} s spent after {done} of {steps} steps "
