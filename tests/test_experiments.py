@@ -362,7 +362,7 @@ def test_fig17_timeline_orders_onsets_detections_mitigations_and_phases(tmp_path
     result = JobResult(fig17.job(), tmp_path, summary, events)
     rows = fig17.timeline(result)
     marks = [(r["iteration"], r["what"]) for r in rows if "median_iter_s" not in r]
-    assert marks == [(45, "onset: link x8.0"), (55, "detected: link"), (70, "mitigation S3"),
+    assert marks == [(45, "onset: link x4.0"), (55, "detected: link"), (70, "mitigation S3"),
                      (110, "onset: compute x4.0"), (119, "detected: compute"), (130, "mitigation S4")]
     phases = {r["what"]: r["median_iter_s"] for r in rows if "median_iter_s" in r}
     assert phases == {"phase 0-44": 0.2, "phase 45-69": 0.4, "phase 70-109": 0.22, "phase 110-129": 0.5,

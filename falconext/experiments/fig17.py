@@ -2,7 +2,7 @@
 
 One real emulated job, TP1 x DP2 x PP2 on four one-rank nodes (links at 10 MB/s, a
 4 GFLOP/s device), with S2, S3 and S4 allowed. From iteration 45 the node 0-1 link,
-which carries stage 0's DP all-reduce, is congested 8x; from iteration 110 process 3's GPU
+which carries stage 0's DP all-reduce, is congested 4x; from iteration 110 process 3's GPU
 computes 4x slower. falconext must find each, and its ski-rental planner must choose
 what to do: the paper's timeline is S3 for the link, then S2 for the GPU, then, since S2
 cannot absorb a 4x GPU in DP 2, checkpoint-restart (S4) without the node. On the test bed
@@ -23,7 +23,7 @@ LINK_START = 45
 GPU_START = 110
 ITERS = 230
 FAULTS: tuple[dict[str, Any], ...] = (
-    {"kind": "link", "nodes": [0, 1], "factor": 8.0, "start": LINK_START},
+    {"kind": "link", "nodes": [0, 1], "factor": 4.0, "start": LINK_START},
     {"kind": "compute", "rank": 3, "factor": 4.0, "start": GPU_START},
 )
 PAPER_ORDER = ("S3", "S2", "S4")
@@ -115,7 +115,7 @@ def notes(base) -> list[str]:
     return [
         "Emulated device and links on a 2-core CPU host, 4 real megatron-core ranks over gloo; "
         "the paper's job is larger and its faults last minutes.",
-        "Faults: node 0-1 link 8x from iteration 45; process 3's GPU 4x from iteration 110. "
+        "Faults: node 0-1 link 4x from iteration 45; process 3's GPU 4x from iteration 110. "
         "A restart replaces the excluded node by a healthy one (the test bed's spare node).",
         "Phase medians skip the first two iterations after each boundary (a switch's pause).",
         f"The job's folder: {base}",
@@ -141,6 +141,6 @@ def draw(result: ExperimentResult, path: str) -> None:
                 rotation=90, fontsize=7, va="top", color=color)
     ax.set_xlabel("iteration")
     ax.set_ylabel("iteration time (s)")
-    ax.set_title("Compound fail-slow: link 8x at 45, GPU 4x at 110")
+    ax.set_title("Compound fail-slow: link 4x at 45, GPU 4x at 110")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
