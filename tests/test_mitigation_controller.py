@@ -673,3 +673,27 @@ def test_a_failed_revert_still_closes_the_episode():
     assert ctl.episode is None and events(out, "episode_end")
     out = ctl.handle(FailSlowReport(1, job.it + 5, job.it + 8, 2.0, HEALTHY, job.t + 5, event_id=9), job.t + 5)
     assert commands(out, "profile")
+
+
+def test_a_new_fail_slow_under_a_mitigation_in_force_is_localized_afresh():
+    """fig17's compound trace: a GPU slowed after S3 had moved a congested link's traffic,
+    and the controller read it as "S3 not enough" and restarted without the link's node.
+    A new event whose onset is after the strategy settled opens its own episode; a ladder
+    update of the episode's own event, or an onset before the strategy settled, does not."""
+    job = Job()
+    effective = _s2_applied(job)
+    job.advance(CFG.mitigation_settle_iterations + 2)
+    ctl = job.ctl
+    session = ctl.session
+    # the old event again (a ladder update), and a new one from before S2 had settled
+    out = ctl.handle(FailSlowReport(1, ONSET, job.it, 2.2, HEALTHY, job.t, event_id=7), job.t)
+    out += ctl.handle(FailSlowReport(2, effective + 1, job.it, 1.3, HEALTHY, job.t, event_id=3), job.t)
+    assert not events(out, "episode_end") and ctl.session == session and ctl.state is State.TRACKING
+    # a new fail-slow on rank 3, well after S2 settled
+    new_onset = effective + CFG.mitigation_settle_iterations + 1
+    out = ctl.handle(FailSlowReport(3, new_onset, job.it, 1.8, SLOW * 0.8, job.t, event_id=9), job.t)
+    (end,) = events(out, "episode_end")
+    assert end["reason"] == "superseded by a new fail-slow" and end["rank"] == 3
+    assert ctl.state is State.PROFILING and ctl.session > session and commands(out, "profile")
+    assert ctl.episode.reporters == {3: 9} and ctl.episode.onsets == [new_onset]
+    assert ctl.episode.mitigation is None  # the new fault gets its own localization and planner

@@ -316,6 +316,12 @@ class Controller:
                 if self.state is State.TRACKING:
                     return self._maybe_close()
             return []
+        if ep is not None and self._new_fail_slow(ep, rep):
+            # a second fault under a mitigation in force: localize it, do not blame the first
+            out = [_event("episode_end", session=self.session, ranks=sorted(ep.ended),
+                          reason="superseded by a new fail-slow", rank=rep.rank, onset=rep.onset)]
+            self.episode = None
+            return out + self._on_report(rep, now)
         if ep is not None:
             if rep.rank not in ep.reporters:
                 ep.onsets.append(rep.onset)
@@ -330,6 +336,21 @@ class Controller:
         self.episode.baselines.append(rep.baseline_s)
         self.episode.slow_levels.append(rep.baseline_s * rep.slowdown)
         return out
+
+    def _new_fail_slow(self, ep: _Episode, rep: FailSlowReport) -> bool:
+        """Whether a report opens a fail-slow of its own although an episode is open: the
+        episode's mitigation is in force (applied, nothing in flight, tracking) and the
+        report is a new event (not the one this rank reported for the episode) whose onset
+        comes after the last strategy had settled. Without this, a GPU that slowed after
+        S3 had moved a congested link's traffic read as "S3 not enough", and the planner
+        restarted the job without the link's node, leaving the slow GPU in place."""
+        mit = ep.mitigation
+        if mit is None or not mit.applied or mit.in_flight is not None or self.state is not State.TRACKING:
+            return False
+        if ep.reporters.get(rep.rank) == rep.event_id:
+            return False
+        settled = int(mit.applied[-1]["iteration"]) + self.cfg.mitigation_settle_iterations
+        return rep.onset > settled
 
     def _start(self, trigger: str, t_event: float, now: float | None = None) -> list[Output]:
         """Open an episode for the event at ``t_event`` and ask every rank for its calls.
