@@ -37,7 +37,7 @@ def test_list_names_every_experiment_of_the_issue(capsys: pytest.CaptureFixture[
     listed = [line.split()[0] for line in out.splitlines()]
     assert listed == list(ISSUE_17)
     status = {line.split()[0]: line.split()[1] for line in out.splitlines()}
-    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "fig13", "fig14", "fig15", "fig16", "table6", "scale"}
+    assert {n for n, s in status.items() if s == "ready"} == {"table4", "table5", "fig13", "fig14", "fig15", "fig16", "fig17", "table6", "scale"}
 
 
 def test_table6_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,7 +273,7 @@ def test_fig14_names_an_untouched_job_and_one_short_of_the_optimum() -> None:
              "fail_slow_events": 2}]
     untouched, one = fig14.comparisons(rows)
     assert untouched.measured == "no event, no plan"
-    assert one.measured == "2.0x -> 1.667x (33.3%)" and "short of" in one.note
+    assert one.measured == "2.00x -> 1.67x (33.3%)" and "short of" in one.note
 
 
 # --- fig15 / fig16: S3 in real emulated jobs; rows and comparisons from given runs ---
@@ -326,7 +326,7 @@ def test_fig16_compares_with_the_papers_share() -> None:
     rows = [{"slow_links": 1, **s3_row(_s3_result("a", 0.4, 0.64, 0.52, [0.66, 0.5]))},
             {"slow_links": 2, **s3_row(_s3_result("b", 0.4, 0.68, 0.60, [0.7, 0.5]))}]
     one, two = fig16.comparisons(rows)
-    assert one.paper == "1.6x -> 1.3x (50.0%)" and one.measured == "1.6x -> 1.3x (50.0%)" and "reaches" in one.note
+    assert one.paper == "1.6x -> 1.3x (50.0%)" and one.measured == "1.60x -> 1.30x (50.0%)" and "reaches" in one.note
     assert "short of" in two.note  # 28.6% removed where the paper removed 57.1%
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from statistics import mean
 
 from falconext.experiments.bars import before_after_bars
-from falconext.experiments.result import Comparison, ExperimentResult, Row
-from falconext.experiments.s2_effect import SEVERITIES, meets, pct, s2_job, s2_row
+from falconext.experiments.result import Comparison, ExperimentResult, Row, pct
+from falconext.experiments.s2_effect import SEVERITIES, meets, s2_job, s2_row
 from falconext.experiments.training import jobs_folder, run_job
 
 PAPER_MEAN: dict[int, float] = {2: 0.553, 4: 0.778, 8: 0.649}

@@ -13,8 +13,8 @@ Quick: 1 and 2 slow replicas.
 from __future__ import annotations
 
 from falconext.experiments.bars import before_after_bars
-from falconext.experiments.result import Comparison, ExperimentResult, Row
-from falconext.experiments.s2_effect import meets, pct, s2_job, s2_row
+from falconext.experiments.result import Comparison, ExperimentResult, Row, pct, times
+from falconext.experiments.s2_effect import meets, s2_job, s2_row
 from falconext.experiments.training import jobs_folder, run_job
 
 FACTOR = 2.0
@@ -50,7 +50,7 @@ def comparisons(rows: list[Row]) -> list[Comparison]:
                                   else f"{r['fail_slow_events']} events, plan {r['plan'] or '-'}"))
             continue
         paper = "1.9x -> 1.2x (79.7%)" if k == 1 else ("no room" if k == 4 else "less room than 1")
-        measured = f"{r['slowdown_before']}x -> {r['slowdown_after']}x ({pct(r['removed'])})"
+        measured = f"{times(r['slowdown_before'])} -> {times(r['slowdown_after'])} ({pct(r['removed'])})"
         note = f"optimum {pct(r['removed_max'])}"
         if k == 1:
             ok = meets(r["removed"], PAPER_ONE, r["removed_max"])

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from statistics import mean
 
-from falconext.experiments.result import Comparison, ExperimentResult, Row
-from falconext.experiments.s2_effect import pct
+from falconext.experiments.result import Comparison, ExperimentResult, Row, pct
 from falconext.experiments.s3_effect import draw_s3, s3_job, s3_row
 from falconext.experiments.training import jobs_folder, run_job
 

@@ -11,8 +11,7 @@ Quick: one congested link.
 
 from __future__ import annotations
 
-from falconext.experiments.result import Comparison, ExperimentResult, Row
-from falconext.experiments.s2_effect import pct
+from falconext.experiments.result import Comparison, ExperimentResult, Row, pct, times
 from falconext.experiments.s3_effect import draw_s3, s3_job, s3_row
 from falconext.experiments.training import jobs_folder, run_job
 
@@ -52,7 +51,7 @@ def comparisons(rows: list[Row]) -> list[Comparison]:
         ok = r["removed"] is not None and r["removed"] >= paper_removed(k)
         out.append(Comparison(
             f"{k} congested link{'s' if k > 1 else ''}", f"{before}x -> {after}x ({pct(paper_removed(k))})",
-            f"{r['slowdown_before']}x -> {r['slowdown_after']}x ({pct(r['removed'])})",
+            f"{times(r['slowdown_before'])} -> {times(r['slowdown_after'])} ({pct(r['removed'])})",
             f"planner expected {pct(r['planner_expected'])}; "
             + ("reaches the paper" if ok else "short of the paper")))
     return out

@@ -39,3 +39,13 @@ class ExperimentResult:
 Measure = Callable[[bool], ExperimentResult]
 #: ``draw(result, png_path)``: writes the figure
 Draw = Callable[[ExperimentResult, str], None]
+
+
+def pct(x: float | None) -> str:
+    """A share as a percentage with one decimal, or "-" when missing."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def times(x: float | None) -> str:
+    """A slowdown with two decimals ("1.23x"), or "-" when missing."""
+    return "-" if x is None else f"{x:.2f}x"

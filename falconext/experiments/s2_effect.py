@@ -67,11 +67,6 @@ def s2_row(result: JobResult) -> Row:
     }
 
 
-def pct(x: float | None) -> str:
-    """A share as a percentage with one decimal, or "-" when missing."""
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 def meets(removed: float | None, paper: float, ceiling: float | None) -> bool | None:
     """Whether a measured share removed reaches the paper's, or (where the best plan on the
     true times cannot reach the paper's) is within 0.05 of that optimum. None when there
