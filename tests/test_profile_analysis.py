@@ -79,3 +79,24 @@ def test_wait_causers_needs_a_share_of_all_the_wait():
 
 def test_wait_causers_without_waiting_names_nobody():
     assert wait_causers(_caused(r0=0.0, r1=0.0)) == [] and wait_causers({}) == []
+
+
+def test_a_profile_names_only_the_groups_called_in_its_window():
+    """After a topology switch (fig17: S3 moved processes 1 and 3) the old DP group is never
+    called again; naming it beside the new one made the validation groups overlap and
+    localization fail ("rank 0 appears twice in merged pass 0")."""
+    from falconext.profile.window import RecentCollectives
+    from falconext.trace.records import CallRecord
+
+    recent = RecentCollectives()
+    for k in range(5):  # before the switch: dp:0,1 and a pipeline send
+        recent.feed(CallRecord(0, "all_reduce", "dp:0,1", 64, 10.0 + k, t_end=10.1 + k, group_ranks=(0, 1), role="dp"))
+        recent.feed(CallRecord(0, "send", "pp:0,2", 8, 10.05 + k, t_end=10.06 + k, group_ranks=(0, 2), role="pp",
+                               peer=2))
+    for k in range(5):  # after it: dp:0,3
+        recent.feed(CallRecord(0, "all_reduce", "dp:0,3", 64, 30.0 + k, t_end=30.1 + k, group_ranks=(0, 3), role="dp"))
+    snap = recent.snapshot(3.0)
+    assert snap["members"] == {"dp:0,3": [0, 3]} and snap["roles"] == {"dp:0,3": "dp"}
+    assert set(snap["calls"]) == {"dp:0,3"}
+    # a long window still sees the old groups, P2P ones included
+    assert set(recent.snapshot(60.0)["members"]) == {"dp:0,1", "pp:0,2", "dp:0,3"}

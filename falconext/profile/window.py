@@ -41,12 +41,15 @@ class RecentCollectives:
         self._count: dict[str, int] = {}
         self.roles: dict[str, str] = {}
         self.members: dict[str, list[int]] = {}
+        #: group -> issue time of its latest call (any op): which groups are still in use
+        self._last_issue: dict[str, float] = {}
 
     def feed(self, rec: CallRecord) -> None:
         """Records must come in ``seq`` order (as the tracer's drain returns them)."""
         if rec.group not in self.members:  # P2P groups too: validation tests their links
             self.members[rec.group] = list(rec.group_ranks) if rec.group_ranks else []
             self.roles[rec.group] = rec.role or ""
+        self._last_issue[rec.group] = rec.t_issue
         if rec.op not in COLLECTIVE_OPS:
             return
         k = self._count.get(rec.group, 0)
@@ -58,7 +61,10 @@ class RecentCollectives:
         """The calls issued in the last ``window_s`` seconds before the newest one.
 
         ``limit`` keeps the message under the bus's size limit on ranks with many calls
-        (the newest are kept). Returns the fields of a ProfileData message.
+        (the newest are kept). Only groups called in that window are named (roles and
+        members): after a topology switch the old groups are gone, and naming them beside
+        the new ones gave validation groups that overlap. Returns the fields of a
+        ProfileData message.
         """
         rows = list(self._rows)
         calls: dict[str, list[list[float]]] = {}
@@ -66,7 +72,10 @@ class RecentCollectives:
             newest = max(r[2] for r in rows)
             for gid, k, t0, t1, nbytes in [r for r in rows if r[2] >= newest - window_s][-limit:]:
                 calls.setdefault(gid, []).append([k, round(t0, 6), round(t1, 6), nbytes])
-        return {"roles": dict(self.roles), "members": {g: list(m) for g, m in self.members.items()}, "calls": calls}
+        latest = max(self._last_issue.values(), default=0.0)
+        live = [g for g, t in self._last_issue.items() if t >= latest - window_s]
+        return {"roles": {g: self.roles[g] for g in live}, "members": {g: list(self.members[g]) for g in live},
+                "calls": calls}
 
 
 class RankWindow(Protocol):
