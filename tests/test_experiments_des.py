@@ -1,0 +1,85 @@
+"""The discrete-event simulation that drives the real controller (experiments/des.py) and
+the experiments built on it (table7, ablations): the simulated ranks follow what the
+controller commits, a run without falconext is the plain model under the faults, and
+the quick table7 orders healthy < mitigated < slow."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from falconext.control.messages import MicrobatchPlan, Restart, TopologyChange
+from falconext.experiments import ablations, des, table7
+
+
+def _gpu_job():
+    """The ablations' two-node job with one 3x GPU (process 5, replica 1) from t=20 s."""
+    return ablations.job(3), [des.Fault("gpu", 20.0, 1e9, gpu=5, factor=3.0)]
+
+
+def test_simulated_ranks_follow_an_s2_plan():
+    job, faults = _gpu_job()
+    sim = des._Sim(job, faults, des.Variant("s2", falcon=False))
+    while sim.t < 40:
+        sim.step()
+    before = sim.times[-1][1]
+    plan = [10, 2, 10, 10]  # replica 1 holds the slow GPU
+    sim.committed = (sim.it, MicrobatchPlan("S2", plan))
+    sim.step()
+    assert sim.state.plan == plan
+    assert sim.times[-1][1] < 0.8 * before  # the slow replica's share shrank, so did the iteration
+
+
+def test_apply_action_topology_and_restart():
+    job, faults = _gpu_job()
+    state = des.JobState(list(job.costs.plan), list(range(job.world)))
+    roles = list(range(job.world))
+    roles[0], roles[1] = roles[1], roles[0]
+    s3, cost, what, moved = des.apply_action(job, state, TopologyChange(roles))
+    assert (s3.roles, what, moved) == (roles, "S3", {0, 1}) and math.isclose(cost, job.mitigation.switch_s)
+    s4, cost, what, fresh = des.apply_action(job, s3, Restart([0]))
+    assert s4.roles == list(range(job.world)) and s4.replaced == {0} and what == "S4"
+    assert math.isclose(cost, job.mitigation.restart_s) and fresh == set(range(job.world))
+    assert des.active_faults(faults, 100.0, s4.replaced, job.layout.ranks_per_node) == ()  # GPU 5 is on node 0
+
+
+def test_without_falconext_the_plan_never_changes_and_times_are_the_model():
+    job, faults = table7.job(), table7.trace(900.0)
+    sim = des._Sim(job, faults, des.Variant("slow", falcon=False))
+    while sim.it < 200:
+        sim.step()
+    assert sim.state.plan == list(job.costs.plan) and sim.state.roles == list(range(job.world))
+    assert sim.pauses == [] and sim.events == []
+    # the same work, recomputed from the model alone with the same jitter
+    rng, t = np.random.default_rng(job.seed), 0.0
+    models = des._Models(job)
+    for _ in range(200):
+        bd = models.breakdown(list(job.costs.plan), des.active_faults(faults, t, set(), 8), list(range(job.world)))
+        t += bd.total_s * math.exp(des.JOB_JITTER * rng.standard_normal())
+    assert math.isclose(sim.t, t, rel_tol=1e-12)
+
+
+def test_falconext_off_equals_the_no_mitigation_baseline():
+    job, faults = ablations.job(17), ablations.trace()
+    off = des.run(job, faults, des.Variant("off", falcon=False), 400)
+    free = des.run(job, [], des.Variant("healthy", falcon=False), 400)
+    assert off.jct_s > 1.3 * free.jct_s  # the trace slows the job
+    no_mit = [v for v in ablations.variants() if v.name == "falconext off"][0]
+    assert des.run(job, faults, no_mit, 400).jct_s == off.jct_s
+
+
+def test_falconext_localizes_a_slow_gpu_and_applies_s2():
+    job, faults = _gpu_job()
+    r = des.run(job, faults, des.Variant("on"), 300)
+    loc = [e for e in r.events if e["type"] == "localized" and e["gpus"]]
+    assert loc and loc[0]["gpus"] == [5]
+    assert any(e["type"] == "mitigation" and e["strategy"] == "S2" for e in r.events)
+    slow = des.run(job, faults, des.Variant("off", falcon=False), 300)
+    assert r.jct_s < slow.jct_s
+
+
+def test_quick_table7_orders_healthy_mitigated_slow():
+    out = table7.runs(table7.QUICK_S)
+    assert out["healthy"].jct_s < out["mitigated"].jct_s < out["slow"].jct_s
+    assert {r.iterations for r in out.values()} == {out["healthy"].iterations}
