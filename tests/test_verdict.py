@@ -101,6 +101,16 @@ def test_most_ranks_slow_are_named_when_their_own_compute_rose():
     assert slow_ranks({r: 0.997e9 for r in range(4)}, 1.5, compute_rise=rise) == []
 
 
+def test_a_mild_straggler_is_named_when_its_gemm_and_its_compute_agree():
+    """table7's 1.3x GPU: below the fastest GEMM / 1.25 and its compute rose 1.3x; the GEMM
+    alone (held to 1.5x) names nobody, nor does a 1.2x reading or a 1.2x rise."""
+    flops = {0: 100.0, 1: 100.5, 2: 76.9, 3: 99.8}
+    assert slow_ranks(flops, 1.5) == []
+    assert slow_ranks(flops, 1.5, compute_rise={0: 1.0, 1: 1.01, 2: 1.3, 3: 0.99}) == [2]
+    assert slow_ranks(flops, 1.5, compute_rise={0: 1.0, 1: 1.01, 2: 1.2, 3: 0.99}) == []
+    assert slow_ranks({**flops, 2: 83.3}, 1.5, compute_rise={0: 1.0, 1: 1.01, 2: 1.3, 3: 0.99}) == []
+
+
 def test_a_rise_without_a_slow_gemm_or_a_slow_gemm_without_a_rise_names_nobody():
     flops = {0: 177.1, 1: 177.9, 2: 118.8, 3: 121.2}  # CI noise on a link-fault job
     assert slow_ranks(flops, 1.5, compute_rise={0: 1.0, 1: 1.0, 2: 1.05, 3: 1.1}) == []
