@@ -18,7 +18,7 @@ import pytest
 
 from falconext.control.bus import Bus
 from falconext.control.client import CMD_STREAM, CTL_STREAM
-from falconext.control.messages import Command
+from falconext.control.messages import Command, ValidationPlan
 from falconext.control.redis_server import start_redis
 
 JOB = "e2e"
@@ -77,10 +77,10 @@ def scenario(tmp_path_factory):
         wait_for(out, lambda e: e["type"] == "message_dropped" and e.get("where") == "controller", "controller drop",
                  proc=proc)
         # 2. a controller that sends "suspend" and then dies: nobody ever says "go"
-        plan = {"scope": "all", "gemm": [], "gemm_n": 64, "gemm_repeats": 1, "passes": [], "roles": [],
-                "nbytes": 1, "repeats": 1}
+        plan = ValidationPlan("all", [], 64, 1, 0, 1, 1, 1, 0)  # nothing to run
         it = current_iteration(bus) + 4
-        assert bus.post(CMD_STREAM, Command("suspend", DEADLINE_S, iteration=it, args={"session": 1000, "plan": plan}))
+        assert bus.post(CMD_STREAM, Command("suspend", DEADLINE_S, iteration=it, args={"session": 1000},
+                                            validation=plan))
         wait_for(out, lambda e: e["type"] == "suspension" and e["session"] == 1000 and e["rank"] == 3,
                  "the orphaned suspension to expire", proc=proc)
         # 3. the controller hangs (SIGSTOP), then dies: the launcher restarts it

@@ -24,6 +24,17 @@ def commands(outs, kind=None):
     return [o.message for o in outs if o.kind == "command" and (kind is None or o.message.kind == kind)]
 
 
+def shared_plan(outs):
+    """The validation plan the suspend in ``outs`` and the shares before it carry, put back
+    together: (GEMM ranks, P2P rounds of (src, dst) pairs)."""
+    (sus,) = commands(outs, "suspend")
+    shares = [c.share for c in commands(outs, "share") if c.args["session"] == sus.args["session"]]
+    gemm = sorted({r for sh in shares for first, last, _ in sh.gemm for r in range(first, last + 1)})
+    rounds = [sorted({(s, d) for sh in shares for k2, s, d in sh.pairs if k2 == k})
+              for k in range(sus.validation.p2p_rounds)]
+    return gemm, rounds
+
+
 def events(outs, type_=None):
     return [o.event for o in outs if o.kind == "event" and (type_ is None or o.event["type"] == type_)]
 
@@ -67,8 +78,7 @@ def test_compute_fault_walks_the_states_and_names_the_gpu():
     assert ctl.state is State.VALIDATING
     assert sus.iteration >= 50 + CFG.suspend_margin_iterations
     assert sus.deadline_s == CFG.suspend_deadline_s
-    plan = sus.args["plan"]
-    assert plan["gemm"] == [0, 1, 2, 3] and plan["scope"] == "suspects"
+    assert shared_plan(outs)[0] == [0, 1, 2, 3] and sus.validation.scope == "suspects"
     session = sus.args["session"]
     outs = []
     for r in NODES:
@@ -168,12 +178,12 @@ def test_operator_validation_of_a_healthy_job_localizes_nothing_and_tests_every_
                         {DP: [0, 1, 2, 3], "pp:0,2": [0, 2], "pp:1,3": [1, 3]}, p.calls)
         outs += ctl.handle(p, 101.2)
     (sus,) = commands(outs, "suspend")
-    plan = sus.args["plan"]
-    assert plan["scope"] == "all" and plan["gemm"] == [0, 1, 2, 3]
-    assert plan["roles"] == ["dp", "pp"]
-    links = {tuple(p) for ps in plan["passes"] for p in ps}
+    gemm, passes = shared_plan(outs)
+    assert sus.validation.scope == "all" and gemm == [0, 1, 2, 3]
+    assert sus.validation.roles == ["dp", "pp"]
+    links = {tuple(p) for ps in passes for p in ps}
     assert {(0, 1), (1, 2), (2, 3), (3, 0), (0, 2), (2, 0), (1, 3), (3, 1)} == links
-    for ps in plan["passes"]:
+    for ps in passes:
         ranks = [r for p in ps for r in p]
         assert len(ranks) == len(set(ranks))
     s = sus.args["session"]
@@ -181,7 +191,7 @@ def test_operator_validation_of_a_healthy_job_localizes_nothing_and_tests_every_
         ctl.handle(SessionAck(r, s, "held", sus.iteration, 102.0), 102.0)
     outs = []
     for r in NODES:
-        received = [[src, dst, 0.010 + 0.001 * r] for ps in plan["passes"] for src, dst in ps if dst == r]
+        received = [[src, dst, 0.010 + 0.001 * r] for ps in passes for src, dst in ps if dst == r]
         outs += ctl.handle(ValidationResult(r, s, 1e10 * (1 + 0.05 * r), received), 102.5)
     (loc,) = events(outs, "localized")
     assert loc["gpus"] == [] and loc["links"] == []
@@ -239,7 +249,7 @@ def test_a_two_node_job_measures_its_link_once_healthy_then_judges_it_against_th
     assert len(commands(out, "profile")) == 1
     outs = _baseline_session(ctl, 0.01)
     (sus,) = commands(outs, "suspend")
-    assert sus.args["plan"]["gemm"] == [] and sus.args["plan"]["passes"]  # links only
+    assert shared_plan(outs)[0] == [] and sus.validation.gemm_rounds == 0 and shared_plan(outs)[1]  # links only
     (base,) = events(outs, "link_baseline")
     assert base["links"] == {"0-1": 0.01} and base["kept"] and ctl.link_baseline == {(0, 1): 0.01}
     assert events(outs, "localized") == [] and ctl.localizations == []  # nothing was wrong

@@ -9,6 +9,7 @@ import time
 
 from falconext.control.messages import MicrobatchPlan, SessionAck, ValidationResult
 from falconext.trace.trap import Trap
+from falconext.validate.plan import split_plan, rank_work
 from falconext.validate.suspension import Bench, Suspension
 
 PLAN = {"gemm": [0, 1, 2], "gemm_n": 64, "gemm_repeats": 2, "gemm_concurrency": 1,
@@ -16,6 +17,10 @@ PLAN = {"gemm": [0, 1, 2], "gemm_n": 64, "gemm_repeats": 2, "gemm_concurrency": 
 
 
 def make(rank=0, plan=PLAN, gemm=None, passes=None):
+    """A suspension of ``rank`` for ``plan`` (a whole validation plan, as validate/plan.py
+    makes it), given as it travels: the common part and the rank's share."""
+    validation, shares = split_plan(plan, range(4))
+    work = rank_work(shares, rank)
     posted, events, calls = [], [], []
 
     def g(n, reps):
@@ -27,7 +32,7 @@ def make(rank=0, plan=PLAN, gemm=None, passes=None):
         return [(s, d, 0.01) for ps in sched for s, d in ps if d == rank] if passes is None else passes()
 
     bench = Bench(g, p, lambda: calls.append(("barrier",)))
-    sus = Suspension(rank, 5, 40, plan, bench, posted.append, lambda t, **f: events.append((t, f)))
+    sus = Suspension(rank, 5, 40, validation, bench, posted.append, lambda t, **f: events.append((t, f)), work=work)
     return sus, posted, events, calls
 
 
@@ -119,7 +124,7 @@ def test_trap_runs_on_hold_on_the_held_thread_with_its_deadline():
 def test_a_held_rank_says_held_again_until_go_so_one_lost_ack_costs_nothing():
     posted = []
     bench = Bench(lambda n, r: 1e9, lambda *a: [], lambda: None)
-    sus = Suspension(0, 7, 40, {}, bench, posted.append, lambda *a, **k: None, resend_s=0.1)
+    sus = Suspension(0, 7, 40, None, bench, posted.append, lambda *a, **k: None, resend_s=0.1)
     threading.Timer(0.45, sus.signal, args=("go",)).start()
     sus.run(time.monotonic() + 3.0)
     held = [m for m in posted if m.status == "held"]
@@ -205,14 +210,28 @@ def test_an_action_is_committed_typed_once_every_rank_holds_go():
     action = MicrobatchPlan("S2", [3, 1], session=5)
     committed, posted, events, calls = [], [], [], []
     bench = Bench(lambda n, r: 0.0, lambda *a: [], lambda: calls.append("barrier"))
-    sus = Suspension(0, 5, 40, {}, bench, posted.append, lambda t, **f: events.append((t, f)),
+    sus = Suspension(0, 5, 40, None, bench, posted.append, lambda t, **f: events.append((t, f)),
                      commit=committed.append, action=action)
     sus.signal("go")
     sus.run(time.monotonic() + 5.0)
     assert committed == [action] and calls == ["barrier"]  # the agreement, no validation
     assert posted[-1].committed and events[0][1]["committed"] is True
     # without the action nothing is committed and the event says nothing of it
-    sus = Suspension(0, 6, 40, {}, bench, posted.append, lambda t, **f: events.append((t, f)), commit=committed.append)
+    sus = Suspension(0, 6, 40, None, bench, posted.append, lambda t, **f: events.append((t, f)), commit=committed.append)
     sus.signal("go")
     sus.run(time.monotonic() + 5.0)
     assert committed == [action] and "committed" not in events[-1][1]
+
+
+def test_a_rank_without_a_share_joins_every_barrier_and_says_so():
+    validation, _ = split_plan(PLAN, range(4))
+    posted, calls = [], []
+    bench = Bench(lambda n, r: calls.append("gemm") or 1e9,
+                  lambda sched, *a: calls.append(("passes", [list(p) for p in sched])) or [],
+                  lambda: calls.append("barrier"))
+    sus = Suspension(0, 5, 40, validation, bench, posted.append, lambda *a, **k: None)
+    sus.signal("go")
+    sus.run(time.monotonic() + 5.0)
+    assert calls == ["barrier"] * 3 + [("passes", [[], []])]  # every round, nothing of its own
+    (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+    assert "no share of the validation plan came for rank 0" in result.error

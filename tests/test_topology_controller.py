@@ -58,7 +58,7 @@ def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), healt
     s = sus.args["session"]
     for p in range(4):
         out += ctl.handle(SessionAck(p, s, "held", sus.iteration, t + 0.5), t + 0.5)
-    nbytes = int(sus.args["plan"]["nbytes"])
+    nbytes = sus.validation.nbytes
     slow_s = 0.001 + 3 * nbytes / 20e6 if slow_link else 0.001  # x4: 3 x bytes / 20 MB/s more per message
     links = {(0, 1): slow_s, (1, 0): slow_s, (2, 3): 0.001, (3, 2): 0.001, (0, 2): 0.001, (2, 0): 0.001,
              (1, 3): 0.001, (3, 1): 0.001}

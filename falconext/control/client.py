@@ -46,7 +46,8 @@ def node_stream(node: int) -> str:
 class RankClient:
     """``runtime`` supplies: ``iteration()``, ``iter_s()``, ``beat_fields()`` (the
     heartbeat's optional fields), ``profile(window_s)`` (the
-    fields of ProfileData) and ``schedule(cmd) -> str | None`` / ``signal(kind, session)``
+    fields of ProfileData) and ``share(session, share)`` (this rank's part of a validation
+    plan, before its suspend), ``schedule(cmd) -> str | None`` / ``signal(kind, session)``
     for suspensions; ``emit(type, **fields)`` writes events.jsonl."""
 
     def __init__(
@@ -204,6 +205,10 @@ class RankClient:
                 self.emit("control_error", rank=self.rank, error=f"profile window {window!r} out of range")
                 return
             self.post(self._profile(session, float(window)))
+        elif cmd.kind == "share":
+            share = cmd.share
+            if share is not None and share.first <= self.rank <= share.last:
+                self.runtime.share(session, share)
         elif cmd.kind == "suspend":
             missed = self.runtime.schedule(cmd)
             if missed is not None:

@@ -77,7 +77,7 @@ from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Decision, Planner, slowdown_removed
 from falconext.detect.scores import RankSample, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
-from falconext.validate.plan import validation_plan
+from falconext.validate.plan import split_plan, validation_plan
 from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
 
@@ -153,7 +153,8 @@ class Controller:
         self.episode: _Episode | None = None
         self._profiles: dict[int, ProfileData] = {}
         self._findings: Findings | None = None
-        self._plan: dict[str, Any] | None = None
+        self._plan: dict[str, Any] | None = None  # the whole validation plan (validate/plan.py)
+        self._plan_ranks: list[int] = []  # the ranks it was made for
         self._acks: dict[str, dict[int, SessionAck]] = {}
         self._results: dict[int, ValidationResult] = {}
         self._health: dict[int, NodeHealth] = {}
@@ -417,6 +418,7 @@ class Controller:
             return self._abort(now, f"bad profile data: {exc}")
         self._findings = findings
         ranks = sorted(self.ranks() | set(self._profiles))
+        self._plan_ranks = ranks
         try:
             self._plan = validation_plan(
                 findings.groups,
@@ -453,14 +455,20 @@ class Controller:
         self._deadline = now + wait + self.cfg.suspend_deadline_s + self.cfg.control_slack_s
         if state is State.MITIGATING and self._action is not None:
             self._action = dataclasses.replace(self._action, session=self.session)  # a retry is a new session
+        posts = []
         if state is State.VALIDATING:
+            # each rank's work in shares of a bounded size, before the suspend that needs them
+            # (one stream: every rank reads them first); the suspend carries what all need alike
+            validation, shares = split_plan(self._plan or {}, self._plan_ranks)
+            posts = [Output("command", Command("share", 0.0, args={"session": self.session}, share=sh))
+                     for sh in shares]
             cmd = Command("suspend", self.cfg.suspend_deadline_s, iteration=self._iteration,
-                          args={"session": self.session, "plan": self._plan})
+                          args={"session": self.session}, validation=validation)
         else:
             cmd = Command("suspend", self.cfg.suspend_deadline_s, iteration=self._iteration,
                           args={"session": self.session}, action=self._action)
         change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
-        return change + [Output("command", cmd)]
+        return change + posts + [Output("command", cmd)]
 
     def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:
         suspended = self.state in (State.VALIDATING, State.MITIGATING)

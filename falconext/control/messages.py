@@ -263,14 +263,74 @@ def _check_strategy(action: Any) -> None:
                            f"got {action.strategy!r}")
 
 
+# --- a validation session's plan: one small part for every rank, one share per block of ranks --
+
+
+@dataclass(frozen=True)
+class ValidationPlan:
+    """What every rank of a validation suspension needs alike (a suspend Command's
+    ``validation``): the benchmarks' sizes and how many GEMM and P2P rounds there are
+    (every rank takes part in each round's barrier). Which rank runs a GEMM in which
+    round, and its P2P pairs, come in :class:`ValidationShare` commands posted just
+    before: the plan's size does not grow with the world.
+    """
+
+    scope: str
+    roles: list[str]
+    gemm_n: int
+    gemm_repeats: int
+    gemm_rounds: int
+    validation_sweeps: int
+    nbytes: int
+    repeats: int
+    p2p_rounds: int
+
+    def check(self) -> None:
+        """Round counts >= 0, at least one sweep, sizes >= 1 where there is work."""
+        if self.gemm_rounds < 0 or self.p2p_rounds < 0 or self.validation_sweeps < 1:
+            raise MessageError(f"ValidationPlan: rounds must be >= 0 and sweeps >= 1, got gemm_rounds "
+                               f"{self.gemm_rounds}, p2p_rounds {self.p2p_rounds}, sweeps {self.validation_sweeps}")
+        if (self.gemm_rounds and (self.gemm_n < 1 or self.gemm_repeats < 1)) or (
+                self.p2p_rounds and (self.nbytes < 1 or self.repeats < 1)):
+            raise MessageError("ValidationPlan: gemm_n, gemm_repeats, nbytes and repeats must be >= 1")
+
+
+@dataclass(frozen=True)
+class ValidationShare:
+    """The part of a validation plan for the ranks ``first`` .. ``last`` (a "share"
+    Command's ``share``): ``gemm`` rows ``[first, last, round]`` (the ranks first..last run
+    their GEMM in that round; a rank in no row runs none) and ``pairs`` rows
+    ``[round, src, dst]`` (the P2P transfers they send or receive). A rank in the range with no row has nothing to run but the
+    barriers.
+    """
+
+    first: int
+    last: int
+    gemm: list[list[int]]
+    pairs: list[list[int]]
+
+    def check(self) -> None:
+        """first <= last; rows of the right length, ranks and rounds >= 0, no self-transfer."""
+        if not 0 <= self.first <= self.last:
+            raise MessageError(f"ValidationShare: expected 0 <= first <= last, got {self.first}..{self.last}")
+        for i, row in enumerate(self.gemm):
+            if len(row) != 3 or min(row) < 0 or row[0] > row[1]:
+                raise MessageError(f"ValidationShare.gemm[{i}]: expected [first, last, round], got {row!r}")
+        for i, row in enumerate(self.pairs):
+            if len(row) != 3 or min(row) < 0 or row[1] == row[2]:
+                raise MessageError(f"ValidationShare.pairs[{i}]: expected [round, src, dst], got {row!r}")
+
+
 @dataclass(frozen=True)
 class Command:
     """Controller -> ranks (and operator -> controller).
 
-    kinds: ``profile`` (send ProfileData; args: session, window_s), ``suspend`` (trap
-    at loop iteration ``iteration``, at most ``deadline_s``; args: session and plan, what
-    to validate; or ``action``: the mitigation to apply from the next iteration once every
-    rank agrees), ``go`` and ``release`` (args: session), and from an operator
+    kinds: ``profile`` (send ProfileData; args: session, window_s), ``share`` (args:
+    session; ``share``: some ranks' part of that session's validation, posted before its
+    suspend), ``suspend`` (trap at loop iteration ``iteration``, at most ``deadline_s``;
+    args: session; ``validation``: what to validate, or ``action``: the mitigation to
+    apply from the next iteration once every rank agrees), ``go`` and ``release``
+    (args: session), and from an operator
     (``falconext ctl``): ``validate``, ``mitigate`` (args: strategy S2|S3|S4|revert,
     optional plan, roles or exclude_nodes), ``mute``, ``unmute`` and ``set`` (args: name,
     value). An operator's command may carry ``args["id"]``: the controller then answers
@@ -282,6 +342,8 @@ class Command:
     iteration: int | None = None
     args: dict[str, Any] = field(default_factory=dict)
     action: MitigationAction | None = None
+    validation: ValidationPlan | None = None
+    share: ValidationShare | None = None
 
 
 @dataclass(frozen=True)
@@ -457,6 +519,9 @@ def _check(value: Any, hint: Any, where: str) -> Any:
             if cls is None:
                 raise MessageError(f"{where}: unknown kind {kind!r} (expected one of {', '.join(sorted(tagged))})")
             return _build(cls, value, f"{where}({kind})")
+        rest = [o for o in options if o is not type(None)]
+        if len(rest) == 1 and is_dataclass(rest[0]):  # an optional part: its own errors are kept
+            return _check(value, rest[0], where)
         for opt in options:
             if opt is type(None):
                 continue

@@ -39,11 +39,12 @@ import torch
 
 from falconext.config import FalconConfig
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
-from falconext.control.messages import Command, FailSlowReport, MitigationAction, SessionAck
+from falconext.control.messages import Command, FailSlowReport, MitigationAction, SessionAck, ValidationShare
 from falconext.control.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
 from falconext.validate.gemm import gemm_benchmark
 from falconext.validate.p2p import run_passes
+from falconext.validate.plan import rank_work
 from falconext.validate.suspension import Bench, Suspension
 
 
@@ -99,6 +100,8 @@ class FalconRuntime:
         self.role: dict[str, int] = {}
         self._mb_s: collections.deque[float] = collections.deque(maxlen=8)
         self._action: tuple[int, MitigationAction] | None = None
+        #: this rank's shares of the latest validation plans, by session
+        self._shares: dict[int, list[ValidationShare]] = {}
         self._micro = 0
         self._enabled = True
         #: loop iterations run with falconext on (the denominator of the per-iteration cost)
@@ -362,36 +365,44 @@ class FalconRuntime:
         """ProfileData's fields: at most ``limit`` of the calls of the last ``window_s``."""
         return self.monitor.profile_snapshot(window_s, limit)
 
+    def share(self, session: int, share: ValidationShare) -> None:
+        """Keep this rank's share of session ``session``'s validation plan for its suspend
+        (the shares come first; those of the latest few sessions are kept)."""
+        self._shares.setdefault(session, []).append(share)
+        while len(self._shares) > 4:
+            self._shares.pop(min(self._shares))
+
     def schedule(self, cmd: Command) -> int | None:
         """Arm a suspension for ``cmd.iteration``; the current iteration if already past it."""
         session = cmd.args["session"]
-        plan = cmd.args.get("plan", {} if cmd.action is not None else None)
-        if cmd.iteration is None or not isinstance(plan, dict):
-            self.events.emit("control_error", rank=self.rank, error="suspend without iteration or plan")
+        if cmd.iteration is None or (cmd.validation is None and cmd.action is None):
+            self.events.emit("control_error", rank=self.rank, error="suspend without iteration, plan or action")
             return None
         if not self.hooked:
-            return self._schedule_by_calls(cmd, session, plan)
+            return self._schedule_by_calls(cmd, session)
         if self._iteration >= cmd.iteration or not self._enabled:
             return self._iteration
-        sus = self._suspension(cmd, session, plan)
+        sus = self._suspension(cmd, session)
         with self._lock:
             self._pending = sus
         return None
 
-    def _suspension(self, cmd: Command, session: int, plan: dict[str, Any]) -> Suspension:
-        """This rank's side of the suspension ``cmd`` asks for (either way of trapping)."""
-        return Suspension(self.rank, session, cmd.iteration, plan, self._bench(), self.client.post, self.events.emit,
-                          commit=self._commit, resend_s=self.cfg.heartbeat_s, budget_s=self.cfg.validation_budget_s,
-                          action=cmd.action)
+    def _suspension(self, cmd: Command, session: int) -> Suspension:
+        """This rank's side of the suspension ``cmd`` asks for (either way of trapping), with
+        its share of the validation plan."""
+        work = rank_work(self._shares.get(session, []), self.rank) if cmd.validation is not None else None
+        return Suspension(self.rank, session, cmd.iteration, cmd.validation, self._bench(), self.client.post,
+                          self.events.emit, commit=self._commit, resend_s=self.cfg.heartbeat_s,
+                          budget_s=self.cfg.validation_budget_s, action=cmd.action, work=work)
 
-    def _schedule_by_calls(self, cmd: Command, session: int, plan: dict[str, Any]) -> int | None:
+    def _schedule_by_calls(self, cmd: Command, session: int) -> int | None:
         """No loop hooks: trap the first call of ``cmd.iteration`` as this rank's calls
         count iterations; the latest counted iteration if that call is already past."""
         trap = self.tracer.trap
         target = self.monitor.first_seq_of(cmd.iteration)
         if target is None or target <= trap.seen + 1 or not self._enabled or trap.held:
             return self.monitor.tracked
-        sus = self._suspension(cmd, session, plan)
+        sus = self._suspension(cmd, session)
         self._active = sus
         self.suspensions.append(sus)
         trap.arm(self.cfg.suspend_deadline_s, on_hold=sus.run, at_seq=target)

@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from falconext.validate.passes import split_rounds
+
 Pair = tuple[int, int]
 
 
@@ -92,19 +94,6 @@ def run_passes(
             elif rank == dst:
                 out.append((src, dst, _receive(recv, buf, src, group, repeats, clock, sync)))
     barrier(group=group)
-    return out
-
-
-def split_rounds(passes: Sequence[Sequence[Pair]], concurrency: int) -> list[list[Pair]]:
-    """Each pass cut into rounds of at most ``concurrency`` pairs (0: one round per pass).
-
-    An empty pass stays one (empty) round, so every rank sees the same barriers.
-    """
-    out: list[list[Pair]] = []
-    for p in passes:
-        pairs = list(p)
-        step = concurrency or len(pairs) or 1
-        out.extend(pairs[i : i + step] for i in range(0, len(pairs) or 1, step))
     return out
 
 

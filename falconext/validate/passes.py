@@ -65,3 +65,16 @@ def merge_passes(schedules: list[list[list[tuple[int, int]]]]) -> list[list[tupl
                     )
                 seen.add(r)
     return merged
+
+
+def split_rounds(passes: Sequence[Sequence[tuple[R, R]]], concurrency: int) -> list[list[tuple[R, R]]]:
+    """Each pass cut into rounds of at most ``concurrency`` pairs (0: one round per pass).
+
+    An empty pass stays one (empty) round, so every rank sees the same barriers.
+    """
+    out: list[list[tuple[R, R]]] = []
+    for p in passes:
+        pairs = list(p)
+        step = concurrency or len(pairs) or 1
+        out.extend(pairs[i : i + step] for i in range(0, len(pairs) or 1, step))
+    return out

@@ -7,13 +7,22 @@ cost nothing extra). Computation and communication are decided separately: with 
 compute suspect every rank runs the GEMM, with no suspicious group every role's links
 are tested (a link inside the only group of its kind has nothing to be compared with
 during profiling). Either way a constant number of passes per role. Pure.
+
+On the bus (:func:`split_plan`) the plan is cut in two, so that no message grows with the
+world: a :class:`ValidationPlan` every rank needs alike (sizes, round counts) goes with
+the suspend command, and each rank's own work (its GEMM round, its P2P pairs by round)
+in :class:`ValidationShare` messages for blocks of consecutive ranks, each under the
+bus's cap. A rank reads its work back with :func:`rank_work`; rounds are numbered as the
+whole plan's were, so every rank runs exactly the pairs and barriers it ran before.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
 
-from falconext.validate.passes import merge_passes, ring_passes
+from falconext.control.messages import MAX_MESSAGE_BYTES, Command, ValidationPlan, ValidationShare, encode
+from falconext.validate.passes import merge_passes, ring_passes, split_rounds
 
 #: roles whose groups partition the ranks: their rings carry the job's traffic
 LINK_ROLES = ("tp", "cp", "ep", "dp", "pp")
@@ -72,3 +81,104 @@ def validation_plan(
         "repeats": p2p_repeats,
         "p2p_concurrency": p2p_concurrency,
     }
+
+
+def split_plan(plan: Mapping[str, Any], ranks: Sequence[int],
+               max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[ValidationPlan, list[ValidationShare]]:
+    """``plan`` (from :func:`validation_plan`) as it travels: what every rank needs alike,
+    and the shares of blocks of consecutive ``ranks`` (all of them covered), each of which
+    encodes, inside a "share" Command, to at most ``max_bytes``.
+
+    GEMM round of the i-th GEMM rank (in rank order): i // gemm_concurrency (0: one round);
+    P2P rounds: the passes cut by ``p2p_concurrency`` (:func:`split_rounds`), in order.
+    """
+    gemm = sorted(int(r) for r in plan.get("gemm", []))
+    conc = int(plan.get("gemm_concurrency", 0)) or len(gemm) or 1
+    rounds = split_rounds([[(int(a), int(b)) for a, b in p] for p in plan.get("passes", [])],
+                          int(plan.get("p2p_concurrency", 0)))
+    common = ValidationPlan(
+        scope=str(plan.get("scope", "")), roles=[str(r) for r in plan.get("roles", [])],
+        gemm_n=int(plan.get("gemm_n", 256)), gemm_repeats=int(plan.get("gemm_repeats", 10)),
+        gemm_rounds=-(-len(gemm) // conc), validation_sweeps=int(plan.get("validation_sweeps", 1)),
+        nbytes=int(plan.get("nbytes", 262144)), repeats=int(plan.get("repeats", 5)),
+        p2p_rounds=len(rounds),
+    )
+    gemm_round = {r: i // conc for i, r in enumerate(gemm)}
+    pairs_of: dict[int, list[list[int]]] = {}
+    for k, rnd in enumerate(rounds):
+        for src, dst in rnd:
+            row = [k, src, dst]
+            pairs_of.setdefault(src, []).append(row)
+            pairs_of.setdefault(dst, []).append(row)
+    everyone = sorted(set(int(r) for r in ranks) | set(gemm_round) | set(pairs_of))
+    budget = max(1024, max_bytes - 1024)  # the envelope and the Command around the share
+    shares: list[ValidationShare] = []
+    block: list[int] = []
+    size = 0
+    for r in everyone:
+        # an upper bound of the JSON this rank adds: its GEMM row and every pair it is in
+        need = 3 * (len(str(r)) + 1) + 3 + sum(len(str(a)) + len(str(b)) + len(str(c)) + 5
+                                               for a, b, c in pairs_of.get(r, ()))
+        if block and size + need > budget:
+            shares += _shares(block, gemm_round, pairs_of, max_bytes)
+            block, size = [], 0
+        block.append(r)
+        size += need
+    if block:
+        shares += _shares(block, gemm_round, pairs_of, max_bytes)
+    return common, shares
+
+
+def _shares(block: list[int], gemm_round: Mapping[int, int], pairs_of: Mapping[int, list[list[int]]],
+            max_bytes: int) -> list[ValidationShare]:
+    """The share of ``block`` (consecutive ranks), halved until each fits ``max_bytes``.
+    Its GEMM rows are runs ``[first, last, round]`` of consecutive GEMM ranks of one round."""
+    runs: list[list[int]] = []
+    for r in block:
+        k = gemm_round.get(r)
+        if k is None:
+            continue
+        if runs and runs[-1][1] == r - 1 and runs[-1][2] == k:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r, k])
+    seen: set[tuple[int, int, int]] = set()
+    pairs = []
+    for r in block:
+        for row in pairs_of.get(r, []):
+            key = (row[0], row[1], row[2])
+            if key not in seen:
+                seen.add(key)
+                pairs.append(row)
+    share = ValidationShare(block[0], block[-1], runs, pairs)
+    if len(block) > 1 and len(encode(Command("share", 0.0, args={"session": 2**62}, share=share))) > max_bytes:
+        half = len(block) // 2
+        return _shares(block[:half], gemm_round, pairs_of, max_bytes) + _shares(block[half:], gemm_round, pairs_of,
+                                                                                  max_bytes)
+    return [share]
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """One rank's part of a validation session: the GEMM round it runs in (None: none),
+    its P2P transfers as (round, src, dst), and whether a share covered the rank at all."""
+
+    gemm_round: int | None = None
+    pairs: list[tuple[int, int, int]] = field(default_factory=list)
+    covered: bool = True
+
+
+def rank_work(shares: Iterable[ValidationShare], rank: int) -> RankWork:
+    """``rank``'s work from the shares of its session (those of other ranks are ignored)."""
+    gemm_round: int | None = None
+    pairs: set[tuple[int, int, int]] = set()
+    covered = False
+    for share in shares:
+        if not share.first <= rank <= share.last:
+            continue
+        covered = True
+        for first, last, k in share.gemm:
+            if first <= rank <= last:
+                gemm_round = k
+        pairs.update((k, s, d) for k, s, d in share.pairs if rank in (s, d))
+    return RankWork(gemm_round, sorted(pairs), covered)

@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from falconext.control.messages import MitigationAction, SessionAck, ValidationResult
+from falconext.control.messages import MitigationAction, SessionAck, ValidationPlan, ValidationResult
+from falconext.validate.plan import RankWork
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Suspension:
         rank: int,
         session: int,
         iteration: int,
-        plan: dict[str, Any],
+        plan: ValidationPlan | None,
         bench: Bench,
         post: Callable[[Any], None],
         emit: Callable[..., Any],
@@ -64,6 +65,7 @@ class Suspension:
         resend_s: float = 0.5,
         budget_s: float | None = None,
         action: MitigationAction | None = None,
+        work: RankWork | None = None,
     ) -> None:
         self.rank = rank
         self.session = session
@@ -75,6 +77,8 @@ class Suspension:
         self.commit = commit
         #: the mitigation this suspension carries: committed once every rank holds "go"
         self.action = action
+        #: this rank's part of ``plan`` (its GEMM round, its P2P pairs); None: no share came
+        self.work = work
         self.resend_s = resend_s
         #: seconds validation may take once it starts (None: no budget)
         self.budget_s = budget_s
@@ -109,7 +113,7 @@ class Suspension:
             self._wake.wait(min(left, 0.05))
         outcome = "released" if self._release.is_set() else "expired" if self.expired else "validated"
         if self._go.is_set() and not self._release.is_set():
-            if self.plan.get("gemm") or self.plan.get("passes"):
+            if self.plan is not None and (self.plan.gemm_rounds or self.plan.p2p_rounds):
                 self.post(self._validate())
             if self.action is not None:
                 self._agree()
@@ -121,7 +125,8 @@ class Suspension:
         self.emit(
             "suspension", rank=self.rank, session=self.session, iteration=self.iteration,
             outcome=outcome, pause_s=round(self.pause_s, 4),
-            **({"fabric": self.bench.fabric} if self.plan.get("passes") and outcome == "validated" else {}),
+            **({"fabric": self.bench.fabric} if self.plan is not None and self.plan.p2p_rounds
+               and outcome == "validated" else {}),
             **({"committed": self.committed} if self.action is not None else {}),
             **({"budget_spent": True} if self.budget_spent else {}),
         )
@@ -161,39 +166,41 @@ class Suspension:
         of budget; the result holds what was measured (an error string says why it is
         partial or what failed)."""
         plan = self.plan
+        assert plan is not None
+        work = self.work if self.work is not None else RankWork(covered=False)
         flops: float | None = None
         links: list[list[float]] = []
-        error = ""
+        error = "" if work.covered else f"no share of the validation plan came for rank {self.rank}"
         t0 = time.monotonic()
         steps = done = 0
         best: dict[tuple[int, int], float] = {}
         try:
-            sweeps = int(plan.get("validation_sweeps", 1))
-            gemm = sorted(int(r) for r in plan.get("gemm", []))
-            conc = int(plan.get("gemm_concurrency", 0)) or len(gemm) or 1
-            passes = [[(int(s), int(d)) for s, d in p] for p in plan.get("passes", [])]
-            rounds = range(0, len(gemm), conc)
-            steps = sweeps * len(rounds) + (sweeps if passes else 0)
+            sweeps = plan.validation_sweeps
+            rounds = range(plan.gemm_rounds)
+            # this rank's transfers in their rounds; every rank runs every round's barrier
+            schedule: list[list[tuple[int, int]]] = [[] for _ in range(plan.p2p_rounds)]
+            for k, src, dst in work.pairs:
+                schedule[k].append((src, dst))
+            steps = sweeps * len(rounds) + (sweeps if plan.p2p_rounds else 0)
             last_s = 0.0  # the last step of the kind about to run: its expected time
             for _ in range(sweeps):  # each rank keeps its best sweep
-                for start in rounds:  # rounds: every rank takes part in each barrier
+                for k in rounds:  # rounds: every rank takes part in each barrier
                     if self._out_of_budget(t0, last_s):
                         raise _BudgetSpent
                     t_step = time.monotonic()
-                    if conc < len(gemm):
+                    if plan.gemm_rounds > 1:
                         self.bench.barrier()
-                    if self.rank in gemm[start : start + conc]:
-                        got = float(self.bench.gemm(int(plan["gemm_n"]), int(plan["gemm_repeats"])))
+                    if work.gemm_round == k:
+                        got = float(self.bench.gemm(plan.gemm_n, plan.gemm_repeats))
                         flops = got if flops is None else max(flops, got)
                     last_s = time.monotonic() - t_step
                     done += 1
-            p2p_conc = int(plan.get("p2p_concurrency", 0))
             last_s = 0.0
-            for _ in range(sweeps if passes else 0):  # each pair keeps its best sweep
+            for _ in range(sweeps if plan.p2p_rounds else 0):  # each pair keeps its best sweep
                 if self._out_of_budget(t0, last_s):
                     raise _BudgetSpent
                 t_step = time.monotonic()
-                for src, dst, sec in self.bench.passes(passes, int(plan["nbytes"]), int(plan["repeats"]), p2p_conc):
+                for src, dst, sec in self.bench.passes(schedule, plan.nbytes, plan.repeats, 0):
                     best[(src, dst)] = min(float(sec), best.get((src, dst), math.inf))
                 last_s = time.monotonic() - t_step
                 done += 1

@@ -1,0 +1,171 @@
+"""The validation plan on the bus: the suspend command carries what every rank needs alike
+and each rank's own work comes in shares of bounded size, so no message grows with the
+world (at 16,384 ranks the whole plan was about 500 KB, past the bus's 64 KiB cap); and a
+rank runs exactly the transfers and barriers the whole plan gave it before."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from falconext.config import FalconConfig
+from falconext.control.controller import Controller
+from falconext.control.messages import MAX_MESSAGE_BYTES, Command, ValidationResult, decode, encode
+from falconext.validate.p2p import run_passes
+from falconext.validate.passes import split_rounds
+from falconext.validate.plan import rank_work, split_plan, validation_plan
+from falconext.validate.suspension import Bench, Suspension
+
+
+def layout_groups(world: int, tp: int, pp: int) -> dict[str, tuple[str, list[int]]]:
+    """Megatron's groups of a TP x DP x PP job (TP fastest, then DP, then PP)."""
+    dp = world // (tp * pp)
+    groups: dict[str, tuple[str, list[int]]] = {}
+    for s in range(pp):
+        for d in range(dp):
+            if tp > 1:
+                groups[f"tp-{s}-{d}"] = ("tp", [s * tp * dp + d * tp + t for t in range(tp)])
+        for t in range(tp):
+            groups[f"dp-{s}-{t}"] = ("dp", [s * tp * dp + d * tp + t for d in range(dp)])
+    for d in range(dp):
+        for t in range(tp):
+            groups[f"pp-{d}-{t}"] = ("pp", [s * tp * dp + d * tp + t for s in range(pp)])
+    return groups
+
+
+def suspend_outputs(plan: dict, world: int) -> list:
+    """What the controller posts to suspend every rank for ``plan``: the shares, then the suspend."""
+    ctl = Controller(FalconConfig(), world=world)
+    ctl._plan, ctl._plan_ranks = plan, list(range(world))
+    return [o.message for o in ctl._suspend(100.0) if o.kind == "command"]
+
+
+@pytest.mark.parametrize("suspects", [[], [1]], ids=["every-rank", "suspects"])
+def test_no_suspend_message_exceeds_the_bus_cap_at_16384_ranks(suspects):
+    world = 16384
+    plan = validation_plan(layout_groups(world, 2, 4), list(range(world)), suspects)
+    whole = Command("suspend", 5.0, iteration=100, args={"session": 1, "plan": plan})
+    assert len(encode(whole).encode()) > MAX_MESSAGE_BYTES  # the plan in one message: refused by the bus
+    msgs = suspend_outputs(plan, world)
+    assert [m.kind for m in msgs] == ["share"] * (len(msgs) - 1) + ["suspend"]
+    sizes = []
+    for m in msgs:
+        data = encode(m)
+        sizes.append(len(data.encode()))
+        assert decode(data) == m  # strictly valid
+    assert max(sizes) <= MAX_MESSAGE_BYTES, max(sizes)
+    assert sizes[-1] < 1024  # the suspend itself does not grow with the world
+    # every rank's work, read back from the shares, is exactly its part of the whole plan
+    sus = msgs[-1]
+    shares = [m.share for m in msgs[:-1]]
+    conc = plan["gemm_concurrency"] or len(plan["gemm"]) or 1
+    assert sus.validation.gemm_rounds == -(-len(plan["gemm"]) // conc)
+    expected = [(k, s, d) for k, rnd in enumerate(split_rounds(plan["passes"], plan["p2p_concurrency"]))
+                for s, d in rnd]
+    assert sus.validation.p2p_rounds == len(split_rounds(plan["passes"], plan["p2p_concurrency"]))
+    got, gemm = set(), []
+    for r in range(world):
+        mine = [sh for sh in shares if sh.first <= r <= sh.last]
+        assert len(mine) == 1  # every rank covered once
+        work = rank_work(mine, r)
+        assert all(r in (s, d) for _, s, d in work.pairs)
+        got.update(work.pairs)
+        if work.gemm_round is not None:
+            gemm.append((r, work.gemm_round))
+    assert got == set(expected)
+    assert gemm == [(r, i // conc) for i, r in enumerate(sorted(plan["gemm"]))]
+
+
+def test_the_split_takes_a_fraction_of_a_second_at_16384_ranks():
+    world = 16384
+    plan = validation_plan(layout_groups(world, 2, 4), list(range(world)))
+    t0 = time.perf_counter()
+    split_plan(plan, range(world))
+    assert time.perf_counter() - t0 < 5.0
+
+
+class Recorder:
+    """A rank's collective calls in order, as run_passes makes them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def send(self, buf, dst, group=None):
+        self.calls.append(("send", dst))
+
+    def recv(self, buf, src, group=None):
+        self.calls.append(("recv", src))
+
+    def barrier(self, group=None):
+        self.calls.append(("barrier",))
+
+
+@pytest.mark.parametrize("gemm_conc, p2p_conc, sweeps", [(0, 0, 1), (1, 1, 2), (2, 3, 1)])
+@pytest.mark.parametrize("suspects", [[], [5]])
+def test_a_small_job_runs_the_same_transfers_gemms_and_barriers_as_with_the_whole_plan(gemm_conc, p2p_conc, sweeps,
+                                                                                        suspects):
+    world = 12  # TP2 x DP3 x PP2 on nodes of 4: rings of 2, 3 (odd: three passes) and 2
+    plan = validation_plan(layout_groups(world, 2, 2), list(range(world)), suspects, gemm_n=8, gemm_repeats=1,
+                           gemm_concurrency=gemm_conc, validation_sweeps=sweeps, p2p_concurrency=p2p_conc,
+                           p2p_bytes=4, p2p_repeats=1)
+    msgs = suspend_outputs(plan, world)
+    sus_cmd = decode(encode(msgs[-1]))
+    shares = [decode(encode(m)).share for m in msgs[:-1]]
+    for rank in range(world):
+        # before: every rank ran the whole plan (validate/suspension.py as it was)
+        before = Recorder()
+        gemm = sorted(plan["gemm"])
+        conc = gemm_conc or len(gemm) or 1
+        for _ in range(sweeps):
+            for start in range(0, len(gemm), conc):
+                if conc < len(gemm):
+                    before.barrier()
+                if rank in gemm[start:start + conc]:
+                    before.calls.append(("gemm",))
+        for _ in range(sweeps):
+            run_passes(plan["passes"], rank, 4, 1, send=before.send, recv=before.recv, barrier=before.barrier,
+                       concurrency=p2p_conc)
+        # now: the rank's share, through the real Suspension
+        now = Recorder()
+
+        def passes(schedule, nbytes, repeats, concurrency, now=now, rank=rank):
+            run_passes(schedule, rank, nbytes, repeats, send=now.send, recv=now.recv, barrier=now.barrier,
+                       concurrency=concurrency)
+            return []
+
+        bench = Bench(lambda n, r, now=now: now.calls.append(("gemm",)) or 1e9, passes, now.barrier)
+        posted: list = []
+        sus = Suspension(rank, 1, 40, sus_cmd.validation, bench, posted.append, lambda *a, **k: None,
+                         work=rank_work(shares, rank))
+        sus.signal("go")
+        sus.run(time.monotonic() + 5.0)
+        (result,) = [m for m in posted if isinstance(m, ValidationResult)]
+        assert result.error == ""
+        assert now.calls == before.calls, rank
+
+
+def test_a_rank_keeps_only_the_shares_that_cover_it_for_its_suspend(tmp_path):
+    from falconext.control.client import RankClient
+    from falconext.control.messages import ValidationShare
+
+    class Runtime:
+        def __init__(self) -> None:
+            self.shares: list = []
+            self.scheduled: list = []
+
+        def share(self, session, share):
+            self.shares.append((session, share))
+
+        def schedule(self, cmd):
+            self.scheduled.append(cmd)
+            return None
+
+    rt = Runtime()
+    client = RankClient("redis://127.0.0.1:1/0", "job", 5, 1, FalconConfig(), rt, lambda *a, **k: None)
+    mine, other = ValidationShare(4, 7, [[4, 7, 0]], [[0, 5, 6]]), ValidationShare(0, 3, [[0, 3, 0]], [])
+    for share in (other, mine):
+        client._command(Command("share", 0.0, args={"session": 9}, share=share))
+    client._command(Command("suspend", 1.0, 40, {"session": 9}))
+    assert rt.shares == [(9, mine)] and len(rt.scheduled) == 1
+    assert rank_work([s for _, s in rt.shares], 5).gemm_round == 0
