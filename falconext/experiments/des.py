@@ -64,6 +64,7 @@ from falconext.experiments.scale import job_groups
 from falconext.mitigate.restart import RestartCost
 from falconext.mitigate.topology import Layout
 from falconext.sim.itertime import IterationBreakdown, IterationModel, JobCosts
+from falconext.validate.plan import join_shares
 
 #: one hop on the bus (rank -> node agent -> controller, or back), seconds
 BUS_LATENCY_S = 0.05
@@ -314,7 +315,9 @@ class _Sim:
         self.starts: deque[float] = deque(maxlen=ITER_S_WINDOW + 1)
         self.recent: deque[tuple[float, IterationBreakdown, list[int]]] = deque(maxlen=8)
         self.suspension: dict[str, Any] | None = None  # pending or held: session, iteration, plan, go, release
-        self.committed: tuple[int, dict[str, Any]] | None = None
+        #: share commands of the validation sessions not suspended yet, by session
+        self.shares: dict[int, list[Any]] = {}
+        self.committed: tuple[int, MitigationAction] | None = None
         self.times: list[tuple[float, float]] = []
         self.pauses: list[tuple[float, str, float]] = []
         self.events: list[dict[str, Any]] = []
@@ -354,11 +357,15 @@ class _Sim:
         session = cmd.args.get("session")
         if cmd.kind == "profile":
             self.post(self.profiles(int(session), float(cmd.args.get("window_s", 3.0))), at)
+        elif cmd.kind == "share" and cmd.share is not None:
+            self.shares.setdefault(int(session), []).append(cmd.share)
         elif cmd.kind == "suspend":
+            shares = self.shares.pop(int(session), [])
             if self.it >= int(cmd.iteration or 0):  # already past it: every rank missed it
                 self.post([SessionAck(r, int(session), "missed", self.it, at) for r in range(self.job.world)], at)
                 return
-            self.suspension = {"session": session, "iteration": int(cmd.iteration), "plan": cmd.args.get("plan") or {},
+            plan = join_shares(cmd.validation, shares) if cmd.validation is not None else {}
+            self.suspension = {"session": session, "iteration": int(cmd.iteration), "plan": plan,
                                "action": cmd.action, "go": None, "release": None, "deadline_s": cmd.deadline_s}
         elif cmd.kind in ("go", "release"):
             sus = self.suspension
@@ -435,7 +442,6 @@ class _Sim:
         n, reps = int(plan.get("gemm_n", 256)), int(plan.get("gemm_repeats", 10))
         nbytes, p2p_reps = int(plan.get("nbytes", 262144)), int(plan.get("repeats", 5))
         sweeps = int(plan.get("validation_sweeps", 1))
-        conc = int(plan.get("gemm_concurrency", 0)) or len(gemm) or 1
         flops = {r: HEALTHY_FLOPS / gpus.get(r, 1.0) * (1 + self.rng_bench.normal(0, 0.01)) for r in gemm}
         gemm_s = max((2 * n**3 * reps / f for f in flops.values()), default=0.0)
         got: dict[int, list[list[float]]] = {}
@@ -452,7 +458,7 @@ class _Sim:
                 got.setdefault(int(dst), []).append([int(src), int(dst), sec])
                 longest = max(longest, sec)
             pass_s += p2p_reps * longest + BARRIER_S
-        rounds = math.ceil(len(gemm) / conc) if gemm else 0
+        rounds = int(plan.get("gemm_rounds", 1)) if gemm else 0
         took = sweeps * (rounds * (gemm_s + BARRIER_S) + pass_s)
         return [ValidationResult(r, session, flops.get(r), got.get(r, [])) for r in range(self.job.world)], took
 

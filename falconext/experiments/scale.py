@@ -50,6 +50,7 @@ from falconext.control.messages import (
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
 from falconext.sim.itertime import JobCosts, iteration_time
+from falconext.validate.plan import join_shares
 
 QUICK_SIZES = (64, 256, 1024)
 FULL_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 16384)
@@ -234,6 +235,7 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
     deadline = clock0 + VERDICT_TIMEOUT_S
     session, suspend_at, held = -1, 0, 0.0
     plan: dict[str, Any] = {}
+    shares: dict[int, list[Any]] = {}  # share commands by session, until their suspend
     row: Row = {}
     while True:
         got = sim.next_message(["cmd", "localized"], min(deadline, time.monotonic() + 1.0))
@@ -256,9 +258,11 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             session = int(msg.args["session"])
             row["report_to_profile_cmd_s"] = round(now - t_report, 3)
             sim.post(profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng))
+        elif msg.kind == "share" and msg.share is not None:
+            shares.setdefault(int(msg.args["session"]), []).append(msg.share)
         elif msg.kind == "suspend":
             session = int(msg.args["session"])
-            plan = msg.args.get("plan") or {}
+            plan = join_shares(msg.validation, shares.pop(session, [])) if msg.validation is not None else {}
             suspend_at = int(msg.iteration or 0)
             row["report_to_suspend_cmd_s"] = round(now - t_report, 3)
             row["suspend_command_bytes"] = len(encode(msg))

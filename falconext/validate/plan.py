@@ -182,3 +182,18 @@ def rank_work(shares: Iterable[ValidationShare], rank: int) -> RankWork:
                 gemm_round = k
         pairs.update((k, s, d) for k, s, d in share.pairs if rank in (s, d))
     return RankWork(gemm_round, sorted(pairs), covered)
+
+
+def join_shares(validation: ValidationPlan, shares: Iterable[ValidationShare]) -> dict[str, Any]:
+    """A session's whole plan put back together from its suspend's ``validation`` and its
+    shares, in the form :func:`validation_plan` returns (``gemm`` ranks, ``passes`` as
+    lists of (src, dst) per round, and the sizes); ``gemm_rounds`` says how the GEMMs were
+    staggered. For simulated ranks that answer a plan as a whole (the experiments)."""
+    shares = list(shares)
+    gemm = sorted({r for sh in shares for first, last, _ in sh.gemm for r in range(first, last + 1)})
+    passes = [sorted({(s, d) for sh in shares for k, s, d in sh.pairs if k == rnd})
+              for rnd in range(validation.p2p_rounds)]
+    return {"scope": validation.scope, "gemm": gemm, "gemm_n": validation.gemm_n,
+            "gemm_repeats": validation.gemm_repeats, "gemm_rounds": validation.gemm_rounds,
+            "validation_sweeps": validation.validation_sweeps, "passes": [list(p) for p in passes],
+            "nbytes": validation.nbytes, "repeats": validation.repeats}
