@@ -11,10 +11,10 @@ which is what "wherever the optimum allows it" is measured against.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 from falconext.experiments.result import Row
-from falconext.experiments.training import Job, JobResult, slowdown
+from falconext.experiments.training import Job, JobResult, first_localized, phases_row
 
 #: tracking leaves out 20 warm-up iterations and BOCD wants a baseline before the onset
 FAULT_START = 45
@@ -35,35 +35,17 @@ def s2_job(name: str, dp: int, slow_ranks: Iterable[int], factor: float) -> Job:
     return Job(name, args, nproc=dp, faults=faults)
 
 
-def _first(items: list[dict[str, Any]], key: str) -> Any:
-    return items[0].get(key) if items else None
-
-
 def s2_row(result: JobResult) -> Row:
-    """One CSV row from a finished S2 job: times, slowdowns, removed share and its ceiling,
-    and what the loop did (detection delay, localized GPUs, plan, iteration applied)."""
-    s = result.summary
-    healthy, slow, mitigated = s.get("healthy_iter_s"), s.get("slow_iter_s"), s.get("mitigated_iter_s")
-    faults = (s.get("detection") or {}).get("faults") or []
-    delays = [f.get("first_detection_delay") for f in faults if f.get("detected")]
-    localized = (s.get("localization") or {}).get("localized") or []
-    applied = [a for a in (s.get("mitigation") or {}).get("applied") or [] if a.get("strategy") == "S2"]
-    before, after = slowdown(slow, healthy), slowdown(mitigated, healthy)
-    overrun = (s.get("device") or {}).get("overrun_share")
+    """One CSV row from a finished S2 job: the phases (training.py ``phases_row``), the
+    ceiling on the share removed, and what the loop did (localized GPUs, plan, iteration)."""
+    applied = [a for a in (result.summary.get("mitigation") or {}).get("applied") or [] if a.get("strategy") == "S2"]
+    first = applied[0] if applied else {}
     return {
-        "job": result.job.name,
-        "healthy_s": healthy,
-        "slow_s": slow,
-        "mitigated_s": mitigated,
-        "slowdown_before": None if before is None else round(before, 3),
-        "slowdown_after": None if after is None else round(after, 3),
-        "removed": s.get("slowdown_removed"),
-        "removed_max": s.get("slowdown_removed_max"),
-        "detected_after": min(delays) if delays else None,
-        "localized_gpus": " ".join(map(str, _first(localized, "gpus") or [])),
-        "plan": " ".join(map(str, _first(applied, "plan") or [])),
-        "applied_at": _first(applied, "iteration"),
-        "overrun_share": overrun,
+        **phases_row(result),
+        "removed_max": result.summary.get("slowdown_removed_max"),
+        "localized_gpus": " ".join(map(str, first_localized(result).get("gpus") or [])),
+        "plan": " ".join(map(str, first.get("plan") or [])),
+        "applied_at": first.get("iteration"),
     }
 
 

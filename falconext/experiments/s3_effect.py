@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from falconext.experiments.bars import before_after_bars
 from falconext.experiments.result import Row
-from falconext.experiments.training import Job, JobResult, slowdown
+from falconext.experiments.training import Job, JobResult, first_localized, phases_row
 
 FAULT_START = 45
 #: S3 applies about 20 iterations after the onset; 30 more measure the mitigated speed
@@ -41,40 +41,27 @@ def _mitigation_event(result: JobResult) -> dict[str, Any] | None:
 
 
 def s3_row(result: JobResult) -> Row:
-    """One CSV row from a finished S3 job: times, slowdowns, the share removed, what the
-    planner predicted (and so the share it expected to remove), the switch's pause, and
-    what the loop did (detection delay, localized links, roles)."""
+    """One CSV row from a finished S3 job: the phases (training.py ``phases_row``), what
+    the planner predicted (and so the share it expected to remove), the switch's pause,
+    and what the loop did (localized links, roles, iteration applied)."""
     s = result.summary
-    healthy, slow, mitigated = s.get("healthy_iter_s"), s.get("slow_iter_s"), s.get("mitigated_iter_s")
-    faults = (s.get("detection") or {}).get("faults") or []
-    delays = [f.get("first_detection_delay") for f in faults if f.get("detected")]
-    localized = (s.get("localization") or {}).get("localized") or []
-    event = _mitigation_event(result)
-    predicted = (event or {}).get("predicted_s") or [None, None]
+    healthy = s.get("healthy_iter_s")
+    event = _mitigation_event(result) or {}
+    predicted = event.get("predicted_s") or [None, None]
     expected = None
     if predicted[0] and predicted[1] is not None and healthy and predicted[0] > healthy:
         expected = round((predicted[0] - predicted[1]) / (predicted[0] - healthy), 4)
     switches = [w for w in (s.get("mitigation") or {}).get("switches") or [] if not w.get("probe")]
-    before, after = slowdown(slow, healthy), slowdown(mitigated, healthy)
     return {
-        "job": result.job.name,
-        "healthy_s": healthy,
-        "slow_s": slow,
-        "mitigated_s": mitigated,
-        "slowdown_before": None if before is None else round(before, 3),
-        "slowdown_after": None if after is None else round(after, 3),
-        "removed": s.get("slowdown_removed"),
+        **phases_row(result),
         "predicted_before_s": predicted[0],
         "predicted_after_s": predicted[1],
         "planner_expected": expected,
-        "detected_after": min(delays) if delays else None,
-        "localized_links": " ".join(f"{a}-{b}" for a, b in (localized[0].get("links") or [])) if localized else "",
-        "roles": " ".join(map(str, (event or {}).get("roles") or [])),
-        "applied_at": (event or {}).get("iteration"),
+        "localized_links": " ".join(f"{a}-{b}" for a, b in first_localized(result).get("links") or []),
+        "roles": " ".join(map(str, event.get("roles") or [])),
+        "applied_at": event.get("iteration"),
         "switch_pause_s": switches[-1].get("pause_s") if switches else None,
-        "overrun_share": (s.get("device") or {}).get("overrun_share"),
     }
-
 
 
 def draw_s3(rows: list[Row], labels: list[str], path: str, title: str, xlabel: str = "") -> None:

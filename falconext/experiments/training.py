@@ -115,3 +115,32 @@ def slowdown(slow_s: float | None, healthy_s: float | None) -> float | None:
         return None
     return slow_s / healthy_s
 
+
+
+def phases_row(result: JobResult) -> dict[str, Any]:
+    """The fields every mitigation experiment's row has, from the job's summary: its name,
+    the healthy, slow and mitigated iteration times (the phases' medians), the slowdowns
+    before and after (x healthy), the share removed, the first detection's delay in
+    iterations, and the share of device time the host overran."""
+    s = result.summary
+    healthy, slow, mitigated = s.get("healthy_iter_s"), s.get("slow_iter_s"), s.get("mitigated_iter_s")
+    faults = (s.get("detection") or {}).get("faults") or []
+    delays = [f.get("first_detection_delay") for f in faults if f.get("detected")]
+    before, after = slowdown(slow, healthy), slowdown(mitigated, healthy)
+    return {
+        "job": result.job.name,
+        "healthy_s": healthy,
+        "slow_s": slow,
+        "mitigated_s": mitigated,
+        "slowdown_before": None if before is None else round(before, 3),
+        "slowdown_after": None if after is None else round(after, 3),
+        "removed": s.get("slowdown_removed"),
+        "detected_after": min(delays) if delays else None,
+        "overrun_share": (s.get("device") or {}).get("overrun_share"),
+    }
+
+
+def first_localized(result: JobResult) -> dict[str, Any]:
+    """The job's first localization (gpus, links, ...) from its summary; {} when none."""
+    found = (result.summary.get("localization") or {}).get("localized") or []
+    return found[0] if found else {}
