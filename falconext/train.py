@@ -88,6 +88,8 @@ class _Job:
     layout: dict
     first_it: int = 0
     restarted: dict | None = None
+    #: the roles in force (process -> role) after the last topology switch; None: the launch's
+    roles: list[int] | None = None
     suffix: str = ""
     runtime: Any = None
     estimates_file: Any = None
@@ -282,10 +284,13 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
                 action = TopologyChange(list(forced_topology[1]), forced=True)
             if isinstance(action, TopologyChange):
                 switches += 1
+                before = job.trainer
                 job.trainer = _switch(action, it, job.trainer, job.opts, switches, job.events, rank, switch_layout,
                                       runtime, rig.injector, rig.device)
+                if job.trainer is not before and not action.probe:  # applied (a refusal keeps the trainer)
+                    job.roles = list(action.roles)
             elif action is not None:
-                request = _apply(action, it, job.trainer, job.events, rank, args.out, job.layout, args)
+                request = _apply(action, it, job.trainer, job.events, rank, args.out, job.layout, args, job.roles)
                 if request is not None:
                     break
             # S4's cost, measured by a save and load, only where S4 may be chosen
@@ -460,8 +465,9 @@ def _tell_role(runtime, trainer, opts) -> None:
 
 
 def _apply(action: MitigationAction, it: int, trainer, events, rank: int, out: str, layout: dict,
-           args) -> "restart.RestartRequest | None":
-    """Apply a committed mitigation at this iteration boundary (every rank does, at the same one)."""
+           args, roles: list[int] | None = None) -> "restart.RestartRequest | None":
+    """Apply a committed mitigation at this iteration boundary (every rank does, at the same one).
+    An S4 request carries the ``roles`` in force, so the restarted job takes them up again."""
     if isinstance(action, MicrobatchPlan):
         try:
             trainer.set_plan(action.plan)
@@ -480,7 +486,7 @@ def _apply(action: MitigationAction, it: int, trainer, events, rank: int, out: s
         return restart.RestartRequest(
             iteration=it, exclude_nodes=[int(n) for n in action.exclude_nodes], checkpoint=directory,
             session=action.session, requested_at=time.time(), save_s=save_s,
-            attempt=args.attempt + 1, reason=action.reason,
+            attempt=args.attempt + 1, reason=action.reason, extra={"roles": roles} if roles else {},
         )
     events.emit("control_error", rank=rank, error=f"unknown action {type(action).__name__}")
     return None

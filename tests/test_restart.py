@@ -414,3 +414,31 @@ def test_s4_cost_is_estimated_without_writing_a_checkpoint(tmp_path, monkeypatch
     assert cost.save_load_s == pytest.approx(expected / cost.write_bps + expected / cost.read_bps)
     assert list((tmp_path / "probe").iterdir()) == []  # the scratch file is gone
 
+
+
+def test_s3_roles_in_force_outlive_an_s4_restart(tmp_path):
+    """fig17: S3 had moved a congested link's traffic, then S4 restarted without a slow
+    GPU's node, and the job came back with the launch's roles, the link on DP traffic
+    again (1.49x). The request carries the roles; the launcher forces them at the first
+    resumed iteration; identity roles change nothing; bad roles are one line."""
+    import argparse
+
+    from falconext.inputs import InputError
+    from falconext.testbed import launch
+
+    req = restart.RestartRequest(iteration=188, exclude_nodes=[3], checkpoint=str(tmp_path), attempt=1,
+                                 extra={"roles": [0, 3, 2, 1]})
+    restart.write_request(str(tmp_path), req)
+    back = restart.read_request(str(tmp_path / restart.RESTART_FILE))
+    assert launch.restored_roles(back, 4) == [0, 3, 2, 1]
+    args = argparse.Namespace(inject=None, out=str(tmp_path), ranks_per_node=1, nproc=4, resume=None, attempt=0,
+                              falcon_force_topology=None)
+    launch._prepare_restart(args, back)
+    assert args.falcon_force_topology == "188:0,3,2,1" and args.resume == str(tmp_path) and args.attempt == 1
+    same = restart.RestartRequest(iteration=5, exclude_nodes=[], checkpoint="c", extra={"roles": [0, 1, 2, 3]})
+    assert launch.restored_roles(same, 4) is None
+    assert launch.restored_roles(restart.RestartRequest(iteration=5, exclude_nodes=[], checkpoint="c"), 4) is None
+    for bad in ([0, 1, 1, 3], [0, 1, 2], "0,1,2,3", [0, 1, 2, True]):
+        with pytest.raises(InputError, match="roles must be a permutation"):
+            launch.restored_roles(restart.RestartRequest(iteration=5, exclude_nodes=[], checkpoint="c",
+                                                         extra={"roles": bad}), 4)

@@ -228,8 +228,24 @@ def _prepare_restart(args: argparse.Namespace, req) -> None:
         args.inject = path
     args.resume = req.checkpoint
     args.attempt = req.attempt
+    roles = restored_roles(req, args.nproc)
+    if roles is not None:  # S3's layout outlives the restart: taken up again at the first iteration
+        args.falcon_force_topology = f"{req.iteration}:{','.join(map(str, roles))}"
     print(f"falconext: restart {req.attempt} from iteration {req.iteration} without nodes {req.exclude_nodes} "
           f"(checkpoint {req.checkpoint})", flush=True)
+
+
+def restored_roles(req, world: int) -> list[int] | None:
+    """The roles (process -> role) a restart request says were in force, when they are
+    not the launch's own; None otherwise. Raises InputError for roles that are not a
+    permutation of the job's ranks."""
+    roles = req.extra.get("roles")
+    if roles is None:
+        return None
+    if (not isinstance(roles, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in roles)
+            or sorted(roles) != list(range(world))):
+        raise InputError(f"restart request: roles must be a permutation of 0..{world - 1}, got {roles!r}")
+    return None if roles == list(range(world)) else roles
 
 
 # -- --net netns: one namespace and one torchrun per virtual node -----------------------------
