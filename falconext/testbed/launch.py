@@ -125,8 +125,8 @@ def launch_training(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONWARNINGS", "ignore")
     if getattr(args, "net", "emulated") == "netns":
         return _launch_netns(args, env)
+    plane = _start_plane(args, env)  # first: its Redis holds its port before torchrun's is picked
     cmd = torchrun_command(args, rank_argv(args), free_port())
-    plane = _start_plane(args, env)
     from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
     env[LAUNCH_TIME_ENV] = repr(time.time())
