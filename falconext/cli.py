@@ -304,6 +304,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _await_outcome(tail, cmd: str, wait: float, late: str, failed_type: str, pred) -> dict | None:
+    """The first event matching ``pred`` within ``wait`` seconds; None, with one line on
+    stderr, when none came (``late``) or it is the ``failed_type`` event (with its reason)."""
+    ev = tail.wait_for(pred, wait)
+    if ev is None:
+        print(f"falconext ctl {cmd}: {late} within {wait:g} s", file=sys.stderr)
+        return None
+    if ev["type"] == failed_type:
+        print(f"falconext ctl {cmd}: failed: {ev.get('reason')}", file=sys.stderr)
+        return None
+    return ev
+
+
 def _cmd_ctl(args: argparse.Namespace) -> int:
     """``falconext ctl``: 0 done, 1 refused by the controller or failed in the job, 2 bad
     input or a job that cannot be reached (one line on stderr either way)."""
@@ -362,24 +375,17 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
             return 1
         print(rep.text, flush=True)
         if cmd == "validate" and wait > 0:
-            ev = tail.wait_for(lambda e: (e.get("type") == "localized" and e.get("evidence", {}).get("session", -1) >= rep.session)
-                               or (e.get("type") == "localization_failed" and e.get("session", -1) >= rep.session), wait)
+            ev = _await_outcome(tail, cmd, wait, "no verdict", "localization_failed", lambda e: (
+                e.get("type") == "localized" and e.get("evidence", {}).get("session", -1) >= rep.session)
+                or (e.get("type") == "localization_failed" and e.get("session", -1) >= rep.session))
             if ev is None:
-                print(f"falconext ctl validate: no verdict within {wait:g} s", file=sys.stderr)
-                return 1
-            if ev["type"] == "localization_failed":
-                print(f"falconext ctl validate: failed: {ev.get('reason')}", file=sys.stderr)
                 return 1
             gflops = ev.get("evidence", {}).get("gemm_gflops", {})
             print(f"slow GPUs {ev['gpus']}, slow links {ev['links']}; GEMM GFLOP/s {json.dumps(gflops)}")
         elif kind == "mitigate" and wait > 0:
-            ev = tail.wait_for(lambda e: e.get("type") in ("mitigation", "mitigation_failed")
-                               and e.get("session", -1) >= rep.session, wait)
+            ev = _await_outcome(tail, cmd, wait, "not applied", "mitigation_failed", lambda e: e.get("type") in (
+                "mitigation", "mitigation_failed") and e.get("session", -1) >= rep.session)
             if ev is None:
-                print(f"falconext ctl {cmd}: not applied within {wait:g} s", file=sys.stderr)
-                return 1
-            if ev["type"] == "mitigation_failed":
-                print(f"falconext ctl {cmd}: failed: {ev.get('reason')}", file=sys.stderr)
                 return 1
             what = {k: ev[k] for k in ("plan", "roles", "exclude_nodes") if k in ev}
             print(f"{ev['strategy']} applied from iteration {ev['iteration']} (paused {ev.get('pause_s')} s) "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
+from falconext.validate.plan import join_shares
 from falconext.control.messages import (
     Command,
     FailSlowReport,
@@ -29,10 +30,8 @@ def shared_plan(outs):
     together: (GEMM ranks, P2P rounds of (src, dst) pairs)."""
     (sus,) = commands(outs, "suspend")
     shares = [c.share for c in commands(outs, "share") if c.args["session"] == sus.args["session"]]
-    gemm = sorted({r for sh in shares for first, last, _ in sh.gemm for r in range(first, last + 1)})
-    rounds = [sorted({(s, d) for sh in shares for k2, s, d in sh.pairs if k2 == k})
-              for k in range(sus.validation.p2p_rounds)]
-    return gemm, rounds
+    plan = join_shares(sus.validation, shares)
+    return plan["gemm"], plan["passes"]
 
 
 def events(outs, type_=None):

@@ -77,6 +77,7 @@ from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Decision, Planner, slowdown_removed
 from falconext.detect.scores import RankSample, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
+from falconext.sim.itertime import check_roles
 from falconext.validate.plan import split_plan, validation_plan
 from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
@@ -914,10 +915,10 @@ class Controller:
         elif strategy == "S3":
             roles = cmd.args.get("roles")
             world = len(self.beats)
-            if (not isinstance(roles, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in roles)
-                    or sorted(roles) != list(range(world))):
+            try:
+                action = TopologyChange(list(check_roles(roles, world)))
+            except ValueError:
                 return [_event("operator_ignored", reason=f"roles {roles!r} must be a permutation of the {world} ranks")]
-            action = TopologyChange(roles)
         elif strategy == "S4":
             nodes = cmd.args.get("exclude_nodes", [])
             if not isinstance(nodes, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in nodes):

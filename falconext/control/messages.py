@@ -247,7 +247,6 @@ class Restart:
 
 #: what a suspension may carry for every rank to apply
 MitigationAction = Union[MicrobatchPlan, TopologyChange, Restart]
-ACTION_TYPES: dict[str, type] = {cls.KIND: cls for cls in (MicrobatchPlan, TopologyChange, Restart)}
 
 
 def action_details(action: MitigationAction) -> dict[str, Any]:
@@ -504,13 +503,23 @@ def _no_constant(name: str) -> float:
     raise MessageError(f"{name} is not allowed")
 
 
+@functools.lru_cache(maxsize=None)
+def _union_parts(hint: Any) -> tuple[dict[str, type], type | None]:
+    """A union hint's tagged classes by ``kind`` (the actions), and its one dataclass when
+    it is an optional part (``X | None``); resolved once per hint, not per message."""
+    options = typing.get_args(hint)
+    tagged = {getattr(o, "KIND"): o for o in options if is_dataclass(o) and hasattr(o, "KIND")}
+    rest = [o for o in options if o is not type(None)]
+    return tagged, rest[0] if len(rest) == 1 and is_dataclass(rest[0]) else None
+
+
 def _check(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
-        tagged = {getattr(o, "KIND"): o for o in options if is_dataclass(o) and hasattr(o, "KIND")}
+        tagged, part = _union_parts(hint)
         if tagged:  # a tagged union (the actions): "kind" names the class, whose errors are kept
             if not isinstance(value, dict):
                 raise MessageError(f"{where}: expected an object")
@@ -519,9 +528,8 @@ def _check(value: Any, hint: Any, where: str) -> Any:
             if cls is None:
                 raise MessageError(f"{where}: unknown kind {kind!r} (expected one of {', '.join(sorted(tagged))})")
             return _build(cls, value, f"{where}({kind})")
-        rest = [o for o in options if o is not type(None)]
-        if len(rest) == 1 and is_dataclass(rest[0]):  # an optional part: its own errors are kept
-            return _check(value, rest[0], where)
+        if part is not None:  # an optional part: its own errors are kept
+            return _check(value, part, where)
         for opt in options:
             if opt is type(None):
                 continue

@@ -239,13 +239,16 @@ def restored_roles(req, world: int) -> list[int] | None:
     """The roles (process -> role) a restart request says were in force, when they are
     not the launch's own; None otherwise. Raises InputError for roles that are not a
     permutation of the job's ranks."""
+    from falconext.sim.itertime import check_roles
+
     roles = req.extra.get("roles")
     if roles is None:
         return None
-    if (not isinstance(roles, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in roles)
-            or sorted(roles) != list(range(world))):
-        raise InputError(f"restart request: roles must be a permutation of 0..{world - 1}, got {roles!r}")
-    return None if roles == list(range(world)) else roles
+    try:
+        checked = list(check_roles(roles, world))
+    except ValueError as exc:
+        raise InputError(f"restart request: roles must be a permutation of 0..{world - 1}: {exc}") from None
+    return None if checked == list(range(world)) else checked
 
 
 # -- --net netns: one namespace and one torchrun per virtual node -----------------------------
