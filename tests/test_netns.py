@@ -111,7 +111,7 @@ def test_fold_exit_codes_reports_the_first_failing_node() -> None:
 def test_node_torchrun_command() -> None:
     args = argparse.Namespace(ranks_per_node=2)
     cmd = launch.node_torchrun_command(args, ["--iters", "3"], 2, 1, "10.213.7.10", 29501)
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2",
+    assert cmd[1:] == ["-m", "falconext.testbed.forkrun", "--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2",
                        "--master_addr", "10.213.7.10", "--master_port", "29501", "-m", "falconext.train",
                        "--iters", "3"]
 

@@ -132,3 +132,14 @@ def test_validation_messages_last_20_ms_at_the_networks_rate():
     assert knobs("emulated", bw=10e6)["falcon_p2p_bytes"] == 200_000
     assert knobs("cpu", net="netns", bw=5e6)["falcon_p2p_bytes"] == 100_000
     assert "falcon_p2p_bytes" not in knobs("cpu")  # loopback: the config's default
+
+
+def test_forkrun_splits_torchruns_options_from_the_ranks_arguments():
+    from falconext.testbed.forkrun import split_argv
+
+    assert split_argv(["--nproc_per_node", "4", "-m", "falconext.train", "--iters", "3", "-m", "x"]) == (
+        ["--nproc_per_node", "4"], ["--iters", "3", "-m", "x"])
+    with pytest.raises(ValueError, match="runs falconext.train only, not 'other'"):
+        split_argv(["--nproc_per_node", "4", "-m", "other", "--iters", "3"])
+    with pytest.raises(ValueError, match="no '-m falconext.train'"):
+        split_argv(["--nproc_per_node", "4"])

@@ -24,11 +24,16 @@ from falconext.inputs import InputError
 from falconext.ports import free_port
 
 
+#: torchrun, with the ranks forked from one process that has imported torch and
+#: megatron-core (:mod:`falconext.testbed.forkrun`): the same options and agent
+TORCHRUN = [sys.executable, "-m", "falconext.testbed.forkrun"]
+
+
 def torchrun_command(args: argparse.Namespace, argv_tail: list[str], port: int) -> list[str]:
     """The torchrun command line of one attempt: this machine's ranks running
     ``falconext.train`` with ``argv_tail``, rendezvous on loopback ``port``."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        *TORCHRUN,
         "--nproc_per_node", str(args.nproc),
         "--master_addr", "127.0.0.1",
         "--master_port", str(port),
@@ -289,7 +294,7 @@ def node_torchrun_command(args: argparse.Namespace, argv_tail: list[str], nodes:
     """Node ``node``'s torchrun (run inside its namespace): ranks_per_node local ranks of an
     ``nodes``-node job whose rendezvous store is at ``master_addr:port``."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        *TORCHRUN,
         "--nnodes", str(nodes),
         "--node_rank", str(node),
         "--nproc_per_node", str(args.ranks_per_node),
