@@ -223,6 +223,14 @@ class FalconConfig:
     #: iterations after a strategy takes effect before it is judged, and judged over
     mitigation_settle_iterations: int = 5
     mitigation_judge_iterations: int = 5
+    #: inside a mitigated fail-slow, the iteration time risen this fraction over the lowest
+    #: level seen in it (or a strategy judged enough no longer being so) is localized
+    #: again before the planner escalates: the ranks' detectors do not report a second
+    #: fault that begins inside their open event (a ladder step) or while they restart
+    #: after S3 (they take it as their baseline), and escalating would charge it to the
+    #: first fault's culprits. 10%: the paper's line between jitter and a change
+    #: (min_slowdown); 0: never (escalate whatever caused the rise)
+    mitigation_relocalize_rise: float = 0.10
     #: strategies the planner may use, cheapest first by measured cost (S2 rebalance
     #: micro-batches, S3 topology, S4 checkpoint-restart without the bad node); leave
     #: S4 out where no spare node exists
@@ -319,6 +327,7 @@ class FalconConfig:
         _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
         _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
         _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
+        _check(self.mitigation_relocalize_rise >= 0.0, "mitigation_relocalize_rise must be >= 0")
         _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
         _check(0 < self.validation_budget_s <= 300, "validation_budget_s must be in (0, 300]")
         _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
