@@ -176,6 +176,11 @@ class FalconConfig:
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
     suspend_margin_iterations: int = 3
+    #: ... or one, when an iteration lasts at least this many seconds (0: never): the
+    #: margin is time for the command to reach every rank (bus hops, read every 0.1 s),
+    #: and three 3.5 s iterations of a 64-GPU job kept a fail-slow unvalidated, then
+    #: unmitigated, for 7 s longer than one does, at each suspension
+    suspend_margin_s: float = 1.0
     #: longest a rank stays suspended, whatever happens to the controller
     suspend_deadline_s: float = 4.0
     #: longest validation runs on the trapped training thread once "go" has come: checked
@@ -327,6 +332,7 @@ class FalconConfig:
         _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
         _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
         _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
+        _check(self.suspend_margin_s >= 0.0, "suspend_margin_s must be >= 0")
         _check(self.mitigation_relocalize_rise >= 0.0, "mitigation_relocalize_rise must be >= 0")
         _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
         _check(0 < self.validation_budget_s <= 300, "validation_budget_s must be in (0, 300]")

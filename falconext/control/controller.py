@@ -105,6 +105,7 @@ RUNTIME_SETTABLE = frozenset({
     "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
     "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
     "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
+    "suspend_margin_s",
 })
 
 
@@ -467,7 +468,7 @@ class Controller:
         for b in self.beats.values():
             iter_s = max(iter_s, b.iter_s)
             latest = max(latest, b.iteration + max(0.0, now - b.time) / b.iter_s if b.iter_s > 0 else b.iteration)
-        margin = self.cfg.suspend_margin_iterations * self._tries
+        margin = self._margin(iter_s) * self._tries
         self._iteration = int(math.ceil(latest)) + margin
         self._acks = {"held": {}, "resumed": {}}
         self._go_sent = False
@@ -489,6 +490,15 @@ class Controller:
                           args={"session": self.session}, action=self._action)
         change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
         return change + posts + [Output("command", cmd)]
+
+    def _margin(self, iter_s: float) -> int:
+        """Iterations between the controller's estimate of where the ranks are and the one
+        they suspend at: ``suspend_margin_iterations``, or one when an iteration lasts at
+        least ``suspend_margin_s``: the margin is time for the command to reach every
+        rank, and one such iteration gives it."""
+        if self.cfg.suspend_margin_s > 0 and iter_s >= self.cfg.suspend_margin_s:
+            return 1
+        return self.cfg.suspend_margin_iterations
 
     def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:
         suspended = self.state in (State.VALIDATING, State.MITIGATING)
