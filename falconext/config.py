@@ -176,6 +176,11 @@ class FalconConfig:
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
     suspend_margin_iterations: int = 3
+    #: ... or one, when an iteration lasts at least this many seconds (0: never): the
+    #: margin is time for the command to reach every rank (bus hops, read every 0.1 s),
+    #: and three 3.5 s iterations of a 64-GPU job kept a fail-slow unvalidated, then
+    #: unmitigated, for 7 s longer than one does, at each suspension
+    suspend_margin_s: float = 1.0
     #: longest a rank stays suspended, whatever happens to the controller
     suspend_deadline_s: float = 4.0
     #: longest validation runs on the trapped training thread once "go" has come: checked
@@ -223,6 +228,14 @@ class FalconConfig:
     #: iterations after a strategy takes effect before it is judged, and judged over
     mitigation_settle_iterations: int = 5
     mitigation_judge_iterations: int = 5
+    #: inside a mitigated fail-slow, the iteration time risen this fraction over the lowest
+    #: level seen in it (or a strategy judged enough no longer being so) is localized
+    #: again before the planner escalates: the ranks' detectors do not report a second
+    #: fault that begins inside their open event (a ladder step) or while they restart
+    #: after S3 (they take it as their baseline), and escalating would charge it to the
+    #: first fault's culprits. 10%: the paper's line between jitter and a change
+    #: (min_slowdown); 0: never (escalate whatever caused the rise)
+    mitigation_relocalize_rise: float = 0.10
     #: strategies the planner may use, cheapest first by measured cost (S2 rebalance
     #: micro-batches, S3 topology, S4 checkpoint-restart without the bad node); leave
     #: S4 out where no spare node exists
@@ -319,6 +332,8 @@ class FalconConfig:
         _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
         _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
         _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
+        _check(self.suspend_margin_s >= 0.0, "suspend_margin_s must be >= 0")
+        _check(self.mitigation_relocalize_rise >= 0.0, "mitigation_relocalize_rise must be >= 0")
         _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
         _check(0 < self.validation_budget_s <= 300, "validation_budget_s must be in (0, 300]")
         _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")

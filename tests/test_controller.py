@@ -353,3 +353,25 @@ def test_three_slow_gpus_of_four_are_named_by_their_own_compute_rise():
         outs += ctl.handle(ValidationResult(r, session, 1e9 if r else 2e9, []), 102.5)
     (loc,) = events(outs, "localized")
     assert loc["gpus"] == [1, 2, 3], loc["evidence"]
+
+
+def test_long_iterations_suspend_one_iteration_ahead():
+    """The margin is time for the command to reach every rank: with 3.5 s iterations one
+    iteration gives it (three kept table7's fail-slows unvalidated 7 s longer, twice per
+    mitigation); short iterations keep suspend_margin_iterations."""
+    for iter_s, margin in ((3.5, 1), (CFG.suspend_margin_s, 1), (0.3, CFG.suspend_margin_iterations)):
+        ctl = Controller(CFG, world=4)
+        for r, n in NODES.items():
+            ctl.handle(Heartbeat(r, n, 50, iter_s, 100.0), 100.0)
+        outs = ctl.handle(report(t=100.0), 100.0)
+        for r in NODES:
+            outs += ctl.handle(profile(r, ctl.session, 1), 100.0)
+        (sus,) = commands(outs, "suspend")
+        assert sus.iteration == 50 + margin, (iter_s, sus.iteration)
+    ctl = Controller(CFG.replace(suspend_margin_s=0.0), world=4)
+    for r, n in NODES.items():
+        ctl.handle(Heartbeat(r, n, 50, 3.5, 100.0), 100.0)
+    outs = ctl.handle(report(t=100.0), 100.0)
+    for r in NODES:
+        outs += ctl.handle(profile(r, ctl.session, 1), 100.0)
+    assert commands(outs, "suspend")[0].iteration == 50 + CFG.suspend_margin_iterations

@@ -83,3 +83,31 @@ def test_quick_table7_orders_healthy_mitigated_slow():
     out = table7.runs(table7.QUICK_S)
     assert out["healthy"].jct_s < out["mitigated"].jct_s < out["slow"].jct_s
     assert {r.iterations for r in out.values()} == {out["healthy"].iterations}
+
+
+def test_a_gpu_that_slows_under_s3_is_localized_and_gets_s2():
+    """table7's GPU 58 (2.5x) and link 4-5, 1700 s earlier: the GPU slows just after S3
+    moved the link's stage; the moved ranks' detectors are warming up and the others' link
+    event is open, so no rank reports it; the planner's rise is localized again instead."""
+    job = table7.job()
+    faults = [f for f in table7.trace() if f.kind == "link" and f.link == (4, 5) or f.gpu == 58]
+    faults = [des.Fault(f.kind, f.start_s - 1700.0, f.end_s - 1700.0, f.gpu, f.factor, f.link, f.excess)
+              for f in faults]  # link 280-1180 s, GPU 58 450-800 s
+    r = des.run(job, faults, des.Variant("on"), 260)
+    loc = [e for e in r.events if e["type"] == "localized" and 58 in e["gpus"]]
+    assert loc and 450 < loc[0]["t"] < 600, [e for e in r.events if e["type"] == "localized"]
+    # here it began while S3 settled (so S3 was never judged enough): it joins the link's episode
+    assert [e["gpus"] for e in r.events if e["type"] == "relocalized"] == [[58]]
+    applied = [e["strategy"] for e in r.events if e["type"] == "mitigation"]
+    assert applied[:2] == ["S3", "S2"] and "S4" not in applied
+
+
+def test_the_fig17_trace_takes_the_papers_s3_s2_s4_path():
+    """The link cannot be moved (S3 fails), then GPU 12 slows: its rise joins the episode,
+    S2 is tried on it, and S4 removes node 1 when S2 is not enough."""
+    job = ablations.job(17)
+    r = des.run(job, ablations.trace(), des.Variant("on"), 700)
+    steps = [(e["type"], e.get("strategy")) for e in r.events if e["type"] in ("mitigation", "mitigation_failed")]
+    assert steps[:3] == [("mitigation_failed", "S3"), ("mitigation", "S2"), ("mitigation", "S4")], steps
+    (rel,) = [e for e in r.events if e["type"] == "relocalized"]
+    assert rel["outcome"] == "joined the episode" and rel["gpus"] == [12]

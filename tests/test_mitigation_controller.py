@@ -697,3 +697,108 @@ def test_a_new_fail_slow_under_a_mitigation_in_force_is_localized_afresh():
     assert ctl.state is State.PROFILING and ctl.session > session and commands(out, "profile")
     assert ctl.episode.reporters == {3: 9} and ctl.episode.onsets == [new_onset]
     assert ctl.episode.mitigation is None  # the new fault gets its own localization and planner
+
+
+# --- a rise inside the episode is localized again ------------------------------------------
+
+
+def _revalidate(job: Job, out: list, slow: tuple[int, ...]) -> list:
+    """The re-localization session ``out`` started: every rank's profile, the suspension, GEMMs
+    at half speed on ``slow``, and the resumed acks."""
+    ctl = job.ctl
+    assert ctl.state is State.PROFILING and commands(out, "profile")
+    for r in NODES:
+        out += ctl.handle(profile(r, ctl.session), job.t + 0.2)
+    (sus,) = commands(out, "suspend")
+    out += job.hold_all(sus)
+    for r in NODES:
+        out += ctl.handle(ValidationResult(r, sus.args["session"], 5e9 if r in slow else 1e10, []), job.t + 0.4)
+    out += job.resume_all(sus, pause=0.2)
+    assert ctl.state is State.TRACKING
+    return out
+
+
+def test_a_second_straggler_under_an_s2_that_was_enough_gets_its_own_episode():
+    """table7's GPU 58: a fault that begins under a strategy judged enough reaches no
+    detector (their open event takes it as a ladder step, S3's moved ranks as their new
+    baseline). The planner sees the level rise and asks for a re-localization instead of
+    escalating; the new straggler gets an episode and a planner of its own, and the first
+    one's plan stays in force (no revert)."""
+    job = Job(restart_s=2.0)  # S4 would be due on the rent alone
+    effective = _s2_applied(job)
+    ctl = job.ctl
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    job.advance(CFG.mitigation_settle_iterations + CFG.mitigation_judge_iterations + 3)
+    first = ctl.episode
+    assert first.mitigation.planner.status()["judged"][-1]["enough"] is True
+    job.iter_s, job.mb[3] = SLOW, SLOW_MB  # rank 3 slows too
+    out, it = job.run_until("mitigation_decision")
+    (dec,) = decisions(out)
+    assert dec["action"] == "relocalize" and dec["strategy"] == "S2"
+    out = _revalidate(job, out, slow=(1, 3))
+    (loc,) = events(out, "localized")
+    assert loc["gpus"] == [1, 3]
+    (rel,) = events(out, "relocalized")
+    assert rel["outcome"] == "new episode" and rel["gpus"] == [3]
+    (end,) = events(out, "episode_end")
+    assert end["reason"] == "superseded by a new fail-slow" and end["gpus"] == [3]
+    ep = ctl.episode
+    assert ep is not first and ep.mitigation.gpus == [3] and ep.mitigation.slow_replicas == {3}
+    assert ep.mitigation.planner.status()["healthy_s"] == HEALTHY
+    assert not [d for d in decisions(out) if d["action"] == "revert"]
+    out, _ = job.run_until("mitigation_decision")
+    (dec,) = decisions(out)
+    assert (dec["action"], dec["strategy"]) == ("apply", "S2")  # not S4: the rise was not the first fault's
+
+
+def test_a_second_straggler_while_nothing_helped_joins_the_episode():
+    """Only S4 allowed and not worth it yet: a second straggler's rise is localized and joins
+    the episode (one planner, the rent so far kept); S4 would leave out both nodes."""
+    job = Job(CFG.replace(mitigation_strategies="S4"), restart_s=1000.0)
+    job.localize()
+    job.advance(10)
+    ctl = job.ctl
+    ep, session = ctl.episode, ctl.session
+    job.iter_s, job.mb[3] = 2 * SLOW, SLOW_MB
+    out, _ = job.run_until("mitigation_decision")
+    assert decisions(out)[0]["action"] == "relocalize"
+    out = _revalidate(job, out, slow=(1, 3))
+    (rel,) = events(out, "relocalized")
+    assert rel["outcome"] == "joined the episode" and rel["gpus"] == [3]
+    assert ctl.episode is ep and not events(out, "episode_end") and ctl.session > session
+    assert ep.mitigation.gpus == [1, 3] and ep.mitigation.slow_replicas == {1, 3}
+    assert ep.mitigation.planner.status()["relocalizing"] is None
+
+
+def test_a_relocalization_that_finds_nothing_new_lets_the_planner_go_on():
+    job = Job(restart_s=2.0)
+    effective = _s2_applied(job)
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    job.advance(CFG.mitigation_settle_iterations + CFG.mitigation_judge_iterations + 3)
+    ep = job.ctl.episode
+    job.iter_s = SLOW  # the same straggler got worse
+    out, _ = job.run_until("mitigation_decision")
+    out = _revalidate(job, out, slow=(1,))
+    (rel,) = events(out, "relocalized")
+    assert rel["outcome"] == "nothing new" and job.ctl.episode is ep
+    out, _ = job.run_until("mitigation_decision")
+    (dec,) = decisions(out)
+    assert (dec["action"], dec["strategy"]) == ("apply", "S4")
+
+
+def test_a_planner_that_applied_nothing_does_not_hold_a_healthy_episode_open():
+    """An episode whose fail-slow is over before any strategy was bought closes once every
+    rank reads healthy for episode_timeout_s, even without the end reports (an episode a
+    re-localization opened has none)."""
+    job = Job(CFG.replace(mitigation_strategies="S4"), restart_s=1000.0)
+    job.localize()
+    job.advance(3)
+    ctl = job.ctl
+    job.iter_s = HEALTHY
+    job.advance(2)
+    assert ctl.tick(job.t) == [] and ctl.episode is not None
+    out = ctl.tick(job.t + CFG.episode_timeout_s)
+    (ev,) = events(out, "episode_timeout")
+    assert ev["reason"].startswith("every rank is healthy") and ctl.episode is None

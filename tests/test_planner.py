@@ -331,3 +331,71 @@ def test_slowdown_removed():
     for args in ((math.nan, 2.0, 1.0), (1.0, math.inf, 1.0), (1.0, 2.0, -1.0)):
         with pytest.raises(ValueError):
             slowdown_removed(*args)
+
+
+# --- a rise inside the fail-slow is localized again before any escalation ----------------
+
+
+def test_a_strategy_that_was_enough_and_no_longer_is_asks_to_relocalize_not_to_escalate():
+    """S2 was enough; then the level rises (a second fault): the planner asks for a
+    re-localization instead of buying S4 for the first fault, and holds every decision
+    until told what was found, whatever the rent meanwhile."""
+    p = Planner("computation", HEALTHY, {"S2": 2.0, "S3": None, "S4": 10.0}, onset=100, rise_margin=0.1)
+    assert first_decision(p, 100, 200, SLOW).strategy == "S2"
+    p.applied("S2", 103, 2.0)
+    assert feed(p, 104, 130, OK) == []  # settled, judged enough
+    d = first_decision(p, 130, 160, 2.1)
+    assert (d.action, d.strategy, d.iteration, d.overhead_s) == ("relocalize", "S2", 132, None)
+    info = p.status()["relocalizing"]
+    assert info["was_enough"] is True and info["reference_s"] == OK and info["rise_iteration"] == 130
+    assert feed(p, 133, 160, 2.1) == [] and p.impact_s > 10.0  # S4's price passed: still held
+    p.relocalized(False)
+    d = p.observe(160, 2.1)
+    assert (d.action, d.strategy) == ("apply", "S4")  # the same culprits: the ladder goes on
+    assert [h["kind"] for h in p.history].count("relocalized") == 1
+
+
+def test_a_rise_while_nothing_helped_widens_to_s2_when_a_gpu_joins_a_link_fault():
+    """A congested link (S3 failed, S4 not yet worth it), then a GPU slows: the rise over the
+    lowest level asks for a re-localization; the GPU found makes S2 a candidate, and the
+    rent so far buys it at once: the paper's S3 -> S2 -> S4 path."""
+    p = Planner("communication", HEALTHY, {"S3": 3.0, "S4": 50.0}, onset=100, rise_margin=0.1)
+    d = first_decision(p, 100, 200, 1.3)
+    assert d.strategy == "S3"
+    p.failed("S3", "nothing to move")
+    assert feed(p, d.iteration + 1, 130, 1.3) == []
+    d = first_decision(p, 130, 150, 2.0)
+    assert d.action == "relocalize" and p.status()["relocalizing"]["was_enough"] is False
+    assert p.widen("communication") == []
+    assert p.widen("computation") == ["S2"] and p.status()["root_cause"] == "computation"
+    p.set_overhead("S2", 0.5)
+    assert p.observe(d.iteration + 1, 2.0) is None  # held until relocalized
+    p.relocalized(True)
+    d = p.observe(d.iteration + 2, 2.0)
+    assert (d.action, d.strategy) == ("apply", "S2")
+    assert [c["strategy"] for c in p.status()["candidates"]] == ["S2", "S3", "S4"]
+
+
+def test_after_a_relocalization_the_level_settles_before_it_is_the_reference_again():
+    """Heartbeats are medians of recent iterations, so the level goes on rising for a while
+    after the re-localization: that is the same rise, not a further one."""
+    p = Planner("computation", HEALTHY, {"S2": None, "S3": None, "S4": 1e6}, onset=100, rise_margin=0.1)
+    assert feed(p, 100, 120, 1.2) == []
+    d = first_decision(p, 120, 130, 1.4)
+    assert d.action == "relocalize"
+    p.relocalized(False)
+    ramp = [1.45, 1.5, 1.55, 1.6, 1.65] + [1.7] * 20
+    assert [p.observe(d.iteration + 1 + k, t) for k, t in enumerate(ramp)] == [None] * len(ramp)
+    d = first_decision(p, d.iteration + 1 + len(ramp), 200, 1.9)  # a further rise: asked again
+    assert d.action == "relocalize" and p.status()["relocalizing"]["reference_s"] == 1.7
+
+
+def test_without_a_rise_margin_the_planner_escalates_on_a_rise():
+    p = planner()
+    assert first_decision(p, 100, 200, SLOW).strategy == "S2"
+    p.applied("S2", 103, 2.0)
+    assert feed(p, 104, 130, OK) == []
+    d = first_decision(p, 130, 200, 2.1)
+    assert (d.action, d.strategy) == ("apply", "S4")
+    with pytest.raises(ValueError):
+        p.relocalized(False)

@@ -40,12 +40,12 @@ def beats(ctl: Controller, it: int, **kw) -> list:
 
 
 def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), healthy_beat: int | None = None,
-                  **beat_fields) -> tuple[Controller, list]:
+                  cfg: FalconConfig = CFG, **beat_fields) -> tuple[Controller, list]:
     """Fail-slow report -> profile -> validation (the x4 link 0-1 if ``slow_link``; GEMMs
     at half speed on ``slow_gpus``) -> localized; then the suspension's resumed acks.
     ``healthy_beat``: an iteration before the onset (45) at which every process first
     reports the default compute time."""
-    ctl = Controller(CFG, world=4)
+    ctl = Controller(cfg, world=4)
     if healthy_beat is not None:
         beats(ctl, healthy_beat)
     beats(ctl, 50, **beat_fields)
@@ -58,6 +58,15 @@ def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), healt
     s = sus.args["session"]
     for p in range(4):
         out += ctl.handle(SessionAck(p, s, "held", sus.iteration, t + 0.5), t + 0.5)
+    return ctl, out + validated(ctl, out, t, slow_link, slow_gpus)
+
+
+def validated(ctl: Controller, out: list, t: float, slow_link: bool = True, slow_gpus: tuple[int, ...] = ()) -> list:
+    """The validation the suspend in ``out`` asked for (see :func:`localized_job`), then
+    the resumed acks."""
+    (sus,) = commands(out, "suspend")
+    s = sus.args["session"]
+    out = []
     nbytes = sus.validation.nbytes
     slow_s = 0.001 + 3 * nbytes / 20e6 if slow_link else 0.001  # x4: 3 x bytes / 20 MB/s more per message
     links = {(0, 1): slow_s, (1, 0): slow_s, (2, 3): 0.001, (3, 2): 0.001, (0, 2): 0.001, (2, 0): 0.001,
@@ -67,7 +76,7 @@ def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), healt
         out += ctl.handle(ValidationResult(p, s, 5e9 if p in slow_gpus else 1e10, mine), t + 1.0)
     for p in range(4):
         out += ctl.handle(SessionAck(p, s, "resumed", sus.iteration, t + 1.5, pause_s=PAUSE), t + 1.5)
-    return ctl, out
+    return out
 
 
 def test_link_on_the_dp_path_is_moved_by_s3():
@@ -216,3 +225,41 @@ def test_link_excess_of_a_lone_network_link_is_over_its_own_baseline():
     ev = {"links": {"0-1": 0.04}, "reference": None, "reference_from": "baseline", "baseline": {"0-1": 0.01}}
     assert link_excess([[1, 0]], ev, 1000) == {(0, 1): pytest.approx(3e-5)}
     assert link_excess([[1, 0]], dict(ev, baseline={}), 1000) == {}
+
+
+def test_a_slow_gpu_under_a_link_nothing_helped_joins_its_episode_and_s2_is_tried():
+    """The ablations' (Fig. 17) compound trace: S3 could not move the congested link, then
+    a GPU slows. Its rise is localized again and joins the link's episode; the planner,
+    widened to a computation fail-slow, tries S2 on the rent so far (S3 -> S2 -> S4)."""
+    cfg = CFG.replace(mitigation_strategies="S2,S3")
+    ctl, out = localized_job(cfg=cfg, role=-1)  # no roles: S3 has no model and fails
+    failed = []
+    it = 51
+    while not failed and it < 80:
+        failed += events(beats(ctl, it, role=-1), "mitigation_failed")
+        it += 1
+    assert failed and failed[0]["strategy"] == "S3"
+    ep = ctl.episode
+    decided = []
+    while not decided and it < 120:
+        for p in (3, 2, 1, 0):  # process 3's GPU at half speed: the iteration doubles
+            got = ctl.handle(beat(p, it, iter_s=2 * SLOW, role=-1, mb_s=0.03 if p == 3 else 0.015), 100.0 + it)
+            decided += events(got, "mitigation_decision")
+        it += 1
+    assert decided and decided[0]["action"] == "relocalize", decided
+    for p in range(4):
+        got += ctl.handle(ProfileData(p, ctl.session, {}, {}, {}), 100.0 + it)
+    for p in range(4):
+        got += ctl.handle(SessionAck(p, ctl.session, "held", commands(got, "suspend")[0].iteration, 100.0 + it),
+                          100.0 + it)
+    got = validated(ctl, got, 100.0 + it, slow_gpus=(3,))
+    (rel,) = events(got, "relocalized")
+    assert rel["outcome"] == "joined the episode" and rel["root_cause"] == "computation"
+    assert ctl.episode is ep and ep.mitigation.gpus == [3] and ep.mitigation.links == [[0, 1]]
+    decided = []
+    while not decided and it < 140:
+        for p in (3, 2, 1, 0):
+            decided += events(ctl.handle(beat(p, it, iter_s=2 * SLOW, role=-1, mb_s=0.03 if p == 3 else 0.015),
+                                         100.0 + it), "mitigation_decision")
+        it += 1
+    assert decided and (decided[0]["action"], decided[0]["strategy"]) == ("apply", "S2"), decided

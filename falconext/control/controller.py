@@ -23,6 +23,15 @@ One episode per fail-slow: reports from the other ranks, and ladder updates, joi
 episode rather than start new ones; the episode closes when every rank that reported
 it has reported its end, and only then can a new one start.
 
+A rise the planner sees (the iteration time up by ``mitigation_relocalize_rise`` over the
+lowest level of the episode, or a strategy judged enough that no longer is) is localized
+again before the planner escalates: the ranks' detectors cannot be relied on for a
+second fault that begins inside an episode (their open event takes it as a ladder step,
+and a detector restarted by S3 takes it as its baseline). A fault found then under a
+strategy that was enough gets an episode of its own (the first stays mitigated); one
+found while nothing had helped joins the episode, whose planner goes on with the
+strategies for both (a slow GPU under a congested link: S3 -> S2 -> S4).
+
 Operators (``falconext ctl``) send :data:`OPERATOR_COMMANDS`: validate now, apply or
 revert a mitigation, mute and unmute, set a threshold. Every one is an
 ``operator_command`` event naming the command, its arguments, the time and whether it
@@ -95,7 +104,8 @@ RUNTIME_SETTABLE = frozenset({
     "gemm_size", "gemm_repeats", "gemm_concurrency", "validation_sweeps", "p2p_concurrency", "p2p_bytes",
     "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
     "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
-    "max_microbatches_per_replica", "min_slowdown", "status_interval_s",
+    "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
+    "suspend_margin_s",
 })
 
 
@@ -133,6 +143,8 @@ class _Episode:
     healthy_since: float | None = None
     #: the slow iteration times the reports measured (baseline x slowdown)
     slow_levels: list[float] = field(default_factory=list)
+    #: the planner's rise being localized again (Planner.status()["relocalizing"]), or None
+    relocalizing: dict[str, Any] | None = None
 
 
 class Controller:
@@ -236,7 +248,9 @@ class Controller:
         if ep is None or ep.trigger != "fail_slow" or self.state is not State.TRACKING:
             return []
         mit = ep.mitigation
-        if mit is not None and (not mit.planner.finished or mit.in_flight is not None):
+        waiting = mit is not None and not mit.planner.finished and not mit.applied and mit.in_flight is None \
+            and mit.planner.pending() is None
+        if mit is not None and (not mit.planner.finished or mit.in_flight is not None) and not waiting:
             return []  # the planner decides when a mitigated fail-slow is over
         healthy = self._beats_healthy(ep)
         if not healthy:
@@ -245,12 +259,14 @@ class Controller:
             ep.healthy_since = now
         limit = self.cfg.episode_timeout_s
         reason = None
-        if ep.first_end_t is not None and now - ep.first_end_t >= limit:
+        if ep.first_end_t is not None and now - ep.first_end_t >= limit and not waiting:
             reason = "some ranks never reported the end"
         elif ep.healthy_since is not None and now - ep.healthy_since >= limit:
             reason = "every rank is healthy again but the end reports did not come"
         if reason is None:
             return []
+        if waiting:  # nothing applied, nothing to revert: over before any strategy
+            mit.planner.recovered(max(0, mit.planner.status()["last_iteration"]))
         self.episode = None
         return [_event("episode_timeout", session=self.session, reason=reason,
                        missing=sorted(set(ep.reporters) - ep.ended), after_s=round(limit, 3))]
@@ -359,8 +375,12 @@ class Controller:
         The profiles' deadline runs from when the controller handles the event (``now``),
         not from the event's own time: a report that waited behind a backlog of
         heartbeats would otherwise find its deadline already passed."""
-        self.session += 1
         self.episode = _Episode(trigger, t_event)
+        return self._session(trigger, t_event, now)
+
+    def _session(self, trigger: str, t_event: float, now: float | None = None) -> list[Output]:
+        """A new profiling session for the episode open now: every rank sends its calls."""
+        self.session += 1
         self._profiles.clear()
         self._results.clear()
         self._health.clear()
@@ -448,7 +468,7 @@ class Controller:
         for b in self.beats.values():
             iter_s = max(iter_s, b.iter_s)
             latest = max(latest, b.iteration + max(0.0, now - b.time) / b.iter_s if b.iter_s > 0 else b.iteration)
-        margin = self.cfg.suspend_margin_iterations * self._tries
+        margin = self._margin(iter_s) * self._tries
         self._iteration = int(math.ceil(latest)) + margin
         self._acks = {"held": {}, "resumed": {}}
         self._go_sent = False
@@ -470,6 +490,15 @@ class Controller:
                           args={"session": self.session}, action=self._action)
         change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
         return change + posts + [Output("command", cmd)]
+
+    def _margin(self, iter_s: float) -> int:
+        """Iterations between the controller's estimate of where the ranks are and the one
+        they suspend at: ``suspend_margin_iterations``, or one when an iteration lasts at
+        least ``suspend_margin_s``: the margin is time for the command to reach every
+        rank, and one such iteration gives it."""
+        if self.cfg.suspend_margin_s > 0 and iter_s >= self.cfg.suspend_margin_s:
+            return 1
+        return self.cfg.suspend_margin_iterations
 
     def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:
         suspended = self.state in (State.VALIDATING, State.MITIGATING)
@@ -543,13 +572,15 @@ class Controller:
         self.localizations.append(loc)
         if ep is not None:
             ep.localized = True
-        after = round(now - ep.t_event, 3) if ep else None
+        after = None if ep is None else round(now - (ep.t_event if ep.relocalizing is None else ep.relocalizing["t"]), 3)
         out = [
             Output("localized", for_bus(loc)),
             _event("localized", gpus=loc.gpus, links=loc.links, evidence=evidence, after_event_s=after),
             self._set(State.TRACKING, now, localized=True),
         ]
         self._deadline = math.inf
+        if ep is not None and ep.relocalizing is not None:
+            return out + self._relocalized(ep, loc, now) + self._maybe_close()
         if ep is not None and ep.trigger == "fail_slow" and (gpus or links) and self.cfg.mitigation:
             if self.muted:
                 out.append(_event("mitigation_skipped", session=self.session, reason="muted by the operator"))
@@ -562,13 +593,16 @@ class Controller:
         the episode's onset (ranks without both are left out; no onset, no figures)."""
         if ep is None or not ep.onsets:
             return {}
-        before = healthy_mb_s(self.history, min(ep.onsets))
+        onset = min(ep.onsets) if ep.relocalizing is None else int(ep.relocalizing["reference_iteration"])
+        before = healthy_mb_s(self.history, onset)
         return {r: self.beats[r].mb_s / t for r, t in before.items()
                 if r in self.beats and t > 0 and self.beats[r].mb_s > 0}
 
     # --- mitigation -------------------------------------------------------------------
 
-    def _plan_mitigation(self, ep: _Episode, loc: Localized, now: float) -> list[Output]:
+    def _plan_mitigation(self, ep: _Episode, loc: Localized, now: float, clean_before: int | None = None) -> list[Output]:
+        """A planner for the localized fail-slow; ``clean_before``: the iteration each
+        process's compute before the fault is read at (default: the onset)."""
         root = "computation" if loc.gpus else "communication"
         healthy = sorted(ep.baselines)[len(ep.baselines) // 2] if ep.baselines else 0.0
         if not healthy > 0 or not ep.onsets:
@@ -579,18 +613,64 @@ class Controller:
             enough_margin=self.cfg.mitigation_enough_margin,
             settle_iterations=self.cfg.mitigation_settle_iterations,
             judge_iterations=self.cfg.mitigation_judge_iterations,
+            rise_margin=self.cfg.mitigation_relocalize_rise or None,
         )
         ep.mitigation = Mitigation(planner, root, list(loc.gpus), [list(x) for x in loc.links],
                                    slow_replicas=replicas_of(loc.gpus, self.beats))
-        ep.mitigation.healthy_mb_s = healthy_mb_s(self.history, min(ep.onsets))
-        ep.mitigation.link_excess = link_excess(loc.links, loc.evidence.get("links", {}),
-                                                int((self._plan or {}).get("nbytes", 0) or 0))
-        flops = {int(r): float(g) for r, g in loc.evidence.get("gemm_gflops", {}).items()}
-        for r in loc.gpus:
-            others = [g for q, g in flops.items() if q not in loc.gpus]
-            if flops.get(r) and others:
-                ep.mitigation.gpu_factors[r] = max(1.0, sorted(others)[len(others) // 2] / flops[r])
+        ep.mitigation.healthy_mb_s = healthy_mb_s(self.history, min(ep.onsets) if clean_before is None else clean_before)
+        ep.mitigation.link_excess = self._link_excess(loc)
+        ep.mitigation.gpu_factors = _gpu_factors(loc)
         return [_event("planner_started", session=self.session, **planner.status())]
+
+    def _link_excess(self, loc: Localized) -> dict[tuple[int, int], float]:
+        return link_excess(loc.links, loc.evidence.get("links", {}), int((self._plan or {}).get("nbytes", 0) or 0))
+
+    def _relocalize(self, ep: _Episode, now: float) -> list[Output]:
+        """The planner saw a rise: localize again, in this episode, before it escalates."""
+        assert ep.mitigation is not None
+        ep.relocalizing = dict(ep.mitigation.planner.status()["relocalizing"], t=now)
+        return self._session("relocalize", now, now)
+
+    def _relocalized(self, ep: _Episode, loc: Localized, now: float) -> list[Output]:
+        """What a re-localization found, and what becomes of it: nothing new (the planner goes
+        on, the level now its reference); a new fault under a strategy that was enough (an
+        episode of its own, the first stays mitigated); a new fault while nothing had helped
+        (it joins: the planner widens its candidates and goes on with the rent so far)."""
+        info, ep.relocalizing = ep.relocalizing, None
+        mit = ep.mitigation
+        assert info is not None
+        if mit is None or mit.planner.finished:
+            return []
+        known = {tuple(sorted(x)) for x in mit.links}
+        gpus = [g for g in loc.gpus if g not in mit.gpus]
+        links = [list(x) for x in loc.links if tuple(sorted(x)) not in known]
+        fields = {"session": self.session, "iteration": info["iteration"], "level_s": round(info["level_s"], 4),
+                  "reference_s": round(info["reference_s"], 4), "gpus": gpus, "links": links}
+        if not (gpus or links) or self.muted:
+            mit.planner.relocalized(False)
+            return [_event("relocalized", outcome="nothing new" if not (gpus or links) else "muted", **fields)]
+        if info["was_enough"]:
+            healthy = mit.planner.status()["healthy_s"]
+            new = _Episode("fail_slow", now, localized=True, onsets=[int(info["rise_iteration"])],
+                           baselines=[healthy], slow_levels=[float(info["level_s"])])
+            self.episode = new
+            out = [_event("relocalized", outcome="new episode", **fields),
+                   _event("episode_end", session=self.session, ranks=sorted(ep.ended),
+                          reason="superseded by a new fail-slow", gpus=gpus, links=links)]
+            part = Localized(gpus=gpus, links=links, evidence=loc.evidence)
+            return out + self._plan_mitigation(new, part, now, clean_before=int(info["reference_iteration"]))
+        part = Localized(gpus=gpus, links=links, evidence=loc.evidence)
+        mit.gpus += gpus
+        mit.links += links
+        if gpus:
+            mit.planner.widen("computation")
+            mit.root_cause = mit.planner.status()["root_cause"]
+            mit.slow_replicas |= replicas_of(gpus, self.beats)
+            mit.gpu_factors.update(_gpu_factors(loc, gpus))
+        mit.link_excess.update(self._link_excess(part))
+        mit.planner.relocalized(True)
+        ep.slow_levels.append(float(info["level_s"]))
+        return [_event("relocalized", outcome="joined the episode", root_cause=mit.root_cause, **fields)]
 
     def _overheads(self, root: str) -> dict[str, float | None]:
         """Measured costs: S2 = solving now + the last suspension's pause (applying a
@@ -625,6 +705,8 @@ class Controller:
         mit = ep.mitigation if ep is not None else None
         if self.muted or mit is None or mit.planner.finished or beat.rank != min(self.beats):
             return []
+        if ep.relocalizing is not None:
+            return []  # localizing again: the planner counts these iterations at its next observation
         planner = mit.planner
         status = planner.status()
         if beat.iteration <= status["last_iteration"] or beat.iteration < status["onset"]:
@@ -662,6 +744,12 @@ class Controller:
         out = [_event("mitigation_decision", session=self.session, trigger=trigger, action=d.action,
                       strategy=d.strategy, iteration=d.iteration, impact_s=round(d.impact_s, 4),
                       overhead_s=None if d.overhead_s is None else round(d.overhead_s, 4), reason=d.reason)]
+        if d.action == "relocalize":
+            ep = self.episode
+            if self.state is not State.TRACKING or ep is None or ep.mitigation is not mit:
+                mit.planner.relocalized(False)
+                return out
+            return out + self._relocalize(ep, now)
         if self.state is not State.TRACKING:
             return out + self._action_failed(mit, d, f"controller busy ({self.state.value})")
         t0 = time.perf_counter()
@@ -930,6 +1018,11 @@ class Controller:
 
     def _abort(self, now: float, reason: str) -> list[Output]:
         self._deadline = math.inf
+        ep = self.episode
+        if ep is not None and ep.relocalizing is not None:
+            ep.relocalizing = None
+            if ep.mitigation is not None and not ep.mitigation.planner.finished:
+                ep.mitigation.planner.relocalized(False)
         out = [_event("localization_failed", session=self.session, reason=reason), self._set(State.TRACKING, now)]
         return out + self._maybe_close()
 
@@ -964,6 +1057,18 @@ def for_bus(loc: Localized) -> Localized:
     return Localized(gpus=loc.gpus[:1000], links=loc.links[:500],
                      evidence=dict(keep, truncated=True, full_in="events.jsonl",
                                    gpus_total=len(loc.gpus), links_total=len(loc.links)))
+
+
+def _gpu_factors(loc: Localized, gpus: list[int] | None = None) -> dict[int, float]:
+    """Each slow GPU's validated slowdown: the median GEMM speed of the GPUs not named slow
+    over its own (``gpus``: only these)."""
+    flops = {int(r): float(g) for r, g in loc.evidence.get("gemm_gflops", {}).items()}
+    out: dict[int, float] = {}
+    for r in loc.gpus if gpus is None else gpus:
+        others = [g for q, g in flops.items() if q not in loc.gpus]
+        if flops.get(r) and others:
+            out[r] = max(1.0, sorted(others)[len(others) // 2] / flops[r])
+    return out
 
 
 def _event(type_: str, **fields: Any) -> Output:

@@ -35,6 +35,18 @@ the last ``judge_iterations`` observations, so escalation resumes if the iterati
 rises above the margin again. No escalation happens before the strategy in effect has been
 judged, nor while a decision is pending (issued but not yet ``applied``/``failed``).
 
+Re-localizing a rise. A strategy judged enough that stops being enough, or an iteration
+time that rises by ``rise_margin`` over the lowest level seen in this fail-slow (the
+rolling median of ``judge_iterations`` observations, outside settle periods), means
+something changed: the localized fault got worse, or a second fault began (a GPU that
+slows while S3 carries a congested link's traffic elsewhere, or while no strategy has
+helped yet). Escalating would charge the new fault to the old culprits (S4 would leave
+out the wrong node), so the planner asks the caller to localize again (a ``relocalize``
+Decision, once per rise) and makes no decision until :meth:`relocalized` says what was
+found. A fault found then may widen the candidates (:meth:`widen`: a slow GPU under a
+communication fail-slow makes S2 a candidate). The rent so far is kept: it is what the
+job lost to this fail-slow, whichever fault caused which part.
+
 No flapping. When the caller reports that the fail-slow is over (``recovered``), the planner
 asks once to revert a reversible strategy (S2, S3: go back to the even/original plan) and
 finishes. A finished planner never issues another decision, whatever it is fed: a new
@@ -68,7 +80,7 @@ TERMINAL = frozenset({"S4"})
 class Decision:
     """What the planner asks the caller to do."""
 
-    action: str  # "apply" | "revert"
+    action: str  # "apply" | "revert" | "relocalize" (localize again before escalating)
     strategy: str
     iteration: int
     impact_s: float
@@ -144,7 +156,11 @@ class Planner:
         enough_margin: float = 0.10,
         settle_iterations: int = 5,
         judge_iterations: int = 5,
+        rise_margin: float | None = None,
     ) -> None:
+        """``rise_margin``: ask for a re-localization when the level rises by this
+        fraction over the lowest seen, or a strategy judged enough no longer is (None:
+        never; the caller escalates whatever caused the rise)."""
         if root_cause not in CANDIDATES:
             raise ValueError(
                 f"unknown root_cause {root_cause!r}; expected one of {', '.join(CANDIDATES)}"
@@ -186,6 +202,12 @@ class Planner:
         self._verdict: bool | None = None  # None: not judged yet
         self._judged: list[dict[str, Any]] = []
         self._history: list[dict[str, Any]] = []
+        # Watching the level for a rise (re-localization).
+        self._rise = None if rise_margin is None else _seconds("rise_margin", rise_margin, positive=True)
+        self._levels: deque[tuple[int, float]] = deque(maxlen=self._judge_n)
+        self._reference: tuple[int, float] | None = None  # (iteration, lowest rolling median)
+        self._relocalizing: dict[str, Any] | None = None  # the rise being localized
+        self._quiet_until = -1  # no level recorded up to this iteration (after a re-localization)
 
     # -- read-only views --------------------------------------------------------------
 
@@ -246,6 +268,8 @@ class Planner:
             "applied": list(self._applied),
             "failed": dict(self._failed),
             "judged": [dict(j) for j in self._judged],
+            "reference_s": None if self._reference is None else self._reference[1],
+            "relocalizing": None if self._relocalizing is None else dict(self._relocalizing),
         }
 
     # -- inputs -----------------------------------------------------------------------
@@ -275,9 +299,13 @@ class Planner:
             return None
         self._impact += (it - self._last_iteration) * max(0.0, t - self._healthy)
         self._last_iteration = it
+        was_enough = self._verdict is True and self._applied_at is not None
         self._judge(it, t)
         if self._pending is not None:
             return None
+        rise = self._watch_level(it, t, was_enough)
+        if rise is not None or self._relocalizing is not None:
+            return rise
         if self._applied_at is not None and self._verdict is None:
             return None  # the strategy in effect has not been judged yet
         if self._verdict is True:
@@ -356,12 +384,44 @@ class Planner:
         self._history.append({"kind": "failed", "strategy": s, "reason": str(reason),
                               "impact_s": self._impact})
 
+    def relocalized(self, found_new: bool) -> None:
+        """The re-localization a ``relocalize`` Decision asked for is over (``found_new``:
+        it named faults this fail-slow had not; widen the candidates first if they need
+        other strategies). Decisions resume; the level, once settled, is the new reference:
+        only a further rise asks again."""
+        if self._relocalizing is None:
+            raise ValueError("no re-localization was asked for")
+        self._history.append({"kind": "relocalized", "iteration": self._last_iteration, "found_new": bool(found_new),
+                              "impact_s": self._impact})
+        self._relocalizing = None
+        # the heartbeats' level lags the fault (each is a median of recent iterations):
+        # let it settle, as after a strategy, before it is the reference again
+        self._levels.clear()
+        self._reference = None
+        self._quiet_until = self._last_iteration + self._settle
+
+    def widen(self, root_cause: str) -> list[str]:
+        """A fault of another kind joined this fail-slow (a slow GPU under a congested
+        link): the strategies for ``root_cause`` that were not applied or failed become
+        candidates too. Returns those added (none when the root cause adds nothing)."""
+        if root_cause not in CANDIDATES:
+            raise ValueError(f"unknown root_cause {root_cause!r}; expected one of {', '.join(CANDIDATES)}")
+        added = [s for s in CANDIDATES[root_cause]
+                 if s not in self._remaining and s not in self._applied and s not in self._failed]
+        self._remaining += added
+        if set(CANDIDATES[root_cause]) >= set(CANDIDATES[self._root_cause]):
+            self._root_cause = root_cause
+        if added:
+            self._history.append({"kind": "widened", "root_cause": root_cause, "added": list(added)})
+        return added
+
     def recovered(self, iteration: int) -> Decision | None:
         """The fail-slow is over: revert S2/S3 if one is in effect, and finish for good."""
         it = _iteration("iteration", iteration)
         if self._finished:
             return None
         self._finished = True
+        self._relocalizing = None
         if self._pending is not None:
             self._cancelled = self._pending.strategy
             self._pending = None
@@ -384,6 +444,36 @@ class Planner:
         if self._pending.strategy != s:
             raise ValueError(f"{s} is not the pending strategy ({self._pending.strategy})")
         return self._pending
+
+    def _watch_level(self, it: int, t: float, was_enough: bool) -> Decision | None:
+        """A ``relocalize`` Decision when the level rose (see the module docstring), else None."""
+        if self._rise is None or self._relocalizing is not None:
+            return None
+        if (self._applied_at is not None and it <= self._applied_at + self._settle) or it <= self._quiet_until:
+            self._levels.clear()  # a strategy is taking effect, or the rise settling: the level is moving
+            return None
+        self._levels.append((it, t))
+        if len(self._levels) < self._judge_n:
+            return None
+        level = statistics.median(x for _, x in self._levels)
+        if self._reference is None or level < self._reference[1]:
+            self._reference = (it, level)
+            return None
+        line = self._reference[1] * (1.0 + self._rise)
+        no_longer = was_enough and self._verdict is False
+        if level < line and not no_longer:
+            return None
+        # the first observation over the line (or the judged window's start): the rise's
+        # onset as the heartbeats show it, at most a window late
+        rise_at = next((i for i, x in self._levels if x >= min(line, level)), self._levels[0][0])
+        why = (f"{self._current} was judged enough and no longer is (median {level:.3f}s)" if no_longer else
+               f"level {level:.3f}s rose {self._rise:.0%} over the lowest seen, {self._reference[1]:.3f}s")
+        self._relocalizing = {"iteration": it, "level_s": level, "reference_s": self._reference[1],
+                              "reference_iteration": self._reference[0], "rise_iteration": rise_at,
+                              "was_enough": was_enough}
+        d = Decision("relocalize", self._current, it, self._impact, None, why + "; localize again before escalating")
+        self._history.append({"kind": "decision", **asdict(d)})
+        return d
 
     def _judge(self, it: int, t: float) -> None:
         if self._applied_at is None or self._pending is not None:
