@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("name", help="an experiment from `falconext experiment list`, or all")
     e.add_argument("--quick", action="store_true", help="the reduced version CI runs")
     e.add_argument("--out", required=True, help="folder for the results (created if missing)")
+    e.add_argument("--layouts", help="fig12 and fig18: the parallel layouts to measure instead of the "
+                   "experiment's own, comma-separated xTyDzP[@nodes] (e.g. 1T4D1P,2T2D2P@2)")
 
     p = sub.add_parser("report", help="draw a run's figures and report.html (iteration time, scores, plan)")
     p.add_argument("dir", help="a run's folder (--out of falconext train, --falcon-out of falconext launch)")
@@ -269,7 +271,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     from falconext.experiments.runner import main as experiment_main
 
     return experiment_main(args.action, getattr(args, "name", None), getattr(args, "quick", False),
-                           getattr(args, "out", None))
+                           getattr(args, "out", None), getattr(args, "layouts", None))
 
 
 def _cmd_launch(argv: list[str]) -> int:

@@ -65,6 +65,32 @@ def test_unknown_experiment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("name,layouts,message", [
+    ("fig12", "2T2D2P@3", "layout '2T2D2P@3': 2T2D2P: 8 ranks do not split into 3 nodes"),
+    ("fig12", "2T2D1P@4", "layout '2T2D1P@4': 2T2D1P on 4 nodes: a TP group of 2 would cross nodes"),
+    ("fig18", "1T4D1P,2x2", "layout '2x2': expected xTyDzP or xTyDzP@nodes"),
+    ("fig12", "1T4D1P,1T4D1P", "a layout is given twice"),
+    ("fig12", "0T4D1P", "layout '0T4D1P': layout tp = 0: expected a positive integer"),
+    ("fig13", "1T4D1P", "fig13 measures its own layouts; only fig12 and fig18 take them"),
+    ("all", "1T4D1P", "all measures its own layouts"),
+])
+def test_bad_layouts(name: str, layouts: str, message: str, tmp_path: Path,
+                     capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, "experiment", "run", name, "--quick", "--layouts", layouts,
+                           "--out", str(tmp_path / "o"))
+    assert rc == 2 and out == ""
+    assert message in one_line_error(err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_layouts_parse_into_the_papers_notation() -> None:
+    from falconext.experiments.fig12 import Layout, parse_layouts
+
+    got = parse_layouts("1T4D1P, 2T2D2P@2,2T4D1P@4")
+    assert got == (Layout(1, 4, 1), Layout(2, 2, 2, nodes=2), Layout(2, 4, 1, nodes=4))
+    assert [lay.label for lay in got] == ["S-1T4D1P", "M-2T2D2P", "M-2T4D1P"]
+
+
 @pytest.mark.parametrize("name", ["table6", "all"])
 def test_out_is_a_file(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "results"

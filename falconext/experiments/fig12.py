@@ -20,6 +20,7 @@ time that overran is in the rows).
 from __future__ import annotations
 
 import csv
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,33 @@ class Layout:
         if self.nproc > 4:
             out += ("--device-gflops", str(EIGHT_RANK_GFLOPS))
         return out
+
+
+#: a layout on the command line: xTyDzP, with @N for N virtual nodes (2T2D2P@2)
+_LAYOUT_RE = re.compile(r"(\d+)T(\d+)D(\d+)P(?:@(\d+))?")
+
+
+def parse_layout(text: str) -> Layout:
+    """``xTyDzP[@nodes]`` (the paper's notation; one node without ``@``) as a Layout.
+    Raises ValueError, one line naming the layout, for anything else, and for a layout
+    whose ranks do not split into its nodes or whose TP group would cross a node."""
+    m = _LAYOUT_RE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"layout {text!r}: expected xTyDzP or xTyDzP@nodes, e.g. 1T4D1P or 2T2D2P@2")
+    tp, dp, pp, nodes = (int(g) if g is not None else 1 for g in m.groups())
+    try:
+        return Layout(tp, dp, pp, nodes=nodes)
+    except ValueError as exc:
+        raise ValueError(f"layout {text!r}: {exc}") from None
+
+
+def parse_layouts(text: str) -> tuple[Layout, ...]:
+    """A comma-separated list of :func:`parse_layout` layouts, at least one, none twice."""
+    layouts = tuple(parse_layout(t) for t in text.split(","))
+    labels = [(lay.label, lay.nodes) for lay in layouts]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"layouts {text!r}: a layout is given twice")
+    return layouts
 
 
 QUICK_LAYOUTS = (Layout(1, 4, 1), Layout(2, 2, 1), Layout(2, 2, 2, nodes=2))
@@ -193,12 +221,13 @@ def comparisons(rows: list[Row]) -> list[Comparison]:
     return out
 
 
-def measure(quick: bool) -> ExperimentResult:
+def measure(quick: bool, layouts: tuple[Layout, ...] | None = None) -> ExperimentResult:
     """One fault-free job per layout (quick: two 4-rank layouts on one node and 2T2D2P on
-    two nodes; full: 7 layouts with 4 and 8 ranks on 1, 2 and 4 nodes)."""
+    two nodes; full: 7 layouts with 4 and 8 ranks on 1, 2 and 4 nodes; ``layouts``: those
+    instead)."""
     base = jobs_folder("fig12")
     rows = []
-    for layout in QUICK_LAYOUTS if quick else FULL_LAYOUTS:
+    for layout in layouts or (QUICK_LAYOUTS if quick else FULL_LAYOUTS):
         iters = iterations(layout, quick)
         res: JobResult = run_job(layout_job(layout, iters), base)
         errors = relative_errors(_read_times(res.out / "iterations.csv"), _read_times(res.out / "estimates.csv"))

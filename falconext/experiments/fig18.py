@@ -122,12 +122,12 @@ def _toggles(out: Path) -> list:
     return json.loads((out / "ranks" / "overhead-0.json").read_text(encoding="utf-8"))["toggles"]
 
 
-def measure(quick: bool) -> ExperimentResult:
+def measure(quick: bool, layouts: tuple[Layout, ...] | None = None) -> ExperimentResult:
     """One toggling job per layout (quick: 1T4D1P on 1 node and 1T2D2P on 2, 50 iterations;
-    full: fig12's 7 layouts, 90 iterations, 50 for 8 ranks)."""
+    full: fig12's 7 layouts, 90 iterations, 50 for 8 ranks; ``layouts``: those instead)."""
     base = jobs_folder("fig18")
     rows = []
-    for layout in QUICK_LAYOUTS if quick else FULL_LAYOUTS:
+    for layout in layouts or (QUICK_LAYOUTS if quick else FULL_LAYOUTS):
         iters = QUICK_ITERS if quick else FULL_ITERS if layout.nproc <= 4 else FULL_ITERS_8
         res = run_job(layout_job(layout, iters, extra=toggle_job_args()), base)
         on, off = on_off(_iteration_times(res.out), _toggles(res.out))

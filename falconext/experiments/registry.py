@@ -27,6 +27,8 @@ class Experiment:
     module: str | None = None
     #: why it cannot run yet; None when implemented
     pending: str | None = None
+    #: whether ``run NAME --layouts`` measures the given parallel layouts (measure's ``layouts``)
+    takes_layouts: bool = False
 
     @property
     def implemented(self) -> bool:
@@ -44,7 +46,8 @@ _PKG = "falconext.experiments."
 
 EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("fig12", "Fig. 12: iteration-time estimation error across parallel layouts",
-               "< 1.2% (1 node), 0.7% (2 nodes), 0.1% (4 nodes)", module=_PKG + "fig12"),
+               "< 1.2% (1 node), 0.7% (2 nodes), 0.1% (4 nodes)", module=_PKG + "fig12",
+               takes_layouts=True),
     Experiment("table4", "Table 4: detection algorithms on computation fail-slows",
                "BOCD+V 100% accuracy, FPR 0%, FNR 0%", module=_PKG + "table4"),
     Experiment("table5", "Table 5: detection algorithms on communication fail-slows",
@@ -60,7 +63,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("fig17", "Fig. 17: compound computation + communication fail-slow, escalation to S4",
                "S3, then S2, then checkpoint-restart", module=_PKG + "fig17"),
     Experiment("fig18", "Fig. 18: detector overhead across layouts",
-               "0.39% mean, 1.1% max", module=_PKG + "fig18"),
+               "0.39% mean, 1.1% max", module=_PKG + "fig18", takes_layouts=True),
     Experiment("fig19", "Fig. 19: topology-switch pause, in-memory vs disk checkpoint",
                "up to 6.72x shorter", module=_PKG + "fig19"),
     Experiment("table6", "Table 6: S2 solve time for 16..8192 DP replicas",

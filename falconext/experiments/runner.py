@@ -94,15 +94,17 @@ def draw_figure(exp: Experiment, result: ExperimentResult, path: Path) -> None:
         plt.close("all")
 
 
-def run_experiment(exp: Experiment, quick: bool, out: Path, log: TextIO = sys.stderr) -> Outcome:
-    """Measure ``exp`` and write its three files under ``out/exp.name``.
+def run_experiment(exp: Experiment, quick: bool, out: Path, log: TextIO = sys.stderr,
+                   layouts: tuple | None = None) -> Outcome:
+    """Measure ``exp`` (on ``layouts`` instead of its own, where it takes them) and write
+    its three files under ``out/exp.name``.
 
     Raises ValueError for a pending experiment; errors inside the measurement propagate.
     """
     module = exp.load()
     print(f"== {exp.name} ({'quick' if quick else 'full'}): {exp.title}", file=log, flush=True)
     t0 = time.perf_counter()
-    result: ExperimentResult = module.measure(quick)
+    result: ExperimentResult = module.measure(quick, layouts) if layouts else module.measure(quick)
     seconds = time.perf_counter() - t0
     folder = out / exp.name
     if folder.exists() and not folder.is_dir():
@@ -166,11 +168,25 @@ def list_lines() -> list[str]:
     ]
 
 
-def main(action: str, name: str | None, quick: bool, out: str | None) -> int:
+def layouts_for(exp_name: str, text: str) -> tuple:
+    """``--layouts`` of ``run NAME`` as fig12's layouts. Raises InputError (one line) for
+    an experiment that takes none, and for a malformed or impossible layout."""
+    takers = [e.name for e in EXPERIMENTS if e.takes_layouts]
+    if exp_name == "all" or not lookup(exp_name).takes_layouts:
+        raise InputError(f"--layouts: {exp_name} measures its own layouts; only {' and '.join(takers)} take them")
+    from falconext.experiments.fig12 import parse_layouts
+
+    try:
+        return parse_layouts(text)
+    except ValueError as exc:
+        raise InputError(f"--layouts: {exc}") from None
+
+
+def main(action: str, name: str | None, quick: bool, out: str | None, layouts: str | None = None) -> int:
     """``falconext experiment list|run``: 0 when every requested experiment ran.
 
-    Raises InputError for an unknown name or an unusable --out (the CLI makes that one
-    line and exit 2); a pending experiment run alone is one line and EXIT_PENDING.
+    Raises InputError for an unknown name, an unusable --out or --layouts (the CLI makes
+    that one line and exit 2); a pending experiment run alone is one line and EXIT_PENDING.
     """
     if action == "list":
         print("\n".join(list_lines()))
@@ -184,6 +200,7 @@ def main(action: str, name: str | None, quick: bool, out: str | None) -> int:
     if name != "all" and not exp.implemented:
         print(f"falconext experiment: {exp.name} is {exp.pending}", file=sys.stderr)
         return EXIT_PENDING
+    chosen = layouts_for(name, layouts) if layouts is not None else None
     folder = output_folder(out)
     if name == "all":
         outcomes = run_all(quick, folder)
@@ -192,6 +209,6 @@ def main(action: str, name: str | None, quick: bool, out: str | None) -> int:
         print(f"{done} experiments written, {sum(o.status == 'skipped' for o in outcomes)} skipped"
               + (f", failed: {', '.join(failed)}" if failed else "") + f"; see {folder / 'summary.md'}")
         return EXIT_FAILED if failed else 0
-    outcome = run_experiment(exp, quick, folder)
+    outcome = run_experiment(exp, quick, folder, layouts=chosen)
     print(f"{exp.name}: {outcome.seconds:.1f} s; wrote {outcome.detail}/results.csv, figure.png, table.md")
     return 0
