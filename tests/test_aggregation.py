@@ -225,3 +225,16 @@ def test_a_report_is_handled_before_a_backlog_of_heartbeats(redis_server, tmp_pa
         stop[0] = True
         thread.join(10)
         bus.close()
+
+
+def test_a_read_takes_at_most_count_and_trim_read_removes_what_was_read(redis_server):
+    bus = Bus(redis_server.url, "trim")
+    for r in range(10):
+        assert bus.post(BEATS_STREAM, pack_heartbeats(0, [beat(r, 0)])[0])
+    assert bus.trim_read(BEATS_STREAM) is False  # nothing read yet: nothing removed
+    got = bus.read([BEATS_STREAM], count=3)
+    assert [m.beats()[0].rank for _, m in got] == [0, 1, 2]
+    assert bus.trim_read(BEATS_STREAM) and bus._client.xlen(bus.key(BEATS_STREAM)) == 7
+    assert [m.beats()[0].rank for _, m in bus.read([BEATS_STREAM])] == list(range(3, 10))
+    with pytest.raises(ValueError, match="count"):
+        bus.read([BEATS_STREAM], count=0)
