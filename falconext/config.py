@@ -170,8 +170,18 @@ class FalconConfig:
     metrics_port: int = 0
     #: ... bound to this address (loopback unless an operator widens it)
     metrics_host: str = "127.0.0.1"
-    #: the controller publishes its status snapshot (``falconext ctl status``) this often
+    #: the controller publishes its status snapshot (``falconext ctl status``) this often ...
     status_interval_s: float = 1.0
+    #: ... or less often, so that building it (it lists every rank: 0.1 s at 4096 ranks)
+    #: takes at most this share of the controller's time
+    status_max_share: float = 0.05
+    #: node messages of heartbeats (NodeHeartbeats) the controller handles between two
+    #: reads of its control stream (reports, profiles, acks, results come first)
+    controller_read_batch: int = 64
+    #: entries kept on the streams the node agents post to (ctl, beats): more than one
+    #: message per rank of the largest job, so that one message from every rank at once
+    #: (profiles, acks) cannot push unread ones out
+    stream_maxlen: int = 100_000
 
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
@@ -296,6 +306,9 @@ class FalconConfig:
         _check(0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]")
         _check(bool(self.metrics_host.strip()), "metrics_host must not be empty")
         _check(0.0 < self.status_interval_s <= 1.0, "status_interval_s must be in (0, 1]")
+        _check(0.0 < self.status_max_share <= 1.0, "status_max_share must be in (0, 1]")
+        _check(self.controller_read_batch >= 1, "controller_read_batch must be >= 1")
+        _check(self.stream_maxlen >= 1000, "stream_maxlen must be >= 1000")
         _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
         _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
         _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")

@@ -363,7 +363,7 @@ def test_the_redis_url_comes_from_a_file_and_never_reaches_a_command_line(tmp_pa
 def test_the_agent_forwards_only_its_own_ranks_messages(redis_server):
     from falconext.control.agent import NodeAgent
     from falconext.control.bus import Bus
-    from falconext.control.client import CTL_STREAM, node_stream
+    from falconext.control.client import BEATS_STREAM, CTL_STREAM, node_stream
 
     rank_bus, agent_bus, ctl_bus = (Bus(redis_server.url, "job") for _ in range(3))
     agent = NodeAgent(agent_bus, node=1, health=lambda: [], ranks={2, 3})
@@ -378,7 +378,9 @@ def test_the_agent_forwards_only_its_own_ranks_messages(redis_server):
     while agent.forwarded + agent.refused < len(posts) and __import__("time").monotonic() < deadline:
         agent.step(block_ms=100)
     got = [m for _, m in ctl_bus.read([CTL_STREAM], block_ms=200)]
-    assert [(type(m).__name__, m.rank) for m in got] == [("Heartbeat", 2), ("FailSlowReport", 3)]
+    assert [(type(m).__name__, m.rank) for m in got] == [("FailSlowReport", 3)]
+    beats = [b for _, m in ctl_bus.read([BEATS_STREAM]) for b in m.beats()]  # combined per node
+    assert [(b.rank, b.node) for b in beats] == [(2, 1)]
     assert agent.refused == 3
 
 

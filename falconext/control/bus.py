@@ -130,9 +130,10 @@ class Bus:
         return _text(entry_id) if entry_id is not None else None
 
     def read(
-        self, streams: list[str], block_ms: int = 0, accept: set[str] | None = None
+        self, streams: list[str], block_ms: int = 0, accept: set[str] | None = None, count: int | None = None
     ) -> list[tuple[str, Any]]:
-        """New messages on ``streams`` as ``(stream, message)`` in stream order.
+        """New messages on ``streams`` as ``(stream, message)`` in stream order, at most
+        ``count`` per stream (None: all there are).
 
         ``block_ms > 0`` waits up to that long for the first message (0 does not wait;
         it never means "forever" as in XREAD). While Redis is unreachable this returns
@@ -141,6 +142,8 @@ class Bus:
         """
         if block_ms < 0:
             raise ValueError(f"block_ms must be >= 0, got {block_ms}")
+        if count is not None and count < 1:
+            raise ValueError(f"count must be >= 1 or None, got {count}")
         keys = {self.key(s): s for s in streams}
         if not keys:
             return []
@@ -151,7 +154,7 @@ class Bus:
                 return []
         left_ms = min(block_ms, int((deadline - time.monotonic()) * 1000))  # less only after a backoff wait
         out: list[tuple[str, Any]] = []
-        reply = self._call(f"read {','.join(streams)}", lambda: self._xread(keys, max(1, left_ms), block_ms), None)
+        reply = self._call(f"read {','.join(streams)}", lambda: self._xread(keys, max(1, left_ms), block_ms, count), None)
         if reply is None:
             return out
         self._deliver(reply, keys, accept, out)
@@ -161,10 +164,21 @@ class Bus:
             before = (dict(self._positions), self._start)
             moved = self._call("check server", self._check_server, False, check=False)
             if moved and (dict(self._positions), self._start) != before:
-                reply = self._call(f"read {','.join(streams)}", lambda: self._xread(keys, 0, 0), None)
+                reply = self._call(f"read {','.join(streams)}", lambda: self._xread(keys, 0, 0, count), None)
                 if reply is not None:
                     self._deliver(reply, keys, accept, out)
         return out
+
+    def trim_read(self, stream: str) -> bool:
+        """Remove from ``stream`` every entry up to the last this Bus has read (for a stream
+        with this one reader: the controller's ``beats``), so the stream holds only the
+        backlog; False when Redis is unreachable or refuses, or nothing was read yet."""
+        pos = self._positions.get(stream)
+        if pos is None:
+            return False
+        key = self.key(stream)
+        first = _format_id((pos[0], pos[1] + 1) if pos[1] < MAX_SEQ else (pos[0] + 1, 0))
+        return self._call(f"trim {stream}", lambda: self._client.xtrim(key, minid=first, approximate=False), None) is not None
 
     def seek(self, stream: str, last_id: str) -> None:
         """Make the next read of ``stream`` deliver the entries after ``last_id``
@@ -324,12 +338,12 @@ class Bus:
 
     # --- reading ------------------------------------------------------------------------
 
-    def _xread(self, keys: dict[str, str], block_ms: int, requested_ms: int) -> Any:
+    def _xread(self, keys: dict[str, str], block_ms: int, requested_ms: int, count: int | None = None) -> Any:
         start = self._start if self._start is not None else (0, 0)
         ids = {key: _format_id(self._positions.get(name, start)) for key, name in keys.items()}
         if requested_ms <= 0:
-            return self._client.xread(ids)
-        return self._blocking_client(requested_ms).xread(ids, block=block_ms)
+            return self._client.xread(ids, count=count)
+        return self._blocking_client(requested_ms).xread(ids, count=count, block=block_ms)
 
     def _blocking_client(self, block_ms: int) -> redis.Redis:
         """A client whose socket timeout covers the block: redis-py does not stretch

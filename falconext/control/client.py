@@ -27,6 +27,10 @@ REDIS_URL_ENV = "FALCON_REDIS_URL"
 JOB_ENV = "FALCON_JOB"
 CMD_STREAM = "cmd"
 CTL_STREAM = "ctl"
+#: the node agents' aggregated heartbeats (NodeHeartbeats), read by the controller after
+#: the ctl stream and trimmed by it as it reads: a backlog here never delays a report,
+#: profile, acknowledgement or result
+BEATS_STREAM = "beats"
 LOCALIZED_STREAM = "localized"
 CONTROLLER_KEY = "controller"
 #: the controller's latest StatusSnapshot (``falconext ctl status``, the progress line)
@@ -188,7 +192,7 @@ class RankClient:
         limit = 1500
         while True:
             snap = self.runtime.profile(window_s, limit)
-            msg = ProfileData(self.rank, session, snap["roles"], snap["members"], snap["calls"])
+            msg = ProfileData.compact(self.rank, session, snap["roles"], snap["members"], snap["calls"])
             if limit <= 1 or len(encode(msg).encode("utf-8")) <= MAX_MESSAGE_BYTES:
                 return msg
             limit //= 2

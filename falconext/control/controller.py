@@ -64,6 +64,7 @@ from falconext.control.messages import (
     MicrobatchPlan,
     MitigationAction,
     NodeHealth,
+    NodeHeartbeats,
     ProfileData,
     Restart,
     SessionAck,
@@ -105,7 +106,7 @@ RUNTIME_SETTABLE = frozenset({
     "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
     "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
     "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
-    "suspend_margin_s",
+    "suspend_margin_s", "status_max_share", "controller_read_batch",
 })
 
 
@@ -182,6 +183,7 @@ class Controller:
         self.link_baseline: dict[tuple[int, int], float] = {}
         self._baseline_started = False
         self._first_beat: dict[int, int] = {}  # rank -> iteration of its first heartbeat seen
+        self._first_rank = math.inf  # the lowest rank heard from: min(self.beats), kept
         self._past_baseline: set[int] = set()  # ranks seen at or past link_baseline_iteration
         self._next_scores = -math.inf  # when the next rank_scores event is due
         #: operator's mute: no new episode, no planner decision (tracking goes on)
@@ -200,13 +202,29 @@ class Controller:
             return set(range(self.world))
         return set(self.beats)
 
+    def _covers(self, got: dict[int, Any]) -> bool:
+        """Whether ``got`` (by rank) has every rank the controller waits for; constant work
+        until it has as many (it is asked once per profile, ack and result: at 16,384
+        ranks, building the sets every time made a session's messages quadratic)."""
+        if len(got) < (self.world if self.world is not None else len(self.beats)):
+            return False
+        return got.keys() >= self.ranks()
+
     def handle(self, msg: Any, now: float) -> list[Output]:
-        """React to one message received at ``now``: heartbeats, fail-slow reports, operator
+        """React to one message received at ``now``: heartbeats (a rank's, or a node's in a
+        NodeHeartbeats), fail-slow reports, operator
         commands, and the profiles, acknowledgements, validation results and node health of
         the current session (those of an older session are ignored). Returns what to post
         or log; an empty list when the message changes nothing. Never raises for a message
         that passed the schema."""
+        if isinstance(msg, NodeHeartbeats):  # a node agent's: its ranks' heartbeats, each in turn
+            out: list[Output] = []
+            for beat in msg.beats():
+                out += self.handle(beat, now)
+            return out
         if isinstance(msg, Heartbeat):
+            if msg.rank not in self.beats:
+                self._first_rank = min(self._first_rank, msg.rank)
             self.beats[msg.rank] = msg
             self._first_beat.setdefault(msg.rank, msg.iteration)
             self.history.setdefault(msg.rank, collections.deque(maxlen=self.cfg.heartbeat_history)).append(msg)
@@ -217,14 +235,14 @@ class Controller:
             return self._operator(msg, now)
         if isinstance(msg, ProfileData) and self.state is State.PROFILING and msg.session == self.session:
             self._profiles[msg.rank] = msg
-            if set(self._profiles) >= self.ranks():
+            if self._covers(self._profiles):
                 return self._profiled(now)
             return []
         if isinstance(msg, SessionAck) and msg.session == self.session:
             return self._on_ack(msg, now)
         if isinstance(msg, ValidationResult) and self.state is State.VALIDATING and msg.session == self.session:
             self._results[msg.rank] = msg
-            if set(self._results) >= self.ranks():
+            if self._covers(self._results):
                 return self._verdict(now)
             return []
         if isinstance(msg, NodeHealth) and msg.session == self.session:
@@ -518,11 +536,11 @@ class Controller:
         acks = self._acks.setdefault(ack.status, {})
         acks[ack.rank] = ack
         out: list[Output] = []
-        if ack.status == "held" and not self._go_sent and set(acks) >= self.ranks() and suspended:
+        if ack.status == "held" and not self._go_sent and self._covers(acks) and suspended:
             self._go_sent = True
             out.append(Output("command", Command("go", self.cfg.suspend_deadline_s, args={"session": self.session})))
             out.append(_event("suspended", session=self.session, iteration=self._iteration, ranks=len(acks)))
-        if ack.status == "resumed" and set(acks) >= self.ranks():
+        if ack.status == "resumed" and self._covers(acks):
             pauses = [a.pause_s for a in acks.values()]
             self._last_pause_s = max(pauses)
             out.append(
@@ -703,7 +721,7 @@ class Controller:
         """Feed the planner one observation per loop iteration (from one rank)."""
         ep = self.episode
         mit = ep.mitigation if ep is not None else None
-        if self.muted or mit is None or mit.planner.finished or beat.rank != min(self.beats):
+        if self.muted or mit is None or mit.planner.finished or beat.rank != self._first_rank:
             return []
         if ep.relocalizing is not None:
             return []  # localizing again: the planner counts these iterations at its next observation
@@ -782,7 +800,7 @@ class Controller:
         # so one rank's "committed" means all committed: a lost ack must not turn an action
         # applied everywhere into a failure in the controller's books (seen under chaos).
         committed = bool(acks) and all(a.committed for a in acks.values()) and (
-            set(acks) >= self.ranks() or self._go_sent)
+            self._covers(acks) or self._go_sent)
         unheard = sorted(self.ranks() - set(acks))
         self._deadline = math.inf
         out = [self._set(State.TRACKING, now, mitigated=committed)]

@@ -14,6 +14,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Union
 
@@ -89,7 +90,11 @@ class ProfileData:
 
     ``calls[group]`` holds ``[k, t_issue, t_end, bytes]`` rows, k being the call's index
     among this rank's calls on that group (the same collective has the same k on every
-    member). ``members[group]`` lists the group's global ranks in group order.
+    member). ``members[group]`` lists the group's global ranks in group order; a group
+    whose ranks are evenly spaced (Megatron's always are) may come instead as
+    ``spans[group] = [first, step, count]``: a DP group of 4096 ranks is then 20 bytes,
+    not 25 KB in every member's profile (:meth:`compact` makes them). Read both with
+    :meth:`group_members`.
     """
 
     rank: int
@@ -97,13 +102,42 @@ class ProfileData:
     roles: dict[str, str]
     members: dict[str, list[int]]
     calls: dict[str, list[list[float]]]
+    spans: dict[str, list[int]] = field(default_factory=dict)
 
     def check(self) -> None:
-        """Each call row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0."""
+        """Each call row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0;
+        each span is [first >= 0, step >= 1, count >= 1], of a group not also in members."""
         for gid, rows in self.calls.items():
             for i, row in enumerate(rows):
                 if len(row) != 4 or not (_is_rank(row[0]) and _is_rank(row[3])) or row[2] < row[1]:
                     raise MessageError(f"ProfileData.calls[{gid}][{i}]: expected [k, t_issue, t_end, bytes], got {row!r}")
+        for gid, span in self.spans.items():
+            if len(span) != 3 or span[0] < 0 or span[1] < 1 or span[2] < 1 or gid in self.members:
+                raise MessageError(f"ProfileData.spans[{gid}]: expected [first >= 0, step >= 1, count >= 1] of a "
+                                   f"group not in members, got {span!r}")
+
+    def group_members(self) -> dict[str, Sequence[int]]:
+        """Every group's members in group order, spans as ``range`` objects (not expanded)."""
+        if not self.spans:
+            return self.members
+        out: dict[str, Sequence[int]] = dict(self.members)
+        out.update({g: range(f, f + s * c, s) for g, (f, s, c) in self.spans.items()})
+        return out
+
+    @classmethod
+    def compact(cls, rank: int, session: int, roles: dict[str, str], members: dict[str, list[int]],
+                calls: dict[str, list[list[float]]]) -> ProfileData:
+        """The profile with every group of three or more evenly spaced, ascending ranks as a span."""
+        spans: dict[str, list[int]] = {}
+        rest: dict[str, list[int]] = {}
+        for gid, ranks in members.items():
+            r = list(ranks)
+            step = r[1] - r[0] if len(r) >= 3 else 0
+            if step >= 1 and r[0] >= 0 and r == list(range(r[0], r[0] + step * len(r), step)):
+                spans[gid] = [r[0], step, len(r)]
+            else:
+                rest[gid] = r
+        return cls(rank, session, roles, rest, calls, spans)
 
 
 @dataclass(frozen=True)
@@ -144,6 +178,115 @@ class ValidationResult:
         for i, row in enumerate(self.links):
             if len(row) != 3 or not (_is_rank(row[0]) and _is_rank(row[1])) or row[2] < 0:
                 raise MessageError(f"ValidationResult.links[{i}]: expected [src, dst, seconds], got {row!r}")
+
+
+#: a Heartbeat's fields as NodeHeartbeats columns (its node is the message's)
+HEARTBEAT_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat) if f.name != "node")
+#: the columns every NodeHeartbeats must carry (the others take Heartbeat's defaults)
+HEARTBEAT_REQUIRED = ("rank", "iteration", "iter_s", "time")
+#: exact integers survive the float columns up to here
+_MAX_EXACT = 2**53
+
+
+@functools.lru_cache(maxsize=64)
+def _heartbeat_columns(columns: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    """(name, is an integer field) per column, once per column list; MessageError for an
+    unknown, repeated or missing column."""
+    known = {f.name: f.type in (int, "int") for f in fields(Heartbeat) if f.name != "node"}
+    unknown = [c for c in columns if c not in known]
+    if unknown or len(set(columns)) != len(columns):
+        raise MessageError(f"NodeHeartbeats.columns: unknown or repeated column(s) {unknown or list(columns)}")
+    missing = [c for c in HEARTBEAT_REQUIRED if c not in columns]
+    if missing:
+        raise MessageError(f"NodeHeartbeats.columns: missing {', '.join(missing)}")
+    return tuple((c, known[c]) for c in columns)
+
+
+@dataclass(frozen=True)
+class NodeHeartbeats:
+    """Agent -> controller: its node's ranks' latest heartbeats in one message per
+    heartbeat period (the controller reads one message per node, not one per rank).
+
+    Column-wise: ``columns`` names Heartbeat fields (``node`` is the message's), each row
+    holds one rank's values in that order. Integer fields must be whole numbers; ranks
+    are unique. Make them with :func:`pack_heartbeats` (which splits a node's beats
+    over several messages should they not fit the bus cap: at 250 bytes a row, one
+    message holds about 250 ranks), read them with :meth:`beats`.
+    """
+
+    node: int
+    columns: list[str]
+    rows: list[list[float]]
+
+    def check(self) -> None:
+        """Known columns, the required ones present, rows of the columns' length, whole
+        numbers in integer columns, each rank once."""
+        if self.node < 0:
+            raise MessageError(f"NodeHeartbeats.node: expected >= 0, got {self.node}")
+        cols = _heartbeat_columns(tuple(self.columns))
+        ints = [i for i, (_, is_int) in enumerate(cols) if is_int]
+        rank_at = self.columns.index("rank")
+        seen: set[float] = set()
+        for i, row in enumerate(self.rows):
+            if len(row) != len(cols):
+                raise MessageError(f"NodeHeartbeats.rows[{i}]: expected {len(cols)} values, got {len(row)}")
+            for j in ints:
+                v = row[j]
+                if not (float(v).is_integer() and -_MAX_EXACT <= v <= _MAX_EXACT):
+                    raise MessageError(f"NodeHeartbeats.rows[{i}].{cols[j][0]}: expected a whole number, got {v!r}")
+            rank = row[rank_at]
+            if rank < 0 or rank in seen:
+                raise MessageError(f"NodeHeartbeats.rows[{i}].rank: {rank!r} is negative or repeated")
+            seen.add(rank)
+
+    def beats(self) -> list[Heartbeat]:
+        """The rows as Heartbeats of this node (the message passed :meth:`check`)."""
+        names, ints, defaults = _heartbeat_plan(tuple(self.columns))
+        out = []
+        for row in self.rows:
+            vals = [self.node, *row]
+            for i in ints:
+                vals[i] = int(vals[i])
+            # a frozen dataclass's __init__ sets its 22 fields one object.__setattr__ at a
+            # time; at thousands of heartbeats a second the controller fills them at once
+            # (Heartbeat has no __post_init__ to skip)
+            beat = object.__new__(Heartbeat)
+            beat.__dict__.update(defaults)
+            beat.__dict__.update(zip(names, vals))
+            out.append(beat)
+        return out
+
+
+@functools.lru_cache(maxsize=64)
+def _heartbeat_plan(columns: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...], dict[str, Any]]:
+    """For rows of ``columns`` led by the node: the field names, the positions to make
+    int, and the defaults of the fields not among the columns."""
+    cols = _heartbeat_columns(columns)
+    names = ("node",) + columns
+    ints = tuple(i + 1 for i, (_, is_int) in enumerate(cols) if is_int)
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+                for f in fields(Heartbeat) if f.name not in names}
+    return names, ints, defaults
+
+
+def pack_heartbeats(node: int, beats: Sequence[Heartbeat], max_bytes: int = MAX_MESSAGE_BYTES) -> list[NodeHeartbeats]:
+    """``beats`` (of ranks of node ``node``, one per rank) as few NodeHeartbeats as fit
+    ``max_bytes`` each, in rank order; [] for none. Raises MessageError for a beat that
+    names another node."""
+    if any(b.node != node for b in beats):
+        raise MessageError(f"pack_heartbeats: a heartbeat of another node than {node}")
+    rows = [[getattr(b, c) for c in HEARTBEAT_COLUMNS] for b in sorted(beats, key=lambda b: b.rank)]
+    out: list[NodeHeartbeats] = []
+    todo = [rows] if rows else []
+    while todo:
+        part = todo.pop(0)
+        msg = NodeHeartbeats(node, list(HEARTBEAT_COLUMNS), part)
+        if len(part) > 1 and len(encode(msg).encode("utf-8")) > max_bytes:
+            half = len(part) // 2
+            todo[:0] = [part[:half], part[half:]]
+            continue
+        out.append(msg)
+    return out
 
 
 @dataclass(frozen=True)
@@ -391,8 +534,8 @@ class StatusSnapshot:
 
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult, NodeHealth, Localized, Command,
-                CommandReply, StatusSnapshot)
+    for cls in (FailSlowReport, Heartbeat, NodeHeartbeats, ProfileData, SessionAck, ValidationResult, NodeHealth,
+                Localized, Command, CommandReply, StatusSnapshot)
 }
 
 
@@ -499,6 +642,14 @@ def _is_rank(value: float) -> bool:
     return value >= 0 and float(value).is_integer()
 
 
+def _finite(value: int | float) -> bool:
+    """A finite number, also for an integer too large for a float (which is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _no_constant(name: str) -> float:
     raise MessageError(f"{name} is not allowed")
 
@@ -513,10 +664,16 @@ def _union_parts(hint: Any) -> tuple[dict[str, type], type | None]:
     return tagged, rest[0] if len(rest) == 1 and is_dataclass(rest[0]) else None
 
 
+@functools.lru_cache(maxsize=None)
+def _hint(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A type hint's origin and arguments, worked out once per hint."""
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
 def _check(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
+    origin, args = _hint(hint)
     if origin in (Union, types.UnionType):
-        options = typing.get_args(hint)
+        options = args
         if value is None and type(None) in options:
             return None
         tagged, part = _union_parts(hint)
@@ -553,7 +710,7 @@ def _check(value: Any, hint: Any, where: str) -> Any:
             return value
         raise MessageError(f"{where}: expected an integer, got {value!r}")
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
             return float(value)
         raise MessageError(f"{where}: expected a finite number, got {value!r}")
     if hint is str:
@@ -563,12 +720,23 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise MessageError(f"{where}: expected a list")
-        (item,) = typing.get_args(hint)
+        (item,) = args
+        # fast paths for the long lists (group members, call rows, heartbeat rows); any
+        # doubt goes the slow way, which names the bad item
+        if item is int and all(type(v) is int for v in value):
+            return value
+        if item is float and all(type(v) is float or type(v) is int for v in value):
+            try:
+                out = [float(v) for v in value]
+            except OverflowError:
+                out = None
+            if out is not None and all(map(math.isfinite, out)):
+                return out
         return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise MessageError(f"{where}: expected an object")
-        _, item = typing.get_args(hint)
+        _, item = args
         return {k: _check(v, item, f"{where}.{k}") for k, v in value.items()}
     raise MessageError(f"{where}: unsupported field type {hint}")  # pragma: no cover
 

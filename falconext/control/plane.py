@@ -113,7 +113,8 @@ class ControlPlane:
         node = int(name[len("agent"):])
         per_node = self.world // self.nodes if self.nodes else self.world
         ranks = ",".join(str(r) for r in range(node * per_node, (node + 1) * per_node))
-        return base + ["agent", "--job", self.job, "--node", str(node), "--ranks", ranks]
+        # the falcon flags too: the agent combines heartbeats over --falcon-heartbeat-s
+        return base + ["agent", "--job", self.job, "--node", str(node), *self.falcon_argv, "--ranks", ranks]
 
     def _spawn(self, name: str) -> None:
         env = dict(os.environ, **self.env())

@@ -16,9 +16,10 @@ import sys
 import threading
 import time
 
-from falconext.config import add_config_arguments, config_from_args
+from falconext.config import FalconConfig, add_config_arguments, config_from_args
 from falconext.control.bus import Bus
 from falconext.control.client import (
+    BEATS_STREAM,
     CMD_STREAM,
     CONTROLLER_KEY,
     CTL_STREAM,
@@ -39,16 +40,30 @@ OPERATOR_KEY = "operator"
 OPERATOR_TTL_S = 7 * 24 * 3600.0
 #: routine events that do not count as the "latest event" of the status and progress line
 ROUTINE_EVENTS = {"rank_scores"}
+#: control-stream messages read at most in one go (then a batch of heartbeats, then more)
+CTL_READ_MAX = 1000
+#: while the control stream holds a backlog, deadlines wait for the controller to read
+#: it (a profile that reached Redis in time is in time), but never longer than this
+MAX_DEADLINE_DEFER_S = 30.0
 
 
 def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool]) -> None:
-    """The controller's loop: read the ctl stream, step the Controller, post its commands,
-    write its events, answer operators (what they changed is kept in Redis, and a restarted
-    controller takes it up), and publish its status snapshot every
-    ``status_interval_s`` and after every step that produced something (the key lives
-    three intervals, at least 3 s, so a dead controller's status vanishes). Prometheus
-    metrics when ``metrics_port`` is set (a port that cannot be bound is an event, and
-    the controller goes on without them)."""
+    """The controller's loop: read the ctl stream, then a batch of at most
+    ``controller_read_batch`` node heartbeat messages from the beats stream (which it
+    trims as it reads), step the Controller, post its commands, write its events, answer
+    operators (what they changed is kept in Redis, and a restarted controller takes it
+    up), and publish its status snapshot every ``status_interval_s`` and after every step
+    that produced something, but never so often that building it takes more than
+    ``status_max_share`` of the loop's time (it lists every rank); the key lives three
+    intervals, at least 3 s, so a dead controller's status vanishes. Prometheus metrics
+    when ``metrics_port`` is set (a port that cannot be bound is an event, and the
+    controller goes on without them).
+
+    The control stream first: a report, profile, acknowledgement or result waits at most
+    for one batch of heartbeats, however many heartbeats wait behind it. While the
+    control stream holds more than one read's worth (16,384 ranks' profiles at once), the
+    deadlines wait until it is read (at most ``MAX_DEADLINE_DEFER_S``): a profile that
+    reached Redis in time is not late because the controller was busy reading."""
     events = EventLog(events_path)
     lost = False
     metrics = server = None
@@ -93,7 +108,8 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             ev = dict(out.event)
             emit(ev.pop("type"), **ev)
     kept = ctl.operator_state()
-    next_beat = next_status = 0.0
+    next_beat = next_status = status_not_before = 0.0
+    last_tick = time.monotonic()
     dropped = 0
     try:
         while not stop[0]:
@@ -102,9 +118,20 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                 bus.beat(CONTROLLER_KEY, c.controller_timeout_s)
                 next_beat = time.monotonic() + c.heartbeat_s
             outputs = []
-            for _, msg in bus.read([CTL_STREAM], block_ms=100):
+            before = bus.dropped
+            first = bus.read([CTL_STREAM], count=CTL_READ_MAX)
+            backlog = len(first) + bus.dropped - before >= CTL_READ_MAX  # a full read: more is waiting
+            got = first + bus.read([CTL_STREAM, BEATS_STREAM], block_ms=0 if first else 100,
+                                   count=c.controller_read_batch)
+            beats = False
+            for stream, msg in got:
+                beats = beats or stream == BEATS_STREAM
                 outputs += step(ctl.handle, msg, time.time())
-            outputs += step(ctl.tick, time.time())
+            if beats:
+                bus.trim_read(BEATS_STREAM)  # the controller is its only reader
+            if not backlog or time.monotonic() - last_tick >= MAX_DEADLINE_DEFER_S:
+                outputs += step(ctl.tick, time.time())
+                last_tick = time.monotonic()
             if bus.dropped > dropped:  # one event a round, however many: a burst must not flood the log
                 emit("message_dropped", where="controller", count=bus.dropped - dropped, dropped=bus.dropped,
                      error=bus.errors[-1] if bus.errors else "")
@@ -124,13 +151,20 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                 else:
                     ev = dict(out.event)
                     emit(ev.pop("type"), **ev)
-            if outputs or time.monotonic() >= next_status:
+            t_status = time.monotonic()
+            if (outputs or t_status >= next_status) and t_status >= status_not_before:
                 snap = step(lambda: [ctl.snapshot(time.time(), job, last_event)])
+                gap = ctl.cfg.status_interval_s
                 if snap:
-                    bus.put(STATUS_KEY, encode(snap[0]), max(3.0, 3 * ctl.cfg.status_interval_s))
+                    data = encode(snap[0])
+                    # what it cost bounds how often it is built: at most status_max_share of the time
+                    least = (time.monotonic() - t_status) / ctl.cfg.status_max_share
+                    gap = max(gap, least)
+                    status_not_before = t_status + least
+                    bus.put(STATUS_KEY, data, max(3.0, 3 * gap))
                     if metrics is not None:
                         metrics.on_snapshot(snap[0])
-                next_status = time.monotonic() + ctl.cfg.status_interval_s
+                next_status = t_status + gap
     finally:
         if server is not None:
             server.close()
@@ -156,14 +190,17 @@ def guarded(events):
     return call
 
 
-def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] | None = None) -> None:
+def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] | None = None,
+              cfg: FalconConfig | None = None) -> None:
     """Run node ``node``'s agent on the bus at ``url`` until ``stop[0]`` turns True,
     printing each change of its dropped and refused counts. ``ranks``: the ranks of this
-    node (None: accept every rank)."""
+    node (None: accept every rank); ``cfg``: the heartbeat period it combines heartbeats
+    over, and the streams' length."""
     from falconext.control.agent import NodeAgent
     from falconext.validate.health import gpu_health
 
-    agent = NodeAgent(Bus(url, job), node, gpu_health, ranks)
+    cfg = cfg or FalconConfig()
+    agent = NodeAgent(Bus(url, job, maxlen=cfg.stream_maxlen), node, gpu_health, ranks, cfg.heartbeat_s)
     said = (0, 0)
     while not stop[0]:
         agent.step()
@@ -230,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             print(f"falconext.control.service: error: --ranks {args.ranks!r} is not a list of ranks", file=sys.stderr)
             return 2
-        run_agent(url, args.job, args.node, stop, ranks)
+        run_agent(url, args.job, args.node, stop, ranks, config_from_args(args))
     return 0
 
 

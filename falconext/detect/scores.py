@@ -26,11 +26,12 @@ used (no cross-host clock comparison), so the scores hold across nodes.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
-from typing import Hashable, Mapping
+from typing import Hashable, Mapping, Sequence
 
 
 class BusyClock:
@@ -141,17 +142,42 @@ def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable]
         by_role.setdefault((roles or {}).get(r), []).append(r)
     out: dict[int, RankScore] = {}
     for members in by_role.values():
-        for r in members:
+        if len(members) == 1:
+            s = good[members[0]]
+            out[members[0]] = RankScore(s.compute_s, s.wait_s, 1.0, 0.0, 0.0, 0)
+            continue
+        # each rank's peers are its role less itself: medians left one out, from one sort
+        # per quantity (thousands of ranks in a role: not one sort per rank)
+        computes = peer_medians([good[r].compute_s for r in members])
+        waits = peer_medians([good[r].wait_s for r in members])
+        iters = peer_medians([good[r].iter_s for r in members])
+        for r, compute, wait, it in zip(members, computes, waits, iters):
             s = good[r]
-            peers = [good[p] for p in members if p != r]
-            if not peers:
-                out[r] = RankScore(s.compute_s, s.wait_s, 1.0, 0.0, 0.0, 0)
-                continue
-            compute = median(p.compute_s for p in peers)
-            late = median(p.wait_s for p in peers) - s.wait_s
-            it = median(p.iter_s for p in peers)
+            late = wait - s.wait_s
             ratio = s.compute_s / compute if compute > 0 else 1.0
-            out[r] = RankScore(s.compute_s, s.wait_s, ratio, late, late / it if it > 0 else 0.0, len(peers))
+            out[r] = RankScore(s.compute_s, s.wait_s, ratio, late, late / it if it > 0 else 0.0, len(members) - 1)
+    return out
+
+
+def peer_medians(values: Sequence[float]) -> list[float]:
+    """For each value, the median of all the others (``statistics.median`` of the list
+    without it), in O(n log n): the list is sorted once, and leaving out any copy of a
+    value leaves the same others. Needs at least two values."""
+    if len(values) < 2:
+        raise ValueError(f"peer_medians needs at least two values, got {len(values)}")
+    v = sorted(values)
+    m = len(v) - 1  # the peers' count
+    out = []
+    for x in values:
+        i = bisect.bisect_left(v, x)  # the left-out copy; others at j < i are v[j], at j >= i v[j + 1]
+        if m % 2:
+            j = m // 2
+            out.append(v[j] if j < i else v[j + 1])
+        else:
+            j = m // 2
+            a = v[j - 1] if j - 1 < i else v[j]
+            b = v[j] if j < i else v[j + 1]
+            out.append((a + b) / 2)
     return out
 
 

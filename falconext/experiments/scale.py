@@ -5,19 +5,25 @@ the real controller process (``python -m falconext.control.service controller``)
 the ranks are simulated in this process, without torch: their iteration times come from
 ``falconext.sim.itertime`` (1F1B per replica, DP all-reduce rings) for a TP1 x DP(N/4) x
 PP4 job on nodes of 8, with rank 1's GPU 2x slow. They post real messages of the real
-schema (``control/messages.py``) to the controller's stream, as the per-node agents would
-forward them (the agents are a pass-through and are not run: thousands of processes do not
-fit on two cores), and answer the controller's commands as ranks do: ProfileData with each
-collective's issue and end times, a SessionAck when the simulated clock reaches the
-suspension's iteration, a ValidationResult (GEMM FLOP/s, P2P link times) after ``go``.
+schema (``control/messages.py``) the way the per-node agents pass them on: heartbeats
+through one real :class:`~falconext.control.agent.HeartbeatAggregator` per node, as one
+NodeHeartbeats per node and round on the beats stream, and the control flow (reports,
+profiles, acks, results) one message per rank on the ctl stream. The agents' processes
+are not run (thousands of processes do not fit on two cores); their aggregation code is.
+The ranks answer the controller's commands as ranks do: ProfileData with each
+collective's issue and end times (groups as spans), a SessionAck when the simulated
+clock reaches the suspension's iteration, a ValidationResult (GEMM FLOP/s, P2P link
+times) after ``go``.
 
-Measured per size: the rate at which the controller drains a burst of heartbeats (and
-whether that keeps up with one heartbeat per rank every ``heartbeat_s``), the time from
-the report to the controller's profile command, to its suspend command, and to the
-Localized verdict (and whether it names rank 1), the largest message on the bus against
-the 64 KiB cap, and Redis memory. Benchmarks take no time here (on GPUs they take
-milliseconds), so the times are the control plane's own plus the wait for the
-suspension's iteration.
+Measured per size: the controller's CPU load while heartbeats arrive at their real pace
+(one per rank every ``heartbeat_s``), the rate at which it drains a burst of heartbeats
+(and whether that keeps up with the real pace), the time from the report to the
+controller's profile command, to its suspend command, and to the Localized verdict (and
+whether it names rank 1), the largest message on the bus against the 64 KiB cap, and
+Redis memory. Benchmarks take no time here (on GPUs they take milliseconds), so the
+times are the control plane's own, the wait for the suspension's iteration, and this
+process's serial work for all the ranks (``ranks_side_busy_s``; on a cluster the ranks
+work in parallel).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from falconext.config import FalconConfig
+from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM
 from falconext.control.messages import (
     MAX_MESSAGE_BYTES,
     Command,
@@ -65,10 +72,11 @@ ACT_BYTES = 4_000_000
 #: iterations each rank's profile covers (one DP all-reduce per iteration)
 PROFILE_ITERATIONS = 6
 HEALTHY_TFLOPS = 400.0
-#: heartbeats in the throughput burst (under the streams' maxlen of 10000)
-BURST = 8000
-#: heartbeat rounds at the real pace before the fail-slow is reported
-STEADY_ROUNDS = 3
+#: heartbeats in the throughput burst (whole rounds, at least one)
+BURST = 32768
+#: heartbeat rounds at the real pace before the fail-slow is reported (the controller's
+#: CPU load at the offered heartbeat rate is measured over them)
+STEADY_ROUNDS = 4
 FIRST_ITERATION = 100
 #: how long one size may take to reach its verdict
 VERDICT_TIMEOUT_S = 60.0
@@ -125,6 +133,7 @@ def profiles(layout: Layout, session: int, iter_s: float, healthy_s: float, allr
     A member issues an all-reduce when its compute is done (rank 1 later by its extra
     compute), and all members end together, one transfer after the last arrival."""
     groups = job_groups(layout)
+    d = layout.dp
     extra = healthy_s * 0.5 * (SLOW_FACTOR - 1.0)
     t0 = now - PROFILE_ITERATIONS * iter_s
     calls: dict[int, dict[str, list[list[float]]]] = {}
@@ -141,9 +150,9 @@ def profiles(layout: Layout, session: int, iter_s: float, healthy_s: float, allr
                 calls.setdefault(r, {}).setdefault(gid, []).append([k, round(float(t), 6), round(end, 6), GRAD_BYTES])
     out = []
     for r in range(layout.dp * layout.pp):
-        mine = {g: (role, m) for g, (role, m) in groups.items() if r in m}
-        out.append(ProfileData(rank=r, session=session, roles={g: role for g, (role, _) in mine.items()},
-                               members={g: m for g, (_, m) in mine.items()}, calls=calls.get(r, {})))
+        mine = {g: groups[g] for g in (f"dp{r // d}", f"pp{r % d}")}  # its DP and PP groups
+        out.append(ProfileData.compact(r, session, {g: role for g, (role, _) in mine.items()},
+                                       {g: m for g, (_, m) in mine.items()}, calls.get(r, {})))
     return out
 
 
@@ -170,34 +179,60 @@ def validation_results(world: int, session: int, plan: dict[str, Any],
 
 
 class _Ranks:
-    """All simulated ranks' side of the bus: pipelined posts to the controller's stream,
-    reads of the command and verdict streams (through the real Bus, strict decoding)."""
+    """All simulated ranks' side of the bus, and their nodes' agents: heartbeats go through
+    one real HeartbeatAggregator per node (control/agent.py, in this process: thousands of
+    agent processes do not fit on two cores) to the beats stream as NodeHeartbeats; the
+    control flow goes to the ctl stream one message per rank, as the agents forward it.
+    Posts are pipelined (the ranks post in parallel); commands and verdicts are read
+    through the real Bus (strict decoding). ``busy_s`` is the time this process spent
+    making and posting the ranks' messages (on a cluster they do it in parallel)."""
 
-    def __init__(self, url: str, job: str) -> None:
+    def __init__(self, url: str, job: str, layout: Layout, cfg: FalconConfig) -> None:
         import redis
 
+        from falconext.control.agent import HeartbeatAggregator
         from falconext.control.bus import Bus
 
-        self.bus = Bus(url, job)
+        self.bus = Bus(url, job, maxlen=cfg.stream_maxlen)
         self.raw = redis.Redis.from_url(url)
-        self.ctl_key = self.bus.key("ctl")
+        self.ctl_key = self.bus.key(CTL_STREAM)
+        self.beats_key = self.bus.key(BEATS_STREAM)
+        n = layout.ranks_per_node
+        self.agents = [HeartbeatAggregator(node, cfg.heartbeat_s, set(range(node * n, (node + 1) * n)))
+                       for node in range(layout.tp * layout.dp * layout.pp // n)]
         self.largest = ("", 0)
         self.posted = 0
+        self.busy_s = 0.0
         self._queue: deque[tuple[str, Any]] = deque()
 
     def post(self, msgs: list[Any]) -> float:
-        """Post ``msgs`` in one pipeline (the ranks post in parallel); returns seconds."""
-        data = [encode(m) for m in msgs]
-        for m, s in zip(msgs, data):
+        """Post ``msgs`` in one pipeline: heartbeats combined by their nodes' aggregators
+        (each node's go when all its ranks' beats are in), the rest one by one; returns
+        seconds."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        out: list[tuple[str, Any]] = []
+        for m in msgs:
+            if isinstance(m, Heartbeat):
+                self.agents[m.node].add(m, now)
+            else:
+                out.append((self.ctl_key, m))
+        for agent in self.agents:
+            if agent.due(now):
+                out += [(self.beats_key, agg) for agg in agent.flush()]
+        data = [(key, m, encode(m)) for key, m in out]
+        for _, m, s in data:
             if len(s) > self.largest[1]:
                 self.largest = (type(m).__name__, len(s))
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         pipe = self.raw.pipeline(transaction=False)
-        for s in data:
-            pipe.xadd(self.ctl_key, {"m": s}, maxlen=self.bus.maxlen, approximate=True)
+        for key, _, s in data:
+            pipe.xadd(key, {"m": s}, maxlen=self.bus.maxlen, approximate=True)
         pipe.execute()
         self.posted += len(data)
-        return time.perf_counter() - t0
+        done = time.perf_counter()
+        self.busy_s += done - t0
+        return done - t1
 
     def next_message(self, streams: list[str], until: float) -> tuple[str, Any] | None:
         """The next command or verdict, or None at ``until`` (monotonic)."""
@@ -208,6 +243,12 @@ class _Ranks:
     def close(self) -> None:
         self.bus.close()
         self.raw.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _largest_on(raw: Any, key: str) -> tuple[str, int]:
@@ -238,7 +279,7 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
     shares: dict[int, list[Any]] = {}  # share commands by session, until their suspend
     row: Row = {}
     while True:
-        got = sim.next_message(["cmd", "localized"], min(deadline, time.monotonic() + 1.0))
+        got = sim.next_message([CMD_STREAM, LOCALIZED_STREAM], min(deadline, time.monotonic() + 1.0))
         if got is None:
             reason = gave_up()
             if reason is not None or time.monotonic() >= deadline:
@@ -257,7 +298,10 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
         if msg.kind == "profile":
             session = int(msg.args["session"])
             row["report_to_profile_cmd_s"] = round(now - t_report, 3)
-            sim.post(profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng))
+            t0 = time.perf_counter()
+            made = profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng)
+            sim.busy_s += time.perf_counter() - t0
+            sim.post(made)
         elif msg.kind == "share" and msg.share is not None:
             shares.setdefault(int(msg.args["session"]), []).append(msg.share)
         elif msg.kind == "suspend":
@@ -272,32 +316,43 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             sim.post([SessionAck(r, session, "held", suspend_at, held) for r in range(ranks)])
         elif msg.kind == "go" and msg.args.get("session") == session:
             row["report_to_go_s"] = round(now - t_report, 3)
-            sim.post(validation_results(ranks, session, plan, rng))
+            t0 = time.perf_counter()
+            made = validation_results(ranks, session, plan, rng)
+            sim.busy_s += time.perf_counter() - t0
+            sim.post(made)
             sim.post([SessionAck(r, session, "resumed", suspend_at, time.time(), time.time() - held)
                       for r in range(ranks)])
     return row
 
 
-def _drain(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float) -> Row:
-    """How fast the controller handles a burst of heartbeats (BURST of them, whole rounds)."""
+def _drain(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float, burst: int = BURST) -> Row:
+    """How fast the controller handles a burst of heartbeats (at least ``burst`` of them,
+    whole rounds, in its nodes' NodeHeartbeats): the controller trims the beats stream as
+    it reads, so the burst is handled when the stream is empty."""
     ranks = layout.dp * layout.pp
-    burst: list[Any] = []
-    now = time.time()
-    for k in range(max(1, BURST // ranks)):
-        burst += heartbeats(layout, iteration + k, slow_s, healthy_s, now)
+    rounds = max(1, -(-burst // ranks))
+    made = [heartbeats(layout, iteration + k, slow_s, healthy_s, time.time()) for k in range(rounds)]
     t0 = time.perf_counter()
-    post_s = sim.post(burst + [Command("validate", 1.0)])
+    for beats in made:  # round by round: each node's aggregator sends one message a round
+        sim.post(beats)
+    post_s = time.perf_counter() - t0
     deadline = time.monotonic() + VERDICT_TIMEOUT_S
-    while (got := sim.next_message(["cmd"], deadline)) is not None:
-        if isinstance(got[1], Command) and got[1].kind == "profile":
-            drain = time.perf_counter() - t0
-            return {"burst_messages": len(burst), "burst_post_s": round(post_s, 3), "drain_s": round(drain, 3),
-                    "controller_msgs_per_s": round(len(burst) / drain)}
-    return {"burst_messages": len(burst), "burst_post_s": round(post_s, 3)}
+    while sim.raw.xlen(sim.beats_key) > 0:
+        if time.monotonic() > deadline:
+            return {"burst_heartbeats": rounds * ranks, "burst_post_s": round(post_s, 3)}
+        time.sleep(0.005)
+    drain = time.perf_counter() - t0
+    nodes = len(sim.agents)
+    return {"burst_heartbeats": rounds * ranks, "burst_node_messages": rounds * nodes, "burst_post_s": round(post_s, 3),
+            "drain_s": round(drain, 3), "controller_heartbeats_per_s": round(rounds * ranks / drain),
+            "controller_node_msgs_per_s": round(rounds * nodes / drain),
+            # done within 10% of the posting: the simulator's posting bounded the rate, not the controller
+            "drain_bounded_by_posting": drain <= 1.1 * post_s}
 
 
-def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = None) -> Row:
+def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = None, burst: int = BURST) -> Row:
     """One job size end to end; returns its measurements (and 'error' if it went wrong).
+    ``burst``: heartbeats in the throughput burst (at least one round).
 
     The controller's events.jsonl and stderr go to a temporary folder, removed at the
     end, or to ``workdir``, kept."""
@@ -327,14 +382,19 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
                 raise RuntimeError("the controller did not start")
             time.sleep(0.05)
         time.sleep(0.3)  # its bus fixed its start point at first contact
-        sim = _Ranks(server.url, job)
-        # 1. steady state: heartbeats at their real pace (one per rank every heartbeat_s)
+        sim = _Ranks(server.url, job, layout, cfg)
+        # 1. steady state: heartbeats at their real pace (one per rank every heartbeat_s),
+        # and the controller's CPU time meanwhile: its load at the offered rate
         iteration = FIRST_ITERATION
+        cpu0, wall0 = _cpu_s(proc.pid), time.monotonic()
         for _ in range(STEADY_ROUNDS):
             t_round = time.monotonic()
             sim.post(heartbeats(layout, iteration, slow_s, healthy_s, time.time()))
             iteration += 1
             time.sleep(max(0.0, cfg.heartbeat_s - (time.monotonic() - t_round)))
+        row["controller_cpu_share"] = round((_cpu_s(proc.pid) - cpu0) / (time.monotonic() - wall0), 3)
+        row["steady_backlog_node_msgs"] = int(sim.raw.xlen(sim.beats_key))
+        sim.busy_s = 0.0
         # 2. every rank reports the fail-slow; the simulated ranks answer the controller
         # until it posts its verdict
         t_report = time.perf_counter()
@@ -347,15 +407,16 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
             return str(failed[0].get("reason")) if failed else None
 
         row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up))
+        row["ranks_side_busy_s"] = round(sim.busy_s, 3)
         # 3. throughput: a burst of heartbeats, then an operator's validate command; the
         # controller's profile command says it has handled the whole burst
         if proc.poll() is None:
-            row.update(_drain(sim, layout, iteration + 50, slow_s, healthy_s))
+            row.update(_drain(sim, layout, iteration + 50, slow_s, healthy_s, burst))
         row["offered_heartbeats_per_s"] = round(ranks / cfg.heartbeat_s)
-        if "controller_msgs_per_s" in row:
-            row["keeps_up"] = row["controller_msgs_per_s"] >= row["offered_heartbeats_per_s"]
+        if "controller_heartbeats_per_s" in row:
+            row["keeps_up"] = row["controller_heartbeats_per_s"] >= row["offered_heartbeats_per_s"]
         raw = sim.raw
-        name, size = max([sim.largest] + [_largest_on(raw, sim.bus.key(s)) for s in ("cmd", "localized")],
+        name, size = max([sim.largest] + [_largest_on(raw, sim.bus.key(s)) for s in (CMD_STREAM, LOCALIZED_STREAM)],
                          key=lambda x: x[1])
         row["largest_message"] = name
         row["largest_message_bytes"] = size
@@ -403,10 +464,17 @@ def measure(quick: bool) -> ExperimentResult:
                    if "report_to_localized_s" in r else f"none ({r.get('error', '')})")
         comparisons.append(Comparison(f"{r['ranks']} ranks: report to localized", "-", verdict,
                                       "Holmes: 30.3 s at 8192 GPUs" if r["ranks"] >= 8192 else ""))
-        if "controller_msgs_per_s" in r:
+        if "controller_heartbeats_per_s" in r:
             comparisons.append(Comparison(
-                f"{r['ranks']} ranks: controller messages/s (offered {r['offered_heartbeats_per_s']}/s)", "-",
-                f"{r['controller_msgs_per_s']}", "keeps up" if r.get("keeps_up") else "falls behind"))
+                f"{r['ranks']} ranks: controller drains heartbeats/s (offered {r['offered_heartbeats_per_s']}/s)", "-",
+                f"{'>= ' if r.get('drain_bounded_by_posting') else ''}{r['controller_heartbeats_per_s']} "
+                f"({r['controller_node_msgs_per_s']} node messages/s)",
+                ("keeps up" if r.get("keeps_up") else "falls behind")
+                + ("; bounded by the simulator's posting" if r.get("drain_bounded_by_posting") else "")))
+        if "controller_cpu_share" in r:
+            comparisons.append(Comparison(
+                f"{r['ranks']} ranks: controller CPU at the offered heartbeats", "-",
+                f"{100 * r['controller_cpu_share']:.0f}% of a core"))
         if "largest_message_bytes" in r:
             comparisons.append(Comparison(
                 f"{r['ranks']} ranks: largest message (cap {MAX_MESSAGE_BYTES})", "-",
@@ -422,11 +490,18 @@ def measure(quick: bool) -> ExperimentResult:
     notes = [
         f"Layout TP1 x DP(N/{PP}) x PP{PP}, {RANKS_PER_NODE} ranks per node, rank {SLOW_RANK} {SLOW_FACTOR:g}x slow; "
         "iteration times from falconext.sim.itertime.",
-        "One real Redis and the real controller process per size; ranks simulated in one process, posting "
-        "through pipelines to the controller's stream (the per-node agents' forwarding is not run).",
-        f"Throughput: after the verdict, a burst of about {BURST} heartbeats (whole rounds), then an operator's "
-        "validate command; 'controller messages/s' is the burst over the time until the controller answered "
-        "that command, against the load of one heartbeat per rank every heartbeat_s.",
+        "One real Redis and the real controller process per size; ranks simulated in one process. Their "
+        "heartbeats go through one real HeartbeatAggregator per node (control/agent.py, run in this process: "
+        "thousands of agent processes do not fit on two cores) to the beats stream, one NodeHeartbeats per "
+        "node per round; reports, profiles, acks and results go one per rank to the ctl stream, as the "
+        "agents forward them. Posts are pipelined.",
+        f"Throughput: after the verdict, a burst of at least {BURST} heartbeats (whole rounds, in node "
+        "messages); the controller trims the beats stream as it reads, so the burst is drained when the "
+        "stream is empty. 'Drains' is the burst over that time, against one heartbeat per rank every "
+        "heartbeat_s. 'Controller CPU' is its process's CPU time over the wall time of the "
+        f"{STEADY_ROUNDS} rounds at the real pace before the report.",
+        "Report to localized includes the simulator's own serial work for every rank (making and posting "
+        "profiles, acks and results: ranks_side_busy_s), which on a cluster the ranks do in parallel.",
         "The largest message counts what the ranks posted and what the controller posted (commands, the "
         "Localized verdict); the bus refuses anything over the cap.",
         "GEMM and P2P benchmarks take no time here; the wait for the suspension's iteration is real "
@@ -436,42 +511,52 @@ def measure(quick: bool) -> ExperimentResult:
 
 
 def draw(result: ExperimentResult, path: str) -> None:
-    """Controller load and time to localize against job size."""
+    """Controller load (heartbeats drained against offered; CPU at the offered rate) and
+    time to localize against job size."""
     import matplotlib.pyplot as plt
 
     rows = result.rows
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ok = [r for r in rows if "controller_msgs_per_s" in r]
-    a.plot([r["ranks"] for r in ok], [r["controller_msgs_per_s"] for r in ok], "o-", label="controller drains")
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(14, 3.9))
+    ok = [r for r in rows if "controller_heartbeats_per_s" in r]
+    a.plot([r["ranks"] for r in ok], [r["controller_heartbeats_per_s"] for r in ok], "o-",
+           label="controller drains (heartbeats/s)")
+    bound = [r for r in ok if r.get("drain_bounded_by_posting")]
+    if bound:
+        a.plot([r["ranks"] for r in bound], [r["controller_heartbeats_per_s"] for r in bound], "o", mfc="white",
+               color="tab:blue", label="... at least (the simulator's posting bounded it)")
+    a.plot([r["ranks"] for r in ok], [r["controller_node_msgs_per_s"] for r in ok], "s:",
+           label="... in node messages/s")
     offered = [(r["ranks"], r["offered_heartbeats_per_s"]) for r in rows if "offered_heartbeats_per_s" in r]
     if offered:
         a.plot(*zip(*offered), "k--", label=f"heartbeats offered (one per rank every {FalconConfig().heartbeat_s:g} s)")
+    a.set_yscale("log")
+    a.set_ylabel("per second")
+    a.set_title("controller throughput")
+    cpu = [(r["ranks"], 100 * r["controller_cpu_share"]) for r in rows if "controller_cpu_share" in r]
+    if cpu:
+        c.plot(*zip(*cpu), "o-", color="tab:purple", label="controller process")
+    c.set_ylabel("% of one core")
+    c.set_title("controller load at the offered heartbeats")
     failed = [r["ranks"] for r in rows if "report_to_localized_s" not in r]
     for n in failed:
         b.axvline(n, color="tab:red", alpha=0.4)
     if failed:
         b.plot([], [], color="tab:red", alpha=0.4, label="no localization")
-    a.set_xscale("log", base=2)
-    a.set_yscale("log")
-    a.set_xlabel("ranks")
-    a.set_ylabel("messages / s")
-    a.set_title("controller load")
-    a.legend(fontsize=8)
-    a.grid(True, which="both", alpha=0.3)
     loc = [r for r in rows if "report_to_localized_s" in r]
     for key, label in (("report_to_profile_cmd_s", "profile command"), ("report_to_suspend_cmd_s", "suspend command"),
-                       ("report_to_localized_s", "localized")):
+                       ("report_to_localized_s", "localized"), ("ranks_side_busy_s", "simulator's own work")):
         pts = [(r["ranks"], r[key]) for r in loc if key in r]
         if pts:
-            b.plot(*zip(*pts), "o-", label=label)
-    b.set_xscale("log", base=2)
-    for ax in (a, b):
-        ax.set_xticks([r["ranks"] for r in rows])
-        ax.set_xticklabels([str(r["ranks"]) for r in rows], fontsize=7)
-    b.set_xlabel("ranks")
+            b.plot(*zip(*pts), "o-" if key != "ranks_side_busy_s" else "x:", label=label)
+    b.axhline(10.0, color="grey", lw=0.8, ls="--", label="issue 17's target (10 s)")
     b.set_ylabel("seconds after the report")
     b.set_title("time to localize")
-    b.legend(fontsize=8)
-    b.grid(True, which="both", alpha=0.3)
+    for ax in (a, c, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["ranks"] for r in rows])
+        ax.set_xticklabels([str(r["ranks"]) for r in rows], fontsize=7)
+        ax.set_xlabel("ranks")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -87,6 +87,13 @@ class RankWindow(Protocol):
     calls: Mapping[str, Sequence[Sequence[float]]]
 
 
+def group_members(w: RankWindow) -> Mapping[str, Sequence[int]]:
+    """The window's groups and their members: ``members``, plus the evenly spaced groups a
+    ProfileData carries as spans (``group_members()``), unexpanded."""
+    get = getattr(w, "group_members", None)
+    return get() if callable(get) else w.members
+
+
 @dataclass(frozen=True)
 class Findings:
     """What a profiling window points at: compute suspects (ranks that arrive late), groups
@@ -119,8 +126,10 @@ def match_instances(windows: Iterable[RankWindow]) -> dict[tuple[str, int], dict
     seen: dict[tuple[str, int], dict[int, tuple[float, float, int]]] = {}
     members: dict[str, set[int]] = {}
     for w in windows:
+        groups = group_members(w)
         for gid, rows in w.calls.items():
-            members.setdefault(gid, set(w.members.get(gid, ())))
+            if gid not in members:  # once per group: at thousands of ranks, not once per member
+                members[gid] = set(groups.get(gid, ()))
             for row in rows:
                 if len(row) != 4:
                     raise ValueError(f"rank {w.rank}, group {gid}: a call row needs [k, t_issue, t_end, bytes]")
@@ -143,8 +152,9 @@ def analyze_window(
     """
     groups: dict[str, tuple[str, list[int]]] = {}
     for w in windows:
-        for gid, ranks in w.members.items():
-            groups.setdefault(gid, (w.roles.get(gid, ""), list(ranks)))
+        for gid, ranks in group_members(w).items():
+            if gid not in groups:
+                groups[gid] = (w.roles.get(gid, ""), list(ranks))
     instances = match_instances(windows)
     arrivals_in: list[dict[int, float]] = []
     transfers: dict[tuple[str, int], list[float]] = {}
