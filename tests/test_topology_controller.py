@@ -215,6 +215,19 @@ def test_healthy_mb_s_is_the_last_beat_before_the_onset_in_the_current_role():
     assert healthy_mb_s(history, onset=45) == {0: 0.012, 3: 0.014}
 
 
+def test_healthy_mb_s_reaches_back_past_a_late_onset_to_the_lowest_clean_reading():
+    """The detectors' onset can come late: the last beat before it already carries the
+    fault. With a look-back window, the lowest reading in it is the reference (a fault only
+    adds time); a beat before the window is used only when none is in it."""
+    history = {
+        0: [beat(0, 30, mb_s=0.009), beat(0, 38, mb_s=0.0101), beat(0, 40, mb_s=0.010),
+            beat(0, 43, mb_s=0.013), beat(0, 45, mb_s=0.013)],  # the fault from about 42
+        1: [beat(1, 20, mb_s=0.011), beat(1, 46, mb_s=0.02)],  # nothing in the window
+    }
+    assert healthy_mb_s(history, onset=45, lookback=11) == {0: 0.010, 1: 0.011}
+    assert healthy_mb_s(history, onset=45) == {0: 0.013, 1: 0.011}  # no look-back: the last before
+
+
 def test_link_excess_per_byte_over_the_reference():
     ev = {"links": {"0-1": 0.0112, "2-3": 0.001}, "reference": 0.0012}
     assert link_excess([[1, 0]], ev, 1000) == {(0, 1): pytest.approx(1e-5)}

@@ -594,7 +594,7 @@ class Controller:
         if ep is None or not ep.onsets:
             return {}
         onset = min(ep.onsets) if ep.relocalizing is None else int(ep.relocalizing["reference_iteration"])
-        before = healthy_mb_s(self.history, onset)
+        before = healthy_mb_s(self.history, onset, self.cfg.min_duration)
         return {r: self.beats[r].mb_s / t for r, t in before.items()
                 if r in self.beats and t > 0 and self.beats[r].mb_s > 0}
 
@@ -617,7 +617,8 @@ class Controller:
         )
         ep.mitigation = Mitigation(planner, root, list(loc.gpus), [list(x) for x in loc.links],
                                    slow_replicas=replicas_of(loc.gpus, self.beats))
-        ep.mitigation.healthy_mb_s = healthy_mb_s(self.history, min(ep.onsets) if clean_before is None else clean_before)
+        ep.mitigation.healthy_mb_s = healthy_mb_s(self.history, min(ep.onsets) if clean_before is None else clean_before,
+                                                  self.cfg.min_duration)
         ep.mitigation.link_excess = self._link_excess(loc)
         ep.mitigation.gpu_factors = _gpu_factors(loc)
         return [_event("planner_started", session=self.session, **planner.status())]

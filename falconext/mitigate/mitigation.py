@@ -91,13 +91,26 @@ def cap_by_gemm(times: list[float], factors: Mapping[int, float]) -> list[float]
     return [min(t, ref * factors[r]) if r in factors and factors[r] >= 1.0 else t for r, t in enumerate(times)]
 
 
-def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int) -> dict[int, float]:
-    """Each process's compute seconds per micro-batch from its last heartbeat sent
-    before the fail-slow's onset iteration, in the role its latest heartbeat names.
+def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int, lookback: int = 0) -> dict[int, float]:
+    """Each process's compute seconds per micro-batch before the fail-slow's onset
+    iteration, in the role its latest heartbeat names: the lowest reading among its
+    heartbeats of iterations ``onset - lookback`` .. ``onset``, or, with none there, its
+    last heartbeat before that window.
 
-    A heartbeat's figure is a median over the iterations just before it, so one sent
-    before the onset saw none of the fault. Processes without such a heartbeat (the job
-    had just started, or switched roles since) are left out.
+    The onset is the detectors' estimate, and it can come late: for a mild (1.3x) GPU
+    table7's detectors placed it 7 iterations after the fault began, so the last
+    heartbeat before it already carried the fault (a compute rise of 1.01 instead of
+    1.3). ``lookback`` (the controller passes the detectors' confirmation window,
+    ``min_duration``: they confirm a fail-slow on that many slow iterations, and the
+    onset they estimate lies before the confirmation) reaches back past such a late
+    estimate; a heartbeat's median of 8 iterations is still clean up to 3 iterations into
+    the fault, so the window holds a clean reading for an onset up to about
+    ``lookback + 3`` iterations late. The lowest reading in it
+    is the clean one: a fail-slow only ever adds time to a micro-batch, and a heartbeat's
+    figure is already a median over recent iterations, so the lowest of a few carries
+    no single fast outlier (at most its own jitter, about 1% low). Processes without a
+    heartbeat from before the onset (the job had just started, or switched roles since)
+    are left out.
     """
     out: dict[int, float] = {}
     for p, beats in history.items():
@@ -106,8 +119,10 @@ def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int) -> dict[int, 
             continue
         role = beats[-1].role
         clean = [b for b in beats if b.iteration <= onset and b.role == role and b.mb_s > 0]
-        if clean:
-            out[p] = float(clean[-1].mb_s)
+        if not clean:
+            continue
+        window = [b.mb_s for b in clean if b.iteration >= onset - max(0, lookback)]
+        out[p] = float(min(window) if window else clean[-1].mb_s)
     return out
 
 
