@@ -228,6 +228,13 @@ class FalconConfig:
     #: iterations after a strategy takes effect before it is judged, and judged over
     mitigation_settle_iterations: int = 5
     mitigation_judge_iterations: int = 5
+    #: S2 is reverted once every slow GPU's compute per micro-batch (its heartbeats' median
+    #: of recent iterations) is back within min_slowdown (the paper's 10% jitter line) of
+    #: its own before the onset in this many fresh readings in a row; one reading over the
+    #: line starts the count again (no revert on one lucky reading). Without such a
+    #: reference, the slow replicas are judged against the others over
+    #: mitigation_judge_iterations iterations
+    mitigation_recovered_beats: int = 3
     #: inside a mitigated fail-slow, the iteration time risen this fraction over the lowest
     #: level seen in it (or a strategy judged enough no longer being so) is localized
     #: again before the planner escalates: the ranks' detectors do not report a second
@@ -345,6 +352,7 @@ class FalconConfig:
             self.mitigation_settle_iterations >= 0 and self.mitigation_judge_iterations >= 1,
             "mitigation_settle_iterations must be >= 0 and mitigation_judge_iterations >= 1",
         )
+        _check(self.mitigation_recovered_beats >= 1, "mitigation_recovered_beats must be >= 1")
         _check(self.max_microbatches_per_replica >= 0, "max_microbatches_per_replica must be >= 0")
         parse_microbatches(self.force_microbatches)
         parse_topology(self.force_topology)

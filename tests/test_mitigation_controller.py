@@ -9,6 +9,8 @@ makes S2's measured overhead 0.9 s + the solver's time (microseconds).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from falconext.config import FalconConfig
@@ -349,6 +351,92 @@ def test_recovery_under_s2_reverts_to_the_even_plan_once_and_closes_the_episode(
     # a new fail-slow is a new episode
     out = ctl.handle(FailSlowReport(1, job.it - 3, job.it, 2.0, HEALTHY, job.t, event_id=8), job.t)
     assert commands(out, "profile") and ctl.state is State.PROFILING
+
+
+# judged over 8 iterations, but 2 fresh readings of the GPU's own compute are enough
+OWN = CFG.replace(mitigation_judge_iterations=8, mitigation_recovered_beats=2)
+
+
+def _clean_before(job: Job) -> None:
+    """Iteration 48: rank 1 still computed as fast as the others (the fault came after):
+    its own reference, in the detectors' confirmation window before the onset (58)."""
+    job.mb[1] = FAST_MB
+    job.beat(48)
+    job.mb[1] = SLOW_MB
+    job.it = 50
+
+
+def test_s2_reverts_once_the_gpu_computes_as_before_the_onset_in_a_few_fresh_readings():
+    """The slow GPU's compute per micro-batch back within 10% of its own before the onset
+    in mitigation_recovered_beats readings in a row reverts S2, well before the replicas
+    would have been judged (judge_iterations); a heartbeat that repeats an iteration is
+    not a fresh reading."""
+    job = Job(cfg=OWN)
+    _clean_before(job)
+    effective = _s2_applied(job)
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    out = job.advance(3)
+    assert not events(out, "fail_slow_recovered")  # still twice as slow per micro-batch
+    job.mb[1] = FAST_MB * 1.08  # back within the jitter line of its own 0.05 s
+    out = job.advance()
+    first = job.it
+    # rank 1's heartbeat stalls at that iteration while rank 0 goes on: one reading, not two
+    r1 = job.ctl.beats[1]
+    job.it += 1
+    job.t += HEALTHY
+    for r in (3, 2, 0):
+        b = job.ctl.beats[r]
+        out += job.ctl.handle(dataclasses.replace(b, iteration=job.it, time=job.t), job.t)
+    assert job.ctl.beats[1] is r1 and not events(out, "fail_slow_recovered")
+    out = job.advance()
+    (rec,) = events(out, "fail_slow_recovered")
+    assert rec["rule"] == "own compute" and rec["readings"] == OWN.mitigation_recovered_beats
+    assert rec["iteration"] == job.it == first + 2 < first + OWN.mitigation_judge_iterations
+    assert rec["before_mb_s"] == {"1": FAST_MB}
+    (dec,) = decisions(out)
+    assert dec["action"] == "revert" and dec["strategy"] == "S2"
+    (sus,) = commands(out, "suspend")
+    assert sus.action.plan == EVEN
+
+
+def test_own_compute_recovery_needs_consecutive_readings_under_the_line():
+    """No revert on noise: readings that dip under the line one at a time, or sit just over
+    it (1.15x its own), never make the count; the replicas' rule (judge_iterations) is not
+    used while the GPU has its own reference."""
+    job = Job(cfg=OWN)
+    _clean_before(job)
+    effective = _s2_applied(job)
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    out = []
+    for k in range(12):
+        job.mb[1] = FAST_MB * (1.02 if k % 2 else 1.6)
+        out += job.advance()
+    job.mb[1] = FAST_MB * 1.15  # within mitigation_enough_margin of nobody, over the 10% line
+    out += job.advance(OWN.mitigation_judge_iterations + 4)
+    assert not events(out, "fail_slow_recovered") and not decisions(out)
+    job.mb[1] = FAST_MB
+    out = job.advance(OWN.mitigation_recovered_beats)
+    (rec,) = events(out, "fail_slow_recovered")
+    assert rec["rule"] == "own compute"
+
+
+def test_without_its_own_clean_reading_the_replicas_are_judged():
+    """The reference read before the onset already carried the fault (no rise against it):
+    it is not a reference, and recovery is judged on the replicas over judge_iterations."""
+    job = Job(cfg=OWN)  # rank 1 slow in every heartbeat the controller has
+    effective = _s2_applied(job)
+    assert job.ctl.episode.mitigation.recovery_refs == {}
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    job.mb[1] = FAST_MB
+    first = job.it + 1
+    out = job.advance(OWN.mitigation_judge_iterations)
+    assert not events(out, "fail_slow_recovered")
+    out = job.advance()
+    (rec,) = events(out, "fail_slow_recovered")
+    assert rec["rule"] == "replicas" and rec["iteration"] == first + OWN.mitigation_judge_iterations
 
 
 def test_a_recovery_during_the_s2_suspension_is_judged_once_s2_is_in_effect():

@@ -76,8 +76,10 @@ from falconext.control.messages import (
 from falconext.mitigate.mitigation import (
     Mitigation,
     action_for,
+    back_to_own_level,
     healthy_mb_s,
     link_excess,
+    recovery_references,
     replica_view,
     replicas_of,
     straggler_recovered,
@@ -105,7 +107,7 @@ RUNTIME_SETTABLE = frozenset({
     "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
     "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
     "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
-    "suspend_margin_s",
+    "suspend_margin_s", "mitigation_recovered_beats",
 })
 
 
@@ -621,6 +623,8 @@ class Controller:
                                                   self.cfg.min_duration)
         ep.mitigation.link_excess = self._link_excess(loc)
         ep.mitigation.gpu_factors = _gpu_factors(loc)
+        ep.mitigation.recovery_refs = recovery_references(self.beats, loc.gpus, ep.mitigation.healthy_mb_s,
+                                                          self.cfg.min_slowdown)
         return [_event("planner_started", session=self.session, **planner.status())]
 
     def _link_excess(self, loc: Localized) -> dict[tuple[int, int], float]:
@@ -668,6 +672,10 @@ class Controller:
             mit.root_cause = mit.planner.status()["root_cause"]
             mit.slow_replicas |= replicas_of(gpus, self.beats)
             mit.gpu_factors.update(_gpu_factors(loc, gpus))
+            # the reference before the episode's onset is before the joined fault too; a GPU
+            # that changed role since (S3) has none, and the replicas are judged instead
+            before = healthy_mb_s(self.history, min(ep.onsets), self.cfg.min_duration) if ep.onsets else {}
+            mit.recovery_refs.update(recovery_references(self.beats, gpus, before, self.cfg.min_slowdown))
         mit.link_excess.update(self._link_excess(part))
         mit.planner.relocalized(True)
         ep.slow_levels.append(float(info["level_s"]))
@@ -727,16 +735,38 @@ class Controller:
         return out
 
     def _check_recovery(self, mit: Mitigation, it: int, now: float) -> list[Output]:
+        """Whether the fail-slow under S2 is over (then revert). Read first on the slow GPUs'
+        own compute per micro-batch against theirs before the onset: every one back within
+        the jitter line (min_slowdown) in ``mitigation_recovered_beats`` fresh readings in a
+        row, and one reading over it starts the count again. Without such references (see
+        :func:`recovery_references`): the slow replicas within ``mitigation_enough_margin``
+        of the others for ``mitigation_judge_iterations`` iterations."""
+        # every slow GPU needs its reference: one read against nothing could still be slow
+        own = back_to_own_level(self.beats, mit.recovery_refs, self.cfg.min_slowdown) \
+            if set(mit.recovery_refs) == set(mit.gpus) else None
         view = replica_view(self.beats.values())
-        if view is None or not straggler_recovered(view.times, mit.slow_replicas, self.cfg.mitigation_enough_margin):
-            mit.recovered_since = None
-            return []
-        if mit.recovered_since is None:
-            mit.recovered_since = it
-        if it - mit.recovered_since < self.cfg.mitigation_judge_iterations:
-            return []
+        if own is not None:
+            seen = min(self.beats[g].iteration for g in mit.recovery_refs)
+            if seen > mit.own_seen:  # a fresh reading (several heartbeats may carry one)
+                mit.own_seen = seen
+                mit.own_streak = mit.own_streak + 1 if own else 0
+            if mit.own_streak < self.cfg.mitigation_recovered_beats:
+                return []
+            rule = {"rule": "own compute", "gpu_mb_s": {str(g): round(self.beats[g].mb_s, 6) for g in mit.recovery_refs},
+                    "before_mb_s": {str(g): round(ref, 6) for g, (_, ref) in mit.recovery_refs.items()},
+                    "readings": mit.own_streak}
+        else:
+            if view is None or not straggler_recovered(view.times, mit.slow_replicas, self.cfg.mitigation_enough_margin):
+                mit.recovered_since = None
+                return []
+            if mit.recovered_since is None:
+                mit.recovered_since = it
+            if it - mit.recovered_since < self.cfg.mitigation_judge_iterations:
+                return []
+            rule = {"rule": "replicas"}
         decision = mit.planner.recovered(it)
-        out = [_event("fail_slow_recovered", session=self.session, iteration=it, replica_mb_s=view.times)]
+        out = [_event("fail_slow_recovered", session=self.session, iteration=it,
+                      replica_mb_s=None if view is None else view.times, **rule)]
         if decision is not None:
             out += self._decide(mit, decision, now)
         return out

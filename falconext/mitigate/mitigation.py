@@ -35,6 +35,13 @@ class Mitigation:
     in_flight: Any = None  # the Decision whose action is being applied
     solve_s: float = 0.0
     recovered_since: int | None = None  # first iteration of the current healthy streak
+    #: the localized GPUs whose recovery is read against their own compute before the onset
+    #: (see :func:`recovery_references`): {process: (role, seconds per micro-batch before)}
+    recovery_refs: dict[int, tuple[int, float]] = field(default_factory=dict)
+    #: the latest of their heartbeats' iterations counted, and how many fresh readings in a
+    #: row had every one back within the jitter line
+    own_seen: int = -1
+    own_streak: int = 0
     applied: list[dict[str, Any]] = field(default_factory=list)
     #: what validation measured, for S2's times and S3's model: {process: GEMM slowdown} and
     #: {(node_a, node_b): excess seconds per byte}
@@ -264,6 +271,42 @@ def straggler_recovered(times: list[float], slow: set[int], margin: float) -> bo
     if not others or not mine:
         return False
     return max(mine) <= (1.0 + margin) * statistics.median(others)
+
+
+def recovery_references(beats: Mapping[int, Any], gpus: Iterable[int], before: Mapping[int, float],
+                        line: float) -> dict[int, tuple[int, float]]:
+    """The slow GPUs whose recovery can be read against their own compute per micro-batch
+    before the onset: {process: (its role now, that reading)}, for each GPU of ``gpus``
+    with a reading before (``before``, :func:`healthy_mb_s`) and one now at least
+    ``1 + line`` times it. A GPU whose reading now does not show the fault against that
+    reference is left out: the reference may itself carry the fault (an onset placed too
+    late), and "back within the line" of it would mean nothing."""
+    out: dict[int, tuple[int, float]] = {}
+    for g in gpus:
+        b = beats.get(g)
+        ref = before.get(g, 0.0)
+        if b is not None and ref > 0 and b.mb_s >= (1.0 + line) * ref:
+            out[g] = (b.role, float(ref))
+    return out
+
+
+def back_to_own_level(beats: Mapping[int, Any], refs: Mapping[int, tuple[int, float]], line: float) -> bool | None:
+    """Whether every GPU of ``refs`` (:func:`recovery_references`) computes a micro-batch
+    within ``line`` of its own time before the onset again; None when that cannot be read
+    (no references, or a GPU without a reading now or in another role than its reference's).
+
+    Its compute per micro-batch is the GPU's own health whatever S2 gives its replica to
+    do: the iteration time cannot show a recovery under S2 (the plan hides the straggler),
+    the replica's time against the others' needs them unchanged, this needs nothing else."""
+    if not refs:
+        return None
+    back = True
+    for g, (role, ref) in refs.items():
+        b = beats.get(g)
+        if b is None or b.role != role or b.mb_s <= 0:
+            return None
+        back = back and b.mb_s <= (1.0 + line) * ref
+    return back
 
 
 def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None) -> MitigationAction | str:
