@@ -189,6 +189,12 @@ class FalconConfig:
     #: measured by then is reported, marked partial. A step that has begun is bounded by
     #: the validation group's timeout
     validation_budget_s: float = 3.0
+    #: after validating a fail-slow's suspects, the ranks stay held up to this long for the
+    #: verdict: when the planner decides at once (S2 for the GPU just named), the action
+    #: comes with the "resume" and applies from the next iteration, instead of a second
+    #: suspension one margin later (table7: two 3.5 s iterations more of the slow job per
+    #: fault). The wait is normally two bus hops; 0: the ranks resume once they reported
+    suspend_verdict_wait_s: float = 2.0
     #: a GPU (link) is slow when its GEMM (transfer) takes this x the median
     validation_slow_factor: float = 1.5
     #: and (links) slower than the reference by at least this many seconds per message.
@@ -343,6 +349,7 @@ class FalconConfig:
         _check(self.mitigation_relocalize_rise >= 0.0, "mitigation_relocalize_rise must be >= 0")
         _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
         _check(0 < self.validation_budget_s <= 300, "validation_budget_s must be in (0, 300]")
+        _check(0 <= self.suspend_verdict_wait_s <= 300, "suspend_verdict_wait_s must be in [0, 300]")
         _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
         _check(self.validation_min_link_excess_s >= 0, "validation_min_link_excess_s must be >= 0")
         _check(self.gemm_size >= 16 and self.gemm_repeats >= 1, "gemm_size must be >= 16 and gemm_repeats >= 1")

@@ -177,6 +177,12 @@ class Controller:
         self._tries = 0
         self._iteration = 0
         self._go_sent = False
+        #: seconds the ranks of this validation session stay held for its verdict (0: none)
+        self._wait_s = 0.0
+        #: the validation session whose ranks are held for its verdict now (None: none)
+        self._awaiting: int | None = None
+        #: the MITIGATING action travelled with a validation's verdict (not its own suspension)
+        self._via_resume = False
         self._action: MitigationAction | None = None  # the action of the MITIGATING session
         self._last_pause_s = 0.0
         self.localizations: list[Localized] = []
@@ -483,6 +489,9 @@ class Controller:
             # each rank's work in shares of a bounded size, before the suspend that needs them
             # (one stream: every rank reads them first); the suspend carries what all need alike
             validation, shares = split_plan(self._plan or {}, self._plan_ranks)
+            self._wait_s = self._verdict_wait(validation)
+            if self._wait_s > 0:
+                validation = dataclasses.replace(validation, verdict_wait_s=self._wait_s)
             posts = [Output("command", Command("share", 0.0, args={"session": self.session}, share=sh))
                      for sh in shares]
             cmd = Command("suspend", self.cfg.suspend_deadline_s, iteration=self._iteration,
@@ -492,6 +501,32 @@ class Controller:
                           args={"session": self.session}, action=self._action)
         change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
         return change + posts + [Output("command", cmd)]
+
+    def _verdict_wait(self, validation: Any) -> float:
+        """How long the ranks stay held for the verdict after validating: only where the
+        verdict may start a mitigation at once (a fail-slow's episode, mitigation on, not
+        muted) and the ranks have something to validate (they report, then wait)."""
+        ep = self.episode
+        if (ep is None or ep.trigger != "fail_slow" or not self.cfg.mitigation or self.muted
+                or not (validation.gemm_rounds or validation.p2p_rounds)):
+            return 0.0
+        return self.cfg.suspend_verdict_wait_s
+
+    def _release_hold(self) -> list[Output]:
+        """The verdict's "resume" without an action, for ranks still held for it."""
+        session, self._awaiting = self._awaiting, None
+        if session is None or set(self._acks.get("resumed", {})) >= self.ranks():
+            return []
+        return [Output("command", Command("resume", self.cfg.suspend_deadline_s, args={"session": session}))]
+
+    def _decide_while_held(self, now: float) -> list[Output]:
+        """The ranks are still held for the verdict: let the planner that just started (or
+        went on) see the latest iteration now, so an action it decides travels with the
+        verdict's "resume" (:meth:`_start_action`) instead of waiting for a heartbeat and
+        a suspension of its own."""
+        if self._awaiting is None or self._acks.get("resumed") or not self.beats:
+            return []
+        return self._observe(self.beats[min(self.beats)], now)
 
     def _margin(self, iter_s: float) -> int:
         """Iterations between the controller's estimate of where the ranks are and the one
@@ -522,6 +557,8 @@ class Controller:
         out: list[Output] = []
         if ack.status == "held" and not self._go_sent and set(acks) >= self.ranks() and suspended:
             self._go_sent = True
+            if self.state is State.VALIDATING and self._wait_s > 0:
+                self._awaiting = self.session  # they validate, report, and wait for the verdict
             out.append(Output("command", Command("go", self.cfg.suspend_deadline_s, args={"session": self.session})))
             out.append(_event("suspended", session=self.session, iteration=self._iteration, ranks=len(acks)))
         if ack.status == "resumed" and set(acks) >= self.ranks():
@@ -582,12 +619,13 @@ class Controller:
         ]
         self._deadline = math.inf
         if ep is not None and ep.relocalizing is not None:
-            return out + self._relocalized(ep, loc, now) + self._maybe_close()
-        if ep is not None and ep.trigger == "fail_slow" and (gpus or links) and self.cfg.mitigation:
+            out += self._relocalized(ep, loc, now)
+        elif ep is not None and ep.trigger == "fail_slow" and (gpus or links) and self.cfg.mitigation:
             if self.muted:
                 out.append(_event("mitigation_skipped", session=self.session, reason="muted by the operator"))
             else:
                 out += self._plan_mitigation(ep, loc, now)
+        out += self._decide_while_held(now) + self._release_hold()
         return out + self._maybe_close()
 
     def _compute_rise(self, ep: _Episode | None) -> dict[int, float]:
@@ -798,6 +836,19 @@ class Controller:
         return [_event("mitigation_failed", session=self.session, strategy=d.strategy, action=d.action, reason=reason)]
 
     def _start_action(self, action: MitigationAction, now: float) -> list[Output]:
+        """Apply ``action`` on every rank from one iteration: with the verdict's "resume"
+        while the ranks are still held for it (they vote and commit it from the iteration
+        after their hold), else in a suspension of its own one margin ahead."""
+        held = self._awaiting
+        if held is not None and held == self.session and self.state is State.TRACKING and not self._acks.get("resumed"):
+            self._awaiting = None
+            self._via_resume = True
+            self._action = dataclasses.replace(action, session=held)
+            self._deadline = now + self.cfg.suspend_deadline_s + self.cfg.control_slack_s
+            cmd = Command("resume", self.cfg.suspend_deadline_s, args={"session": held}, action=self._action)
+            return [self._set(State.MITIGATING, now, iteration=self._iteration, with_verdict=True),
+                    Output("command", cmd)]
+        self._via_resume = False
         self.session += 1
         self._acks.clear()
         self._tries = 0
@@ -806,8 +857,12 @@ class Controller:
         return self._suspend(now, State.MITIGATING)
 
     def _mitigated(self, now: float, timed_out: bool = False) -> list[Output]:
-        """The action's suspension is over: applied on every rank, or on none."""
+        """The action's suspension is over: applied on every rank, or on none. One that
+        travelled with a verdict and was not applied (a rank's wait for the verdict ran
+        out first) is agreed on again in a suspension of its own: the strategy did not
+        fail, the hold was over."""
         action, self._action = self._action, None
+        via_resume, self._via_resume = self._via_resume, False
         acks = self._acks.get("resumed", {})
         # A rank commits only past a barrier that every rank must enter (Suspension._agree),
         # so one rank's "committed" means all committed: a lost ack must not turn an action
@@ -825,6 +880,11 @@ class Controller:
         strategy = action.strategy if action is not None else "?"
         if not committed:
             reason = "timed out" if timed_out else "not every rank committed the action"
+            if via_resume and mit is not None and d is not None and action is not None:
+                mit.in_flight = d
+                out.append(_event("mitigation_retry", session=self.session, strategy=action.strategy,
+                                  reason=f"{reason} with the verdict; in a suspension of its own"))
+                return out + self._start_action(dataclasses.replace(action, session=0), now)
             if mit is not None and d is not None:
                 return out + self._action_failed(mit, d, reason) + self._maybe_close()
             return out + [_event("mitigation_failed", session=self.session, strategy=strategy, reason=reason)]
@@ -1054,7 +1114,8 @@ class Controller:
             ep.relocalizing = None
             if ep.mitigation is not None and not ep.mitigation.planner.finished:
                 ep.mitigation.planner.relocalized(False)
-        out = [_event("localization_failed", session=self.session, reason=reason), self._set(State.TRACKING, now)]
+        out = self._release_hold() + [_event("localization_failed", session=self.session, reason=reason),
+                                      self._set(State.TRACKING, now)]
         return out + self._maybe_close()
 
     def _maybe_close(self) -> list[Output]:
