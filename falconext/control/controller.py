@@ -11,9 +11,13 @@ A localized fail-slow gets a ski-rental planner (mitigate/planner.py), fed from 
 heartbeats. When it decides, the controller applies the strategy the same way it
 validates: every rank suspends at one agreed iteration (MITIGATING), agrees on the
 action, and applies it from the next iteration; S2 sends a new micro-batch plan, S4 a
-restart without the bad node. Recovery under S2 is read from the replicas' compute time
-per micro-batch (the iteration time cannot show it: the plan hides the straggler), and
-reverts to the even plan once.
+restart without the bad node. A fail-slow's validation keeps the ranks held for the
+verdict (``suspend_verdict_wait_s``): the planner sees the latest iteration at once, and
+an action it decides then travels with the verdict's "resume", applied from the
+iteration after the hold, without a second suspension. Recovery under S2 is read from
+the slow GPUs' own compute time per micro-batch against theirs before the onset (the
+iteration time cannot show it: the plan hides the straggler), or else the replicas',
+and reverts to the even plan once.
 
 :class:`Controller` is pure: it takes messages and the time, and returns what to post
 and what to log, so every path (a rank that misses the iteration, a profile that never
