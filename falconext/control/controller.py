@@ -111,7 +111,7 @@ RUNTIME_SETTABLE = frozenset({
     "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
     "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
     "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
-    "suspend_margin_s", "mitigation_recovered_beats",
+    "suspend_margin_s", "mitigation_recovered_beats", "suspend_verdict_wait_s",
 })
 
 
