@@ -199,6 +199,12 @@ class FalconConfig:
     #: measured by then is reported, marked partial. A step that has begun is bounded by
     #: the validation group's timeout
     validation_budget_s: float = 3.0
+    #: after validating a fail-slow's suspects, the ranks stay held up to this long for the
+    #: verdict: when the planner decides at once (S2 for the GPU just named), the action
+    #: comes with the "resume" and applies from the next iteration, instead of a second
+    #: suspension one margin later (table7: two 3.5 s iterations more of the slow job per
+    #: fault). The wait is normally two bus hops; 0: the ranks resume once they reported
+    suspend_verdict_wait_s: float = 2.0
     #: a GPU (link) is slow when its GEMM (transfer) takes this x the median
     validation_slow_factor: float = 1.5
     #: and (links) slower than the reference by at least this many seconds per message.
@@ -238,6 +244,13 @@ class FalconConfig:
     #: iterations after a strategy takes effect before it is judged, and judged over
     mitigation_settle_iterations: int = 5
     mitigation_judge_iterations: int = 5
+    #: S2 is reverted once every slow GPU's compute per micro-batch (its heartbeats' median
+    #: of recent iterations) is back within min_slowdown (the paper's 10% jitter line) of
+    #: its own before the onset in this many fresh readings in a row; one reading over the
+    #: line starts the count again (no revert on one lucky reading). Without such a
+    #: reference, the slow replicas are judged against the others over
+    #: mitigation_judge_iterations iterations
+    mitigation_recovered_beats: int = 3
     #: inside a mitigated fail-slow, the iteration time risen this fraction over the lowest
     #: level seen in it (or a strategy judged enough no longer being so) is localized
     #: again before the planner escalates: the ranks' detectors do not report a second
@@ -349,6 +362,7 @@ class FalconConfig:
         _check(self.mitigation_relocalize_rise >= 0.0, "mitigation_relocalize_rise must be >= 0")
         _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
         _check(0 < self.validation_budget_s <= 300, "validation_budget_s must be in (0, 300]")
+        _check(0 <= self.suspend_verdict_wait_s <= 300, "suspend_verdict_wait_s must be in [0, 300]")
         _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
         _check(self.validation_min_link_excess_s >= 0, "validation_min_link_excess_s must be >= 0")
         _check(self.gemm_size >= 16 and self.gemm_repeats >= 1, "gemm_size must be >= 16 and gemm_repeats >= 1")
@@ -358,6 +372,7 @@ class FalconConfig:
             self.mitigation_settle_iterations >= 0 and self.mitigation_judge_iterations >= 1,
             "mitigation_settle_iterations must be >= 0 and mitigation_judge_iterations >= 1",
         )
+        _check(self.mitigation_recovered_beats >= 1, "mitigation_recovered_beats must be >= 1")
         _check(self.max_microbatches_per_replica >= 0, "max_microbatches_per_replica must be >= 0")
         parse_microbatches(self.force_microbatches)
         parse_topology(self.force_topology)

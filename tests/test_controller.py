@@ -355,6 +355,33 @@ def test_three_slow_gpus_of_four_are_named_by_their_own_compute_rise():
     assert loc["gpus"] == [1, 2, 3], loc["evidence"]
 
 
+def test_a_mild_gpu_is_named_although_the_detectors_placed_its_onset_late():
+    """table7's GPU 41 (1.3x): its replica's detectors placed the onset 7 iterations after
+    the fault began, so the last heartbeat before that onset already carried the fault
+    (a rise of 1.01 read against it). The pre-fault reference is the lowest reading of the
+    detectors' confirmation window before the onset: the rise reads 1.3 and, with its GEMM
+    below the fastest / 1.25, rank 1 is named; healthy ranks are not."""
+    ctl = Controller(CFG, world=4)
+    t = 60.0
+    for it in range(20, 54):  # the fault begins at iteration 33; each beat a median of 8 iterations
+        t += 1.0
+        for r, n in NODES.items():
+            mb = 0.05 * (1.3 if r == 1 and it >= 37 else 1.0) * (1.0 + 0.005 * ((r + it) % 3))
+            ctl.handle(Heartbeat(r, n, it, 1.3, t, replica=r, mb_s=mb, micro=8, role=r), t)
+    ctl.handle(FailSlowReport(1, 40, 52, 1.3, 1.0, t, event_id=0), t)  # onset 40: 7 iterations late
+    for r in NODES:
+        ctl.handle(profile(r, ctl.session), t)
+    assert ctl.state is State.VALIDATING
+    session, it = ctl.session, max(b.iteration for b in ctl.beats.values()) + 1
+    for r in NODES:
+        ctl.handle(SessionAck(r, session, "held", it, t), t)
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(ValidationResult(r, session, 1e10 / (1.3 if r == 1 else 1.0), []), t + 0.5)
+    (loc,) = events(outs, "localized")
+    assert loc["gpus"] == [1], loc["evidence"]
+
+
 def test_long_iterations_suspend_one_iteration_ahead():
     """The margin is time for the command to reach every rank: with 3.5 s iterations one
     iteration gives it (three kept table7's fail-slows unvalidated 7 s longer, twice per

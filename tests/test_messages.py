@@ -129,3 +129,21 @@ def test_action_details_are_the_fields_the_events_had():
     assert action_details(ACTIONS[3]) == {"roles": [1, 0], "reason": "forced"}
     assert action_details(ACTIONS[4]) == {"exclude_nodes": [1, 3], "reason": "operator"}
     assert set(action_details(ACTIONS[2])) == {"roles", "predicted_s", "moved", "why", "model_inputs"}
+
+
+def test_a_verdict_resume_carries_its_action_and_a_plan_its_wait():
+    """The verdict's "resume" brings the action to apply from the next iteration; the
+    validation plan says how long the ranks wait for it (0 to 300 s, 0 when not given)."""
+    from falconext.control.messages import ValidationPlan
+
+    cmd = Command("resume", 4.0, args={"session": 7}, action=ACTIONS[0])
+    assert decode(encode(cmd)) == cmd
+    plan = ValidationPlan("all", ["dp"], 256, 10, 1, 2, 4096, 5, 2, verdict_wait_s=2.0)
+    sus = Command("suspend", 4.0, 12, {"session": 7}, validation=plan)
+    assert decode(encode(sus)).validation.verdict_wait_s == 2.0
+    wire = json.loads(encode(sus))
+    del wire["body"]["validation"]["verdict_wait_s"]
+    assert decode(json.dumps(wire)).validation.verdict_wait_s == 0.0  # an older controller's plan
+    wire["body"]["validation"]["verdict_wait_s"] = -1.0
+    with pytest.raises(MessageError, match="verdict_wait_s"):
+        decode(json.dumps(wire))

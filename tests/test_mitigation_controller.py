@@ -9,6 +9,8 @@ makes S2's measured overhead 0.9 s + the solver's time (microseconds).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from falconext.config import FalconConfig
@@ -229,6 +231,105 @@ def _s2_applied(job: Job) -> int:
     return mit["iteration"]
 
 
+def _validate_held(job: Job, it: int = 70) -> tuple[list, Command]:
+    """A report (onset ONSET) while the ranks are at iteration ``it``, profiling, and the
+    validation up to the verdict: every rank held, GEMMs reported, no resumed ack yet (the
+    ranks wait for the verdict)."""
+    ctl = job.ctl
+    job.beat(it)
+    outs = ctl.handle(FailSlowReport(1, ONSET, ONSET + 3, 2.0, HEALTHY, job.t, event_id=7), job.t)
+    for r in NODES:
+        outs += ctl.handle(profile(r, ctl.session, late_rank=1), job.t + 0.2)
+    (sus,) = commands(outs, "suspend")
+    outs += job.hold_all(sus)
+    for r in NODES:
+        outs += ctl.handle(ValidationResult(r, sus.args["session"], 5e9 if r == 1 else 1e10, []), job.t + 1.0)
+    return outs, sus
+
+
+def test_s2_decided_with_the_verdict_travels_with_the_resume_and_applies_after_the_hold():
+    """Twelve slow iterations since the onset when GPU 1 is named: the planner decides S2 at
+    once, while the ranks are held for the verdict, and the plan goes with the "resume":
+    every rank applies it from the iteration after the validation's, no second suspension
+    (which would have cost table7 two more slow iterations per fault)."""
+    job = Job()
+    out, sus = _validate_held(job)
+    assert sus.validation.verdict_wait_s == CFG.suspend_verdict_wait_s > 0
+    (loc,) = events(out, "localized")
+    (dec,) = decisions(out)
+    assert loc["gpus"] == [1] and (dec["action"], dec["strategy"]) == ("apply", "S2")
+    (resume,) = commands(out, "resume")
+    assert resume.args["session"] == sus.args["session"] and resume.action.KIND == "microbatches"
+    assert resume.action.plan == plan_microbatches([FAST_MB, SLOW_MB, FAST_MB, FAST_MB], TOTAL)
+    assert resume.action.session == sus.args["session"]
+    assert len(commands(out, "suspend")) == 1 and job.ctl.state is State.MITIGATING
+    out = job.resume_all(sus, pause=1.2)
+    (mit,) = events(out, "mitigation")
+    assert mit["strategy"] == "S2" and mit["iteration"] == sus.iteration + 1 and mit["session"] == sus.args["session"]
+    assert job.ctl.state is State.TRACKING and not commands(out)
+    planner = job.ctl.episode.mitigation.planner
+    assert planner.current == "S2" and planner.pending() is None
+
+
+def test_an_action_with_the_verdict_that_no_rank_committed_is_agreed_on_in_its_own_suspension():
+    """A rank's wait for the verdict ran out before the resume came: the ranks' vote applied
+    it nowhere. S2 did not fail (the hold was over): the same plan gets a suspension of its
+    own, and is applied from there."""
+    job = Job()
+    out, sus = _validate_held(job)
+    (resume,) = commands(out, "resume")
+    out = job.resume_all(sus, committed=(False,) * 4)
+    (retry,) = events(out, "mitigation_retry")
+    assert retry["strategy"] == "S2" and not events(out, "mitigation_failed")
+    (again,) = commands(out, "suspend")
+    assert again.action.plan == resume.action.plan and again.args["session"] > sus.args["session"]
+    assert job.ctl.episode.mitigation.planner.pending() == "S2"
+    out = job.apply(again)
+    (mit,) = events(out, "mitigation")
+    assert mit["strategy"] == "S2" and mit["iteration"] == again.iteration + 1
+
+
+def test_ranks_that_resumed_before_the_verdict_get_the_action_in_a_suspension_of_its_own():
+    """The resumed acks came before the verdict (the ranks' wait ran out): nothing can travel
+    with a resume any more; the planner decides at the next heartbeat and the action takes
+    the agreement path."""
+    job = Job()
+    job.beat(70)
+    ctl = job.ctl
+    out = ctl.handle(FailSlowReport(1, ONSET, ONSET + 3, 2.0, HEALTHY, job.t, event_id=7), job.t)
+    for r in NODES:
+        out += ctl.handle(profile(r, ctl.session, late_rank=1), job.t + 0.2)
+    (sus,) = commands(out, "suspend")
+    job.hold_all(sus)
+    for r in NODES:  # the results of rank 0 are late
+        if r:
+            ctl.handle(ValidationResult(r, sus.args["session"], 5e9 if r == 1 else 1e10, []), job.t + 1.0)
+    job.resume_all(sus)
+    out = ctl.handle(ValidationResult(0, sus.args["session"], 1e10, []), job.t + 3.0)
+    assert events(out, "localized") and not commands(out, "resume") and not decisions(out)
+    job.it = 70
+    out = job.advance()  # the next heartbeat: the planner decides, as before the hold path
+    (dec,) = decisions(out)
+    (again,) = commands(out, "suspend")
+    assert dec["strategy"] == "S2" and again.action.KIND == "microbatches" and again.args["session"] > sus.args["session"]
+
+
+def test_without_a_verdict_wait_the_ranks_resume_after_validating():
+    """suspend_verdict_wait_s 0, and an operator's validation (nothing to mitigate): the
+    ranks are not held for the verdict and no resume is sent."""
+    job = Job(cfg=CFG.replace(suspend_verdict_wait_s=0.0))
+    out, sus = _validate_held(job)
+    assert sus.validation.verdict_wait_s == 0.0 and not commands(out, "resume")
+    ctl = Controller(CFG, world=4)
+    for r in NODES:
+        ctl.handle(Heartbeat(r, NODES[r], 50, SLOW, 100.0, replica=r, mb_s=FAST_MB, micro=4), 100.0)
+    out = ctl.handle(Command("validate", 0.0), 100.0)
+    for r in NODES:
+        out += ctl.handle(profile(r, ctl.session, late_rank=1), 100.2)
+    (sus,) = commands(out, "suspend")
+    assert sus.validation.verdict_wait_s == 0.0
+
+
 def test_s2_not_enough_escalates_to_s4_only_after_s2_was_judged():
     # a restart costs 2 s: impact passes that while S2 is still settling
     job = Job(restart_s=2.0)
@@ -349,6 +450,92 @@ def test_recovery_under_s2_reverts_to_the_even_plan_once_and_closes_the_episode(
     # a new fail-slow is a new episode
     out = ctl.handle(FailSlowReport(1, job.it - 3, job.it, 2.0, HEALTHY, job.t, event_id=8), job.t)
     assert commands(out, "profile") and ctl.state is State.PROFILING
+
+
+# judged over 8 iterations, but 2 fresh readings of the GPU's own compute are enough
+OWN = CFG.replace(mitigation_judge_iterations=8, mitigation_recovered_beats=2)
+
+
+def _clean_before(job: Job) -> None:
+    """Iteration 48: rank 1 still computed as fast as the others (the fault came after):
+    its own reference, in the detectors' confirmation window before the onset (58)."""
+    job.mb[1] = FAST_MB
+    job.beat(48)
+    job.mb[1] = SLOW_MB
+    job.it = 50
+
+
+def test_s2_reverts_once_the_gpu_computes_as_before_the_onset_in_a_few_fresh_readings():
+    """The slow GPU's compute per micro-batch back within 10% of its own before the onset
+    in mitigation_recovered_beats readings in a row reverts S2, well before the replicas
+    would have been judged (judge_iterations); a heartbeat that repeats an iteration is
+    not a fresh reading."""
+    job = Job(cfg=OWN)
+    _clean_before(job)
+    effective = _s2_applied(job)
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    out = job.advance(3)
+    assert not events(out, "fail_slow_recovered")  # still twice as slow per micro-batch
+    job.mb[1] = FAST_MB * 1.08  # back within the jitter line of its own 0.05 s
+    out = job.advance()
+    first = job.it
+    # rank 1's heartbeat stalls at that iteration while rank 0 goes on: one reading, not two
+    r1 = job.ctl.beats[1]
+    job.it += 1
+    job.t += HEALTHY
+    for r in (3, 2, 0):
+        b = job.ctl.beats[r]
+        out += job.ctl.handle(dataclasses.replace(b, iteration=job.it, time=job.t), job.t)
+    assert job.ctl.beats[1] is r1 and not events(out, "fail_slow_recovered")
+    out = job.advance()
+    (rec,) = events(out, "fail_slow_recovered")
+    assert rec["rule"] == "own compute" and rec["readings"] == OWN.mitigation_recovered_beats
+    assert rec["iteration"] == job.it == first + 2 < first + OWN.mitigation_judge_iterations
+    assert rec["before_mb_s"] == {"1": FAST_MB}
+    (dec,) = decisions(out)
+    assert dec["action"] == "revert" and dec["strategy"] == "S2"
+    (sus,) = commands(out, "suspend")
+    assert sus.action.plan == EVEN
+
+
+def test_own_compute_recovery_needs_consecutive_readings_under_the_line():
+    """No revert on noise: readings that dip under the line one at a time, or sit just over
+    it (1.15x its own), never make the count; the replicas' rule (judge_iterations) is not
+    used while the GPU has its own reference."""
+    job = Job(cfg=OWN)
+    _clean_before(job)
+    effective = _s2_applied(job)
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    out = []
+    for k in range(12):
+        job.mb[1] = FAST_MB * (1.02 if k % 2 else 1.6)
+        out += job.advance()
+    job.mb[1] = FAST_MB * 1.15  # within mitigation_enough_margin of nobody, over the 10% line
+    out += job.advance(OWN.mitigation_judge_iterations + 4)
+    assert not events(out, "fail_slow_recovered") and not decisions(out)
+    job.mb[1] = FAST_MB
+    out = job.advance(OWN.mitigation_recovered_beats)
+    (rec,) = events(out, "fail_slow_recovered")
+    assert rec["rule"] == "own compute"
+
+
+def test_without_its_own_clean_reading_the_replicas_are_judged():
+    """The reference read before the onset already carried the fault (no rise against it):
+    it is not a reference, and recovery is judged on the replicas over judge_iterations."""
+    job = Job(cfg=OWN)  # rank 1 slow in every heartbeat the controller has
+    effective = _s2_applied(job)
+    assert job.ctl.episode.mitigation.recovery_refs == {}
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    job.mb[1] = FAST_MB
+    first = job.it + 1
+    out = job.advance(OWN.mitigation_judge_iterations)
+    assert not events(out, "fail_slow_recovered")
+    out = job.advance()
+    (rec,) = events(out, "fail_slow_recovered")
+    assert rec["rule"] == "replicas" and rec["iteration"] == first + OWN.mitigation_judge_iterations
 
 
 def test_a_recovery_during_the_s2_suspension_is_judged_once_s2_is_in_effect():
@@ -747,9 +934,11 @@ def test_a_second_straggler_under_an_s2_that_was_enough_gets_its_own_episode():
     assert ep is not first and ep.mitigation.gpus == [3] and ep.mitigation.slow_replicas == {3}
     assert ep.mitigation.planner.status()["healthy_s"] == HEALTHY
     assert not [d for d in decisions(out) if d["action"] == "revert"]
-    out, _ = job.run_until("mitigation_decision")
-    (dec,) = decisions(out)
-    assert (dec["action"], dec["strategy"]) == ("apply", "S2")  # not S4: the rise was not the first fault's
+    # decided while the ranks were held for the verdict: it travelled with the resume
+    (dec,) = [d for d in decisions(out) if d["action"] == "apply"]
+    assert dec["strategy"] == "S2"  # not S4: the rise was not the first fault's
+    (mit,) = events(out, "mitigation")
+    assert mit["strategy"] == "S2" and mit["session"] == rel["session"]
 
 
 def test_a_second_straggler_while_nothing_helped_joins_the_episode():

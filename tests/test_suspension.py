@@ -4,6 +4,7 @@ run in the end-to-end tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -235,3 +236,88 @@ def test_a_rank_without_a_share_joins_every_barrier_and_says_so():
     assert calls == ["barrier"] * 3 + [("passes", [[], []])]  # every round, nothing of its own
     (result,) = [m for m in posted if isinstance(m, ValidationResult)]
     assert "no share of the validation plan came for rank 0" in result.error
+
+
+def held_for_verdict(wait_s=2.0, votes=None, lacking=False):
+    """A rank of a validation whose plan holds it ``wait_s`` for the verdict; ``votes``
+    collects what it says in the vote on the action (None: no vote, the barrier path), and
+    ``lacking`` is what the vote over every rank answers."""
+    validation, shares = split_plan(PLAN, range(4))
+    validation = dataclasses.replace(validation, verdict_wait_s=wait_s)
+    posted, events, calls, committed = [], [], [], []
+
+    def vote(lacks):
+        votes.append(lacks)
+        return lacking or lacks
+
+    bench = Bench(lambda n, r: 1e9, lambda sched, *a: [], lambda: calls.append("barrier"),
+                  agree_stop=None if votes is None else vote)
+    sus = Suspension(0, 5, 40, validation, bench, posted.append, lambda t, **f: events.append((t, f)),
+                     commit=committed.append, work=rank_work(shares, 0))
+    return sus, posted, events, calls, committed
+
+
+def test_a_resume_with_an_action_after_validating_is_committed_once_every_rank_holds_it():
+    """The verdict in the same hold: the rank reports, stays held, and the action the resume
+    brings is committed after the vote over every rank (no second suspension)."""
+    action = MicrobatchPlan("S2", [3, 5], session=5)
+    votes = []
+    sus, posted, events, calls, committed = held_for_verdict(votes=votes)
+    sus.signal("go")
+    timer = threading.Timer(0.1, sus.signal, args=("resume", action))
+    timer.start()
+    t0 = time.monotonic()
+    sus.run(t0 + 5.0)
+    assert 0.09 <= time.monotonic() - t0 < 1.0  # held until the resume, not the whole wait
+    assert isinstance(posted[1], ValidationResult) and posted[-1].status == "resumed"
+    assert votes == [False] and committed == [action] and posted[-1].committed
+    assert events[0][1]["committed"] is True
+
+
+def test_a_resume_without_an_action_ends_the_wait_and_commits_nothing():
+    votes = []
+    sus, posted, events, _, committed = held_for_verdict(votes=votes)
+    sus.signal("go")
+    sus.signal("resume")
+    sus.run(time.monotonic() + 5.0)
+    assert votes == [True] and committed == [] and not posted[-1].committed
+    assert "committed" not in events[0][1]
+
+
+def test_a_rank_whose_wait_ran_out_votes_no_and_nobody_applies_the_action():
+    """One rank's wait for the verdict ran out before the resume came: it votes "lacking"
+    and the rank that got the action does not commit it either (all or nothing)."""
+    votes = []
+    sus, posted, events, _, committed = held_for_verdict(wait_s=0.1, votes=votes)
+    sus.signal("go")
+    t0 = time.monotonic()
+    sus.run(t0 + 5.0)
+    assert 0.09 <= time.monotonic() - t0 < 1.0 and votes == [True] and committed == []
+    action = MicrobatchPlan("S2", [3, 5], session=5)
+    votes = []
+    sus, posted, events, _, committed = held_for_verdict(votes=votes, lacking=True)
+    sus.signal("go")
+    sus.signal("resume", action)
+    sus.run(time.monotonic() + 5.0)
+    assert votes == [False] and committed == [] and not posted[-1].committed
+    (ev,) = [f for t, f in events if t == "suspension"]
+    assert ev["committed"] is False
+    assert any(t == "control_error" and "lacked" in f["error"] for t, f in events)
+
+
+def test_without_a_vote_the_action_of_the_verdict_is_agreed_by_the_barrier():
+    action = MicrobatchPlan("S2", [3, 5], session=5)
+    sus, posted, events, calls, committed = held_for_verdict(votes=None)
+    sus.signal("go")
+    sus.signal("resume", action)
+    sus.run(time.monotonic() + 5.0)
+    assert committed == [action] and calls[-1] == "barrier" and posted[-1].committed
+
+
+def test_a_plan_without_a_verdict_wait_resumes_right_after_reporting():
+    votes = []
+    sus, posted, events, _, committed = held_for_verdict(wait_s=0.0, votes=votes)
+    sus.signal("go")
+    t0 = time.monotonic()
+    sus.run(t0 + 5.0)
+    assert time.monotonic() - t0 < 0.5 and votes == [] and committed == []

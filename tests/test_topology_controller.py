@@ -17,8 +17,10 @@ from falconext.control.messages import (Command, FailSlowReport, Heartbeat, Prof
 from falconext.mitigate.mitigation import healthy_mb_s, link_excess, topology_inputs
 from test_controller import commands, events
 
+# suspend_verdict_wait_s 0: these tests follow S3's ski-rental decision on the heartbeats after
+# the validation (the decision with the verdict, while the ranks are held, has its own test)
 CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, mitigation_strategies="S3",
-                   link_baseline_iteration=0)
+                   link_baseline_iteration=0, suspend_verdict_wait_s=0.0)
 HEALTHY, SLOW = 0.2, 0.3
 SWITCH_S, PAUSE = 0.4, 0.3
 GRAD, ACT = 480_000, 32_768
@@ -61,9 +63,10 @@ def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), healt
     return ctl, out + validated(ctl, out, t, slow_link, slow_gpus)
 
 
-def validated(ctl: Controller, out: list, t: float, slow_link: bool = True, slow_gpus: tuple[int, ...] = ()) -> list:
+def validated(ctl: Controller, out: list, t: float, slow_link: bool = True, slow_gpus: tuple[int, ...] = (),
+              resumed: bool = True) -> list:
     """The validation the suspend in ``out`` asked for (see :func:`localized_job`), then
-    the resumed acks."""
+    the resumed acks (``resumed``)."""
     (sus,) = commands(out, "suspend")
     s = sus.args["session"]
     out = []
@@ -74,7 +77,7 @@ def validated(ctl: Controller, out: list, t: float, slow_link: bool = True, slow
     for p in range(4):
         mine = [[a, b, sec] for (a, b), sec in links.items() if b == p]
         out += ctl.handle(ValidationResult(p, s, 5e9 if p in slow_gpus else 1e10, mine), t + 1.0)
-    for p in range(4):
+    for p in range(4 if resumed else 0):
         out += ctl.handle(SessionAck(p, s, "resumed", sus.iteration, t + 1.5, pause_s=PAUSE), t + 1.5)
     return out
 
@@ -104,6 +107,35 @@ def test_link_on_the_dp_path_is_moved_by_s3():
     assert {0, 1} not in dp_groups, roles
     before, after = action.predicted_s
     assert after < before
+
+
+def test_s3_decided_with_the_verdict_travels_with_the_resume():
+    """The rent since the onset (45) already exceeds S3's cost when the link is named: with
+    the ranks held for the verdict, the TopologyChange goes with the "resume" and every rank
+    applies it from the iteration after the hold: no second suspension."""
+    ctl = Controller(CFG.replace(suspend_verdict_wait_s=2.0), world=4)
+    beats(ctl, 50)
+    t = 151.0
+    out = ctl.handle(FailSlowReport(0, 45, 50, 1.5, HEALTHY, t, event_id=1), t)
+    for p in range(4):
+        out += ctl.handle(ProfileData(p, ctl.session, {}, {}, {}), t + 0.2)
+    (sus,) = commands(out, "suspend")
+    assert sus.validation.verdict_wait_s == 2.0
+    for p in range(4):
+        out += ctl.handle(SessionAck(p, sus.args["session"], "held", sus.iteration, t + 0.5), t + 0.5)
+    out = validated(ctl, out, t, resumed=False)
+    (d,) = events(out, "mitigation_decision")
+    assert d["strategy"] == "S3" and d["action"] == "apply"
+    (resume,) = commands(out, "resume")
+    assert resume.args["session"] == sus.args["session"] and resume.action.KIND == "topology"
+    assert not commands(out, "suspend") and ctl.state is State.MITIGATING
+    for p in range(4):
+        out += ctl.handle(SessionAck(p, sus.args["session"], "resumed", sus.iteration, t + 1.6, pause_s=PAUSE,
+                                     committed=True), t + 1.6)
+    (mit,) = events(out, "mitigation")
+    assert mit["strategy"] == "S3" and mit["iteration"] == sus.iteration + 1 and mit["roles"] == resume.action.roles
+    assert ctl.state is State.TRACKING and ctl.episode.mitigation.applied == [{"strategy": "S3",
+                                                                              "iteration": sus.iteration + 1}]
 
 
 def test_s3_without_role_reports_fails_and_names_why():
@@ -213,6 +245,19 @@ def test_healthy_mb_s_is_the_last_beat_before_the_onset_in_the_current_role():
         3: [beat(3, 40, mb_s=0.0), beat(3, 45, mb_s=0.014)],  # 0: not measured yet
     }
     assert healthy_mb_s(history, onset=45) == {0: 0.012, 3: 0.014}
+
+
+def test_healthy_mb_s_reaches_back_past_a_late_onset_to_the_lowest_clean_reading():
+    """The detectors' onset can come late: the last beat before it already carries the
+    fault. With a look-back window, the lowest reading in it is the reference (a fault only
+    adds time); a beat before the window is used only when none is in it."""
+    history = {
+        0: [beat(0, 30, mb_s=0.009), beat(0, 38, mb_s=0.0101), beat(0, 40, mb_s=0.010),
+            beat(0, 43, mb_s=0.013), beat(0, 45, mb_s=0.013)],  # the fault from about 42
+        1: [beat(1, 20, mb_s=0.011), beat(1, 46, mb_s=0.02)],  # nothing in the window
+    }
+    assert healthy_mb_s(history, onset=45, lookback=11) == {0: 0.010, 1: 0.011}
+    assert healthy_mb_s(history, onset=45) == {0: 0.013, 1: 0.011}  # no look-back: the last before
 
 
 def test_link_excess_per_byte_over_the_reference():

@@ -219,4 +219,6 @@ class RankClient:
                 self.post(SessionAck(self.rank, session, "missed", missed, time.time()))
         elif cmd.kind in ("go", "release"):
             self.runtime.signal(cmd.kind, session)
+        elif cmd.kind == "resume":  # a validation's verdict, with the action to apply or none
+            self.runtime.signal(cmd.kind, session, cmd.action)
         # other kinds are for other listeners (agents, operators)

@@ -11,9 +11,13 @@ A localized fail-slow gets a ski-rental planner (mitigate/planner.py), fed from 
 heartbeats. When it decides, the controller applies the strategy the same way it
 validates: every rank suspends at one agreed iteration (MITIGATING), agrees on the
 action, and applies it from the next iteration; S2 sends a new micro-batch plan, S4 a
-restart without the bad node. Recovery under S2 is read from the replicas' compute time
-per micro-batch (the iteration time cannot show it: the plan hides the straggler), and
-reverts to the even plan once.
+restart without the bad node. A fail-slow's validation keeps the ranks held for the
+verdict (``suspend_verdict_wait_s``): the planner sees the latest iteration at once, and
+an action it decides then travels with the verdict's "resume", applied from the
+iteration after the hold, without a second suspension. Recovery under S2 is read from
+the slow GPUs' own compute time per micro-batch against theirs before the onset (the
+iteration time cannot show it: the plan hides the straggler), or else the replicas',
+and reverts to the even plan once.
 
 :class:`Controller` is pure: it takes messages and the time, and returns what to post
 and what to log, so every path (a rank that misses the iteration, a profile that never
@@ -77,8 +81,10 @@ from falconext.control.messages import (
 from falconext.mitigate.mitigation import (
     Mitigation,
     action_for,
+    back_to_own_level,
     healthy_mb_s,
     link_excess,
+    recovery_references,
     replica_view,
     replicas_of,
     straggler_recovered,
@@ -106,7 +112,8 @@ RUNTIME_SETTABLE = frozenset({
     "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
     "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
     "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
-    "suspend_margin_s", "status_max_share", "controller_read_batch",
+    "suspend_margin_s", "status_max_share", "controller_read_batch", "mitigation_recovered_beats",
+    "suspend_verdict_wait_s",
 })
 
 
@@ -176,6 +183,12 @@ class Controller:
         self._tries = 0
         self._iteration = 0
         self._go_sent = False
+        #: seconds the ranks of this validation session stay held for its verdict (0: none)
+        self._wait_s = 0.0
+        #: the validation session whose ranks are held for its verdict now (None: none)
+        self._awaiting: int | None = None
+        #: the MITIGATING action travelled with a validation's verdict (not its own suspension)
+        self._via_resume = False
         self._action: MitigationAction | None = None  # the action of the MITIGATING session
         self._last_pause_s = 0.0
         self.localizations: list[Localized] = []
@@ -499,6 +512,9 @@ class Controller:
             # each rank's work in shares of a bounded size, before the suspend that needs them
             # (one stream: every rank reads them first); the suspend carries what all need alike
             validation, shares = split_plan(self._plan or {}, self._plan_ranks)
+            self._wait_s = self._verdict_wait(validation)
+            if self._wait_s > 0:
+                validation = dataclasses.replace(validation, verdict_wait_s=self._wait_s)
             posts = [Output("command", Command("share", 0.0, args={"session": self.session}, share=sh))
                      for sh in shares]
             cmd = Command("suspend", self.cfg.suspend_deadline_s, iteration=self._iteration,
@@ -508,6 +524,32 @@ class Controller:
                           args={"session": self.session}, action=self._action)
         change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
         return change + posts + [Output("command", cmd)]
+
+    def _verdict_wait(self, validation: Any) -> float:
+        """How long the ranks stay held for the verdict after validating: only where the
+        verdict may start a mitigation at once (a fail-slow's episode, mitigation on, not
+        muted) and the ranks have something to validate (they report, then wait)."""
+        ep = self.episode
+        if (ep is None or ep.trigger != "fail_slow" or not self.cfg.mitigation or self.muted
+                or not (validation.gemm_rounds or validation.p2p_rounds)):
+            return 0.0
+        return self.cfg.suspend_verdict_wait_s
+
+    def _release_hold(self) -> list[Output]:
+        """The verdict's "resume" without an action, for ranks still held for it."""
+        session, self._awaiting = self._awaiting, None
+        if session is None or set(self._acks.get("resumed", {})) >= self.ranks():
+            return []
+        return [Output("command", Command("resume", self.cfg.suspend_deadline_s, args={"session": session}))]
+
+    def _decide_while_held(self, now: float) -> list[Output]:
+        """The ranks are still held for the verdict: let the planner that just started (or
+        went on) see the latest iteration now, so an action it decides travels with the
+        verdict's "resume" (:meth:`_start_action`) instead of waiting for a heartbeat and
+        a suspension of its own."""
+        if self._awaiting is None or self._acks.get("resumed") or not self.beats:
+            return []
+        return self._observe(self.beats[min(self.beats)], now)
 
     def _margin(self, iter_s: float) -> int:
         """Iterations between the controller's estimate of where the ranks are and the one
@@ -538,6 +580,8 @@ class Controller:
         out: list[Output] = []
         if ack.status == "held" and not self._go_sent and self._covers(acks) and suspended:
             self._go_sent = True
+            if self.state is State.VALIDATING and self._wait_s > 0:
+                self._awaiting = self.session  # they validate, report, and wait for the verdict
             out.append(Output("command", Command("go", self.cfg.suspend_deadline_s, args={"session": self.session})))
             out.append(_event("suspended", session=self.session, iteration=self._iteration, ranks=len(acks)))
         if ack.status == "resumed" and self._covers(acks):
@@ -598,12 +642,13 @@ class Controller:
         ]
         self._deadline = math.inf
         if ep is not None and ep.relocalizing is not None:
-            return out + self._relocalized(ep, loc, now) + self._maybe_close()
-        if ep is not None and ep.trigger == "fail_slow" and (gpus or links) and self.cfg.mitigation:
+            out += self._relocalized(ep, loc, now)
+        elif ep is not None and ep.trigger == "fail_slow" and (gpus or links) and self.cfg.mitigation:
             if self.muted:
                 out.append(_event("mitigation_skipped", session=self.session, reason="muted by the operator"))
             else:
                 out += self._plan_mitigation(ep, loc, now)
+        out += self._decide_while_held(now) + self._release_hold()
         return out + self._maybe_close()
 
     def _compute_rise(self, ep: _Episode | None) -> dict[int, float]:
@@ -612,7 +657,7 @@ class Controller:
         if ep is None or not ep.onsets:
             return {}
         onset = min(ep.onsets) if ep.relocalizing is None else int(ep.relocalizing["reference_iteration"])
-        before = healthy_mb_s(self.history, onset)
+        before = healthy_mb_s(self.history, onset, self.cfg.min_duration)
         return {r: self.beats[r].mb_s / t for r, t in before.items()
                 if r in self.beats and t > 0 and self.beats[r].mb_s > 0}
 
@@ -635,9 +680,12 @@ class Controller:
         )
         ep.mitigation = Mitigation(planner, root, list(loc.gpus), [list(x) for x in loc.links],
                                    slow_replicas=replicas_of(loc.gpus, self.beats))
-        ep.mitigation.healthy_mb_s = healthy_mb_s(self.history, min(ep.onsets) if clean_before is None else clean_before)
+        ep.mitigation.healthy_mb_s = healthy_mb_s(self.history, min(ep.onsets) if clean_before is None else clean_before,
+                                                  self.cfg.min_duration)
         ep.mitigation.link_excess = self._link_excess(loc)
         ep.mitigation.gpu_factors = _gpu_factors(loc)
+        ep.mitigation.recovery_refs = recovery_references(self.beats, loc.gpus, ep.mitigation.healthy_mb_s,
+                                                          self.cfg.min_slowdown)
         return [_event("planner_started", session=self.session, **planner.status())]
 
     def _link_excess(self, loc: Localized) -> dict[tuple[int, int], float]:
@@ -685,6 +733,10 @@ class Controller:
             mit.root_cause = mit.planner.status()["root_cause"]
             mit.slow_replicas |= replicas_of(gpus, self.beats)
             mit.gpu_factors.update(_gpu_factors(loc, gpus))
+            # the reference before the episode's onset is before the joined fault too; a GPU
+            # that changed role since (S3) has none, and the replicas are judged instead
+            before = healthy_mb_s(self.history, min(ep.onsets), self.cfg.min_duration) if ep.onsets else {}
+            mit.recovery_refs.update(recovery_references(self.beats, gpus, before, self.cfg.min_slowdown))
         mit.link_excess.update(self._link_excess(part))
         mit.planner.relocalized(True)
         ep.slow_levels.append(float(info["level_s"]))
@@ -744,16 +796,38 @@ class Controller:
         return out
 
     def _check_recovery(self, mit: Mitigation, it: int, now: float) -> list[Output]:
+        """Whether the fail-slow under S2 is over (then revert). Read first on the slow GPUs'
+        own compute per micro-batch against theirs before the onset: every one back within
+        the jitter line (min_slowdown) in ``mitigation_recovered_beats`` fresh readings in a
+        row, and one reading over it starts the count again. Without such references (see
+        :func:`recovery_references`): the slow replicas within ``mitigation_enough_margin``
+        of the others for ``mitigation_judge_iterations`` iterations."""
+        # every slow GPU needs its reference: one read against nothing could still be slow
+        own = back_to_own_level(self.beats, mit.recovery_refs, self.cfg.min_slowdown) \
+            if set(mit.recovery_refs) == set(mit.gpus) else None
         view = replica_view(self.beats.values())
-        if view is None or not straggler_recovered(view.times, mit.slow_replicas, self.cfg.mitigation_enough_margin):
-            mit.recovered_since = None
-            return []
-        if mit.recovered_since is None:
-            mit.recovered_since = it
-        if it - mit.recovered_since < self.cfg.mitigation_judge_iterations:
-            return []
+        if own is not None:
+            seen = min(self.beats[g].iteration for g in mit.recovery_refs)
+            if seen > mit.own_seen:  # a fresh reading (several heartbeats may carry one)
+                mit.own_seen = seen
+                mit.own_streak = mit.own_streak + 1 if own else 0
+            if mit.own_streak < self.cfg.mitigation_recovered_beats:
+                return []
+            rule = {"rule": "own compute", "gpu_mb_s": {str(g): round(self.beats[g].mb_s, 6) for g in mit.recovery_refs},
+                    "before_mb_s": {str(g): round(ref, 6) for g, (_, ref) in mit.recovery_refs.items()},
+                    "readings": mit.own_streak}
+        else:
+            if view is None or not straggler_recovered(view.times, mit.slow_replicas, self.cfg.mitigation_enough_margin):
+                mit.recovered_since = None
+                return []
+            if mit.recovered_since is None:
+                mit.recovered_since = it
+            if it - mit.recovered_since < self.cfg.mitigation_judge_iterations:
+                return []
+            rule = {"rule": "replicas"}
         decision = mit.planner.recovered(it)
-        out = [_event("fail_slow_recovered", session=self.session, iteration=it, replica_mb_s=view.times)]
+        out = [_event("fail_slow_recovered", session=self.session, iteration=it,
+                      replica_mb_s=None if view is None else view.times, **rule)]
         if decision is not None:
             out += self._decide(mit, decision, now)
         return out
@@ -785,6 +859,19 @@ class Controller:
         return [_event("mitigation_failed", session=self.session, strategy=d.strategy, action=d.action, reason=reason)]
 
     def _start_action(self, action: MitigationAction, now: float) -> list[Output]:
+        """Apply ``action`` on every rank from one iteration: with the verdict's "resume"
+        while the ranks are still held for it (they vote and commit it from the iteration
+        after their hold), else in a suspension of its own one margin ahead."""
+        held = self._awaiting
+        if held is not None and held == self.session and self.state is State.TRACKING and not self._acks.get("resumed"):
+            self._awaiting = None
+            self._via_resume = True
+            self._action = dataclasses.replace(action, session=held)
+            self._deadline = now + self.cfg.suspend_deadline_s + self.cfg.control_slack_s
+            cmd = Command("resume", self.cfg.suspend_deadline_s, args={"session": held}, action=self._action)
+            return [self._set(State.MITIGATING, now, iteration=self._iteration, with_verdict=True),
+                    Output("command", cmd)]
+        self._via_resume = False
         self.session += 1
         self._acks.clear()
         self._tries = 0
@@ -793,8 +880,12 @@ class Controller:
         return self._suspend(now, State.MITIGATING)
 
     def _mitigated(self, now: float, timed_out: bool = False) -> list[Output]:
-        """The action's suspension is over: applied on every rank, or on none."""
+        """The action's suspension is over: applied on every rank, or on none. One that
+        travelled with a verdict and was not applied (a rank's wait for the verdict ran
+        out first) is agreed on again in a suspension of its own: the strategy did not
+        fail, the hold was over."""
         action, self._action = self._action, None
+        via_resume, self._via_resume = self._via_resume, False
         acks = self._acks.get("resumed", {})
         # A rank commits only past a barrier that every rank must enter (Suspension._agree),
         # so one rank's "committed" means all committed: a lost ack must not turn an action
@@ -812,6 +903,11 @@ class Controller:
         strategy = action.strategy if action is not None else "?"
         if not committed:
             reason = "timed out" if timed_out else "not every rank committed the action"
+            if via_resume and mit is not None and d is not None and action is not None:
+                mit.in_flight = d
+                out.append(_event("mitigation_retry", session=self.session, strategy=action.strategy,
+                                  reason=f"{reason} with the verdict; in a suspension of its own"))
+                return out + self._start_action(dataclasses.replace(action, session=0), now)
             if mit is not None and d is not None:
                 return out + self._action_failed(mit, d, reason) + self._maybe_close()
             return out + [_event("mitigation_failed", session=self.session, strategy=strategy, reason=reason)]
@@ -1041,7 +1137,8 @@ class Controller:
             ep.relocalizing = None
             if ep.mitigation is not None and not ep.mitigation.planner.finished:
                 ep.mitigation.planner.relocalized(False)
-        out = [_event("localization_failed", session=self.session, reason=reason), self._set(State.TRACKING, now)]
+        out = self._release_hold() + [_event("localization_failed", session=self.session, reason=reason),
+                                      self._set(State.TRACKING, now)]
         return out + self._maybe_close()
 
     def _maybe_close(self) -> list[Output]:

@@ -426,9 +426,16 @@ class ValidationPlan:
     nbytes: int
     repeats: int
     p2p_rounds: int
+    #: after reporting, the ranks stay held up to this long for the controller's verdict,
+    #: a "resume" that may carry the mitigation to apply from the next iteration (0: they
+    #: resume as soon as they have reported)
+    verdict_wait_s: float = 0.0
 
     def check(self) -> None:
-        """Round counts >= 0, at least one sweep, sizes >= 1 where there is work."""
+        """Round counts >= 0, at least one sweep, sizes >= 1 where there is work, a wait
+        for the verdict of 0 to 300 s."""
+        if not 0.0 <= self.verdict_wait_s <= 300.0:
+            raise MessageError(f"ValidationPlan: verdict_wait_s must be in [0, 300], got {self.verdict_wait_s}")
         if self.gemm_rounds < 0 or self.p2p_rounds < 0 or self.validation_sweeps < 1:
             raise MessageError(f"ValidationPlan: rounds must be >= 0 and sweeps >= 1, got gemm_rounds "
                                f"{self.gemm_rounds}, p2p_rounds {self.p2p_rounds}, sweeps {self.validation_sweeps}")
@@ -472,7 +479,8 @@ class Command:
     suspend), ``suspend`` (trap at loop iteration ``iteration``, at most ``deadline_s``;
     args: session; ``validation``: what to validate, or ``action``: the mitigation to
     apply from the next iteration once every rank agrees), ``go`` and ``release``
-    (args: session), and from an operator
+    (args: session), ``resume`` (args: session; ends a validation's wait for its verdict,
+    with the ``action`` to apply from the next iteration, or none), and from an operator
     (``falconext ctl``): ``validate``, ``mitigate`` (args: strategy S2|S3|S4|revert,
     optional plan, roles or exclude_nodes), ``mute``, ``unmute`` and ``set`` (args: name,
     value). An operator's command may carry ``args["id"]``: the controller then answers

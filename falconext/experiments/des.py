@@ -365,12 +365,16 @@ class _Sim:
                 self.post([SessionAck(r, int(session), "missed", self.it, at) for r in range(self.job.world)], at)
                 return
             plan = join_shares(cmd.validation, shares) if cmd.validation is not None else {}
+            wait = cmd.validation.verdict_wait_s if cmd.validation is not None else 0.0
             self.suspension = {"session": session, "iteration": int(cmd.iteration), "plan": plan,
-                               "action": cmd.action, "go": None, "release": None, "deadline_s": cmd.deadline_s}
-        elif cmd.kind in ("go", "release"):
+                               "action": cmd.action, "go": None, "release": None, "deadline_s": cmd.deadline_s,
+                               "verdict_wait_s": wait, "resume": None, "resume_action": None}
+        elif cmd.kind in ("go", "release", "resume"):
             sus = self.suspension
             if sus is not None and sus["session"] == session and sus[cmd.kind] is None:
                 sus[cmd.kind] = at
+                if cmd.kind == "resume":
+                    sus["resume_action"] = cmd.action
                 if cmd.kind == "release" and "held_at" not in sus:
                     self.suspension = None  # dropped before it trapped
 
@@ -466,7 +470,9 @@ class _Sim:
 
     def suspend_here(self, faults: tuple[Fault, ...]) -> None:
         """Every rank is trapped at this iteration: held, wait for go (or release, or the
-        deadline), validate, agree on the action, resume. The clock moves by the pause."""
+        deadline), validate, wait for the verdict (a validation whose plan says so: until
+        "resume", "release" or ``verdict_wait_s``), agree on the action (the suspension's,
+        or the one the resume brought), resume. The clock moves by the pause."""
         sus = self.suspension
         assert sus is not None
         world, session, t0 = self.job.world, sus["session"], self.t
@@ -486,13 +492,27 @@ class _Sim:
                 results, took = self.validation(session, plan, faults)
                 end = sus["go"] + took
                 self.post(results, end)
-            if sus["action"] is not None:
+                if sus["verdict_wait_s"] > 0 and sus["action"] is None:
+                    until = end + sus["verdict_wait_s"]
+                    now = end
+                    while sus["resume"] is None and sus["release"] is None and now < until:
+                        now = min(until, now + TICK_S, self.inbox[0][0] if self.inbox else math.inf)
+                        self.deliver(now)
+                    got = sus["resume"] if sus["release"] is None else None
+                    end = (got or sus["release"] or until) + BARRIER_S  # the ranks' vote on the action
+                    if got is not None and sus["resume_action"] is not None:
+                        sus["action"] = sus["resume_action"]
+                        committed = True
+                        self.committed = (self.it + 1, sus["action"])
+                    sus["voted"] = True
+            if sus["action"] is not None and not sus.get("voted"):
                 end += BARRIER_S
                 committed = True
                 self.committed = (self.it + 1, sus["action"])
         pause = end - t0
         self.post([SessionAck(r, session, "resumed", self.it, end, pause, expired, committed) for r in range(world)], end)
-        self.pauses.append((t0, "suspension" if sus["action"] is None else "agreement", pause))
+        validated = bool(sus["plan"].get("gemm") or sus["plan"].get("passes"))
+        self.pauses.append((t0, "suspension" if validated or sus["action"] is None else "agreement", pause))
         self.suspension = None
         self.t = end
         self.deliver(self.t)

@@ -35,6 +35,13 @@ class Mitigation:
     in_flight: Any = None  # the Decision whose action is being applied
     solve_s: float = 0.0
     recovered_since: int | None = None  # first iteration of the current healthy streak
+    #: the localized GPUs whose recovery is read against their own compute before the onset
+    #: (see :func:`recovery_references`): {process: (role, seconds per micro-batch before)}
+    recovery_refs: dict[int, tuple[int, float]] = field(default_factory=dict)
+    #: the latest of their heartbeats' iterations counted, and how many fresh readings in a
+    #: row had every one back within the jitter line
+    own_seen: int = -1
+    own_streak: int = 0
     applied: list[dict[str, Any]] = field(default_factory=list)
     #: what validation measured, for S2's times and S3's model: {process: GEMM slowdown} and
     #: {(node_a, node_b): excess seconds per byte}
@@ -91,13 +98,26 @@ def cap_by_gemm(times: list[float], factors: Mapping[int, float]) -> list[float]
     return [min(t, ref * factors[r]) if r in factors and factors[r] >= 1.0 else t for r, t in enumerate(times)]
 
 
-def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int) -> dict[int, float]:
-    """Each process's compute seconds per micro-batch from its last heartbeat sent
-    before the fail-slow's onset iteration, in the role its latest heartbeat names.
+def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int, lookback: int = 0) -> dict[int, float]:
+    """Each process's compute seconds per micro-batch before the fail-slow's onset
+    iteration, in the role its latest heartbeat names: the lowest reading among its
+    heartbeats of iterations ``onset - lookback`` .. ``onset``, or, with none there, its
+    last heartbeat before that window.
 
-    A heartbeat's figure is a median over the iterations just before it, so one sent
-    before the onset saw none of the fault. Processes without such a heartbeat (the job
-    had just started, or switched roles since) are left out.
+    The onset is the detectors' estimate, and it can come late: for a mild (1.3x) GPU
+    table7's detectors placed it 7 iterations after the fault began, so the last
+    heartbeat before it already carried the fault (a compute rise of 1.01 instead of
+    1.3). ``lookback`` (the controller passes the detectors' confirmation window,
+    ``min_duration``: they confirm a fail-slow on that many slow iterations, and the
+    onset they estimate lies before the confirmation) reaches back past such a late
+    estimate; a heartbeat's median of 8 iterations is still clean up to 3 iterations into
+    the fault, so the window holds a clean reading for an onset up to about
+    ``lookback + 3`` iterations late. The lowest reading in it
+    is the clean one: a fail-slow only ever adds time to a micro-batch, and a heartbeat's
+    figure is already a median over recent iterations, so the lowest of a few carries
+    no single fast outlier (at most its own jitter, about 1% low). Processes without a
+    heartbeat from before the onset (the job had just started, or switched roles since)
+    are left out.
     """
     out: dict[int, float] = {}
     for p, beats in history.items():
@@ -106,8 +126,10 @@ def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int) -> dict[int, 
             continue
         role = beats[-1].role
         clean = [b for b in beats if b.iteration <= onset and b.role == role and b.mb_s > 0]
-        if clean:
-            out[p] = float(clean[-1].mb_s)
+        if not clean:
+            continue
+        window = [b.mb_s for b in clean if b.iteration >= onset - max(0, lookback)]
+        out[p] = float(min(window) if window else clean[-1].mb_s)
     return out
 
 
@@ -249,6 +271,42 @@ def straggler_recovered(times: list[float], slow: set[int], margin: float) -> bo
     if not others or not mine:
         return False
     return max(mine) <= (1.0 + margin) * statistics.median(others)
+
+
+def recovery_references(beats: Mapping[int, Any], gpus: Iterable[int], before: Mapping[int, float],
+                        line: float) -> dict[int, tuple[int, float]]:
+    """The slow GPUs whose recovery can be read against their own compute per micro-batch
+    before the onset: {process: (its role now, that reading)}, for each GPU of ``gpus``
+    with a reading before (``before``, :func:`healthy_mb_s`) and one now at least
+    ``1 + line`` times it. A GPU whose reading now does not show the fault against that
+    reference is left out: the reference may itself carry the fault (an onset placed too
+    late), and "back within the line" of it would mean nothing."""
+    out: dict[int, tuple[int, float]] = {}
+    for g in gpus:
+        b = beats.get(g)
+        ref = before.get(g, 0.0)
+        if b is not None and ref > 0 and b.mb_s >= (1.0 + line) * ref:
+            out[g] = (b.role, float(ref))
+    return out
+
+
+def back_to_own_level(beats: Mapping[int, Any], refs: Mapping[int, tuple[int, float]], line: float) -> bool | None:
+    """Whether every GPU of ``refs`` (:func:`recovery_references`) computes a micro-batch
+    within ``line`` of its own time before the onset again; None when that cannot be read
+    (no references, or a GPU without a reading now or in another role than its reference's).
+
+    Its compute per micro-batch is the GPU's own health whatever S2 gives its replica to
+    do: the iteration time cannot show a recovery under S2 (the plan hides the straggler),
+    the replica's time against the others' needs them unchanged, this needs nothing else."""
+    if not refs:
+        return None
+    back = True
+    for g, (role, ref) in refs.items():
+        b = beats.get(g)
+        if b is None or b.role != role or b.mb_s <= 0:
+            return None
+        back = back and b.mb_s <= (1.0 + line) * ref
+    return back
 
 
 def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None) -> MitigationAction | str:

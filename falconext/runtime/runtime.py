@@ -408,14 +408,14 @@ class FalconRuntime:
         trap.arm(self.cfg.suspend_deadline_s, on_hold=sus.run, at_seq=target)
         return None
 
-    def signal(self, kind: str, session: int) -> None:
+    def signal(self, kind: str, session: int, action: MitigationAction | None = None) -> None:
         """A suspension signal from the controller (control client's thread): passed to the
-        suspension of ``session`` (active or pending); ``release`` also drops a pending one
-        and, without loop hooks, disarms a trap that has not caught its call yet. Signals of
-        other sessions are ignored."""
+        suspension of ``session`` (active or pending), a ``resume`` with the ``action`` it
+        carries; ``release`` also drops a pending one and, without loop hooks, disarms a
+        trap that has not caught its call yet. Signals of other sessions are ignored."""
         for sus in (self._active, self._pending):
             if sus is not None and sus.session == session:
-                sus.signal(kind)
+                sus.signal(kind, action)
         if kind == "release":
             with self._lock:
                 if self._pending is not None and self._pending.session == session:

@@ -16,6 +16,17 @@ long as the last of its kind (:attr:`Bench.agree_stop`), and if one has, every r
 there and reports what it measured, marked partial.
 The validation traffic runs on a dedicated process group whose timeout bounds a step
 that loses its peer.
+
+The verdict in the same hold: a plan with ``verdict_wait_s`` keeps the ranks held after
+they reported, until the controller's "resume" (or a "release", or that many seconds).
+The controller sends "resume" once it has the verdict; when it has also decided a
+mitigation by then (an S2 plan for the GPU it just named), the action travels with it,
+and every rank applies it from the next iteration: the action costs no second
+suspension, and the slow iterations until one could be agreed on. All or nothing: every
+rank that validated then votes, over the validation group, whether it holds the action
+(:attr:`Bench.agree_stop`), and it is committed only if every rank does; one whose wait
+ran out first votes no, and none applies it (the controller then agrees on it the usual
+way).
 """
 
 from __future__ import annotations
@@ -87,13 +98,23 @@ class Suspension:
         self.committed = False
         self._go = threading.Event()
         self._release = threading.Event()
+        self._resume = threading.Event()
+        #: the action a "resume" brought (None: the verdict came without one)
+        self._resume_action: MitigationAction | None = None
+        #: the ranks voted on the verdict's action (see :meth:`_await_verdict`): no barrier after
+        self._voted = False
         self._wake = threading.Event()
         self.pause_s: float | None = None
         self.expired = False
 
-    def signal(self, kind: str) -> None:
-        """``go`` or ``release`` from the controller (any thread)."""
-        (self._go if kind == "go" else self._release).set()
+    def signal(self, kind: str, action: MitigationAction | None = None) -> None:
+        """``go``, ``release`` or ``resume`` (the verdict, with the ``action`` to apply from
+        the next iteration or none) from the controller (any thread)."""
+        if kind == "resume":
+            self._resume_action = action
+            self._resume.set()
+        else:
+            (self._go if kind == "go" else self._release).set()
         self._wake.set()
 
     def run(self, end: float) -> None:
@@ -115,7 +136,9 @@ class Suspension:
         if self._go.is_set() and not self._release.is_set():
             if self.plan is not None and (self.plan.gemm_rounds or self.plan.p2p_rounds):
                 self.post(self._validate())
-            if self.action is not None:
+                if self.plan.verdict_wait_s > 0 and self.action is None:
+                    self._await_verdict(self.plan.verdict_wait_s)
+            if self.action is not None and not self._voted:
                 self._agree()
         self.pause_s = time.monotonic() - t0
         self.post(
@@ -130,6 +153,40 @@ class Suspension:
             **({"committed": self.committed} if self.action is not None else {}),
             **({"budget_spent": True} if self.budget_spent else {}),
         )
+
+    def _await_verdict(self, wait_s: float) -> None:
+        """Held after reporting until "resume" (or "release", or ``wait_s``); an action the
+        resume brought becomes this suspension's, committed only if every rank that
+        validated holds it (a vote over the validation group, which each of them joins
+        however its wait ended, so none waits on a peer that resumed)."""
+        deadline = time.monotonic() + wait_s
+        while not (self._resume.is_set() or self._release.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.wait(min(left, 0.05))
+            self._wake.clear()
+        action = self._resume_action if self._resume.is_set() and not self._release.is_set() else None
+        vote = self.bench.agree_stop
+        if vote is None:  # no vote over the group: the barrier that only holders enter
+            self.action = action
+            return
+        self._voted = True
+        try:
+            lacking = bool(vote(action is None))
+        except Exception as exc:
+            self.action = action
+            self.emit("control_error", rank=self.rank, error=f"verdict not agreed: {type(exc).__name__}: {exc}"[:300])
+            return
+        if action is None:
+            return
+        self.action = action  # the event and the resumed ack say whether it was committed
+        if lacking:
+            self.emit("control_error", rank=self.rank, error="action with the verdict not applied: a rank lacked it")
+            return
+        if self.commit is not None:
+            self.commit(action)
+        self.committed = True
 
     def _agree(self) -> None:
         """Commit the plan's action only once every rank is known to hold "go".
