@@ -163,8 +163,11 @@ class FalconConfig:
     suspend_tries: int = 3
     #: seconds the controller waits for ranks beyond their own deadlines
     control_slack_s: float = 2.0
-    #: heartbeats kept per rank (at one per heartbeat_s, longer than detection takes from
-    #: a fail-slow's onset to planning): S3 reads each process's compute before the onset
+    #: heartbeats kept per rank, one per loop iteration (a later heartbeat of the same
+    #: iteration replaces it, so a job of 3.5 s iterations and 0.5 s heartbeats keeps 64
+    #: iterations, not 32 s): longer than detection takes from a fail-slow's onset to
+    #: planning, since the compute-rise check, S2's revert and S3 read each process's
+    #: compute before the onset
     heartbeat_history: int = 64
     #: the controller serves Prometheus metrics on this TCP port (0: off) ...
     metrics_port: int = 0

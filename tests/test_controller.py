@@ -382,6 +382,27 @@ def test_a_mild_gpu_is_named_although_the_detectors_placed_its_onset_late():
     assert loc["gpus"] == [1], loc["evidence"]
 
 
+def test_heartbeats_of_a_slow_loop_keep_one_reading_per_iteration():
+    """A job of long iterations sends several heartbeats per iteration (every heartbeat_s):
+    the history keeps the latest of each iteration, so it reaches as many iterations back
+    as it holds, and a pre-fault reading is still there when the fault is localized."""
+    ctl = Controller(CFG, world=4)
+    t = 60.0
+    for it in range(20, 54):
+        for k in range(7):  # 3.5 s iterations, a heartbeat every 0.5 s
+            t += 0.5
+            for r, n in NODES.items():
+                mb = 0.05 * (1.3 if r == 1 and it >= 37 else 1.0) * (1.0 + 0.001 * k)
+                ctl.handle(Heartbeat(r, n, it, 3.5, t, replica=r, mb_s=mb, micro=8, role=r), t)
+    kept = ctl.history[1]
+    assert [b.iteration for b in kept] == list(range(20, 54))
+    assert all(b.mb_s == 0.05 * (1.3 if b.iteration >= 37 else 1.0) * 1.006 for b in kept)  # the latest of each
+    from falconext.mitigate.mitigation import healthy_mb_s
+
+    before = healthy_mb_s(ctl.history, 40, CFG.min_duration)  # onset 40, 3 iterations late
+    assert before[1] == 0.05 * 1.006 and before[0] == 0.05 * 1.006
+
+
 def test_long_iterations_suspend_one_iteration_ahead():
     """The margin is time for the command to reach every rank: with 3.5 s iterations one
     iteration gives it (three kept table7's fail-slows unvalidated 7 s longer, twice per

@@ -240,7 +240,11 @@ class Controller:
                 self._first_rank = min(self._first_rank, msg.rank)
             self.beats[msg.rank] = msg
             self._first_beat.setdefault(msg.rank, msg.iteration)
-            self.history.setdefault(msg.rank, collections.deque(maxlen=self.cfg.heartbeat_history)).append(msg)
+            kept = self.history.setdefault(msg.rank, collections.deque(maxlen=self.cfg.heartbeat_history))
+            if kept and kept[-1].iteration == msg.iteration and kept[-1].role == msg.role:
+                kept[-1] = msg  # the loop has not moved: one reading per iteration, the latest
+            else:
+                kept.append(msg)
             return self._observe(msg, now) + self._maybe_baseline(msg, now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
