@@ -148,6 +148,15 @@ class FalconConfig:
     score_window: int = 10
     #: the controller publishes every rank's score this often (a ``rank_scores`` event)
     score_interval_s: float = 5.0
+    #: a rank whose compute per micro-batch is this many times its role peers' median, and
+    #: whose lateness costs the job min_slowdown of every iteration, in
+    #: score_trigger_readings scores in a row (each of a later iteration), is suspected a
+    #: straggler by the controller itself: localized at once, without waiting for the
+    #: detectors (which confirm over min_duration iterations, and are blind while they warm
+    #: up after a restart or an S3 move, where such a fault started). 1.25: the
+    #: validation's confirm line for a GPU's own compute rise; 0: off
+    score_trigger_ratio: float = 1.25
+    score_trigger_readings: int = 2
 
     # --- control plane (control/) ----------------------------------------------------------
     #: run the control plane (Redis bus, agents, controller) when tracking is on
@@ -312,6 +321,9 @@ class FalconConfig:
             object.__setattr__(self, "mitigation", False)  # nothing could apply a plan
         _check(self.score_window >= 1, "score_window must be >= 1")
         _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
+        _check(self.score_trigger_ratio == 0.0 or self.score_trigger_ratio > 1.0,
+               "score_trigger_ratio must be 0 (off) or > 1")
+        _check(self.score_trigger_readings >= 1, "score_trigger_readings must be >= 1")
         _check(self.episode_timeout_s > 0.0, "episode_timeout_s must be > 0")
         _check(self.suspend_tries >= 1, "suspend_tries must be >= 1")
         _check(0.0 < self.wait_causer_share <= 1.0, "wait_causer_share must be in (0, 1]")

@@ -403,6 +403,71 @@ def test_heartbeats_of_a_slow_loop_keep_one_reading_per_iteration():
     assert before[1] == 0.05 * 1.006 and before[0] == 0.05 * 1.006
 
 
+def _scored_beats(ctl, it, t, slow=None, factor=1.0):
+    """Every rank's heartbeat with its scores: ``slow`` computes ``factor`` x per micro-batch."""
+    out = []
+    for r, n in NODES.items():
+        f = factor if r == slow else 1.0
+        compute, it_s = 0.2 * f, 0.2 * (factor if slow is not None else 1.0) + 0.05
+        out += ctl.handle(Heartbeat(r, n, it, it_s, t, replica=r, mb_s=0.025 * f, micro=8, role=r, stage=0, tp=1,
+                                    pp=1, score_iteration=it - 1, est_iter_s=it_s, compute_s=compute,
+                                    wait_s=it_s - compute), t)
+    return out + ctl.tick(t)
+
+
+def test_a_straggler_the_scores_show_is_localized_before_any_report():
+    """Rank 1 computes 2x per micro-batch from iteration 30 and its peers wait for it: after
+    score_trigger_readings fresh scores the controller opens the episode itself (profile
+    command, onset where rank 1's readings rose, baseline before it); one episode per
+    outlier, and none while it stays slow."""
+    ctl = Controller(CFG, world=4)
+    outs, t = [], 100.0
+    for it in range(20, 40):
+        t += CFG.score_interval_s
+        outs += _scored_beats(ctl, it, t, slow=1 if it >= 30 else None, factor=2.0)
+        if ctl.state is not State.TRACKING:
+            break
+    (sus,) = events(outs, "straggler_suspected")
+    assert sus["rank"] == 1 and sus["onset"] == 30 and sus["action"] == "localize"
+    assert sus["iteration"] == 30 + CFG.score_trigger_readings - 1
+    assert ctl.state is State.PROFILING and commands(outs, "profile")
+    assert ctl.episode.onsets == [30] and ctl.episode.baselines == [0.25]
+    # a healthy job, or the trigger off, opens nothing
+    for cfg, slow in ((CFG, None), (FalconConfig(link_baseline_iteration=0, score_trigger_ratio=0.0), 1)):
+        quiet, t = Controller(cfg, world=4), 100.0
+        got = []
+        for it in range(20, 40):
+            t += CFG.score_interval_s
+            got += _scored_beats(quiet, it, t, slow=slow if it >= 30 else None, factor=2.0)
+        assert not events(got, "straggler_suspected") and quiet.state is State.TRACKING
+
+
+def test_a_suspected_straggler_that_validation_clears_ends_its_episode():
+    ctl = Controller(CFG, world=4)
+    t = 100.0
+    for it in range(20, 40):
+        t += CFG.score_interval_s
+        _scored_beats(ctl, it, t, slow=1 if it >= 30 else None, factor=2.0)
+        if ctl.state is not State.TRACKING:
+            break
+    for r in NODES:
+        ctl.handle(profile(r, ctl.session), t)
+    session, it = ctl.session, max(b.iteration for b in ctl.beats.values()) + 1
+    for r in NODES:
+        ctl.handle(SessionAck(r, session, "held", it, t), t)
+    outs = []
+    for r in NODES:  # every GEMM alike: a slow host, not a slow GPU
+        outs += ctl.handle(ValidationResult(r, session, 1e10, []), t + 0.5)
+    (loc,) = events(outs, "localized")
+    assert loc["gpus"] == [] and events(outs, "episode_end") and ctl.episode is None
+    # it is not suspected again while it stays slow
+    more = []
+    for k in range(5):
+        t += CFG.score_interval_s
+        more += _scored_beats(ctl, it + 1 + k, t, slow=1, factor=2.0)
+    assert not events(more, "straggler_suspected")
+
+
 def test_long_iterations_suspend_one_iteration_ahead():
     """The margin is time for the command to reach every rank: with 3.5 s iterations one
     iteration gives it (three kept table7's fail-slows unvalidated 7 s longer, twice per

@@ -399,3 +399,21 @@ def test_without_a_rise_margin_the_planner_escalates_on_a_rise():
     assert (d.action, d.strategy) == ("apply", "S4")
     with pytest.raises(ValueError):
         p.relocalized(False)
+
+
+def test_the_caller_may_ask_to_relocalize_a_fault_the_level_does_not_show_yet():
+    """A rank computing far slower than its peers under a strategy that was enough: the
+    caller asks (Planner.relocalize) before the level has risen; the re-localization
+    carries the fault's onset and holds decisions as a rise's would, once at a time."""
+    p = Planner("computation", HEALTHY, {"S2": 2.0, "S3": None, "S4": 10.0}, onset=100, rise_margin=0.1)
+    assert first_decision(p, 100, 200, SLOW).strategy == "S2"
+    assert p.relocalize(101, 99, "rank 5 computes 2x its peers") is None  # S2 pending
+    p.applied("S2", 103, 2.0)
+    assert feed(p, 104, 130, OK) == []  # settled, judged enough
+    d = p.relocalize(130, 128, "rank 5 computes 2x its peers")
+    assert (d.action, d.strategy, d.iteration) == ("relocalize", "S2", 130) and "rank 5" in d.reason
+    info = p.status()["relocalizing"]
+    assert info["was_enough"] is True and info["rise_iteration"] == 128 and info["reference_iteration"] <= 128
+    assert p.relocalize(131, 128, "again") is None  # one at a time
+    assert feed(p, 131, 160, OK) == []  # held until told what was found
+    p.relocalized(True)

@@ -15,6 +15,7 @@ from falconext.control.messages import Heartbeat, decode, encode
 from falconext.detect.scores import (
     BusyClock,
     RankSample,
+    compute_outliers,
     rank_scores,
     recent_sample,
     role_key,
@@ -105,6 +106,24 @@ def test_a_rank_alone_in_its_role_and_bad_samples_get_no_blame():
     assert set(scores) == {0}
     assert scores[0].peers == 0 and scores[0].score == 0.0
     assert slowest({}) is None
+
+
+def test_compute_outliers_are_slow_per_micro_batch_and_cost_the_job():
+    # rank 2 computes each micro-batch 1.5x slower and keeps the others waiting
+    scores = rank_scores(_dp([0.2, 0.2, 0.3, 0.2]))
+    mb = {0: 0.025, 1: 0.025, 2: 0.0375, 3: 0.025}
+    assert compute_outliers(scores, mb, {}, 1.25, 0.1) == {2: pytest.approx(1.5)}
+    assert compute_outliers(scores, mb, {}, 1.6, 0.1) == {}  # under the ratio
+    # S2 lightened rank 2's replica: still slow per micro-batch, but no one waits for it
+    balanced = rank_scores(_dp([0.2, 0.2, 0.2, 0.2]))
+    assert compute_outliers(balanced, mb, {}, 1.25, 0.1) == {}
+    # a replica with more micro-batches computes longer per iteration, not per micro-batch
+    heavy = rank_scores(_dp([0.2, 0.2, 0.3, 0.2]))
+    assert compute_outliers(heavy, {r: 0.025 for r in range(4)}, {}, 1.25, 0.1) == {}
+    # peers are the ranks of the same role; alone in a role, or no reading: never an outlier
+    assert compute_outliers(scores, mb, {0: "a", 1: "a", 2: "b", 3: "a"}, 1.25, 0.1) == {}
+    assert compute_outliers(scores, {**mb, 2: 0.0}, {}, 1.25, 0.1) == {}
+    assert compute_outliers(scores, {**mb, 2: math.nan}, {}, 1.25, 0.1) == {}
 
 
 def test_role_key_is_stage_and_tensor_parallel_index():

@@ -91,7 +91,7 @@ from falconext.mitigate.mitigation import (
 )
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Decision, Planner, slowdown_removed
-from falconext.detect.scores import RankSample, rank_scores, role_key, slowest
+from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
 from falconext.sim.itertime import check_roles
 from falconext.validate.plan import split_plan, validation_plan
@@ -112,6 +112,7 @@ RUNTIME_SETTABLE = frozenset({
     "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
     "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
     "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
+    "score_trigger_ratio", "score_trigger_readings",
     "suspend_margin_s", "status_max_share", "controller_read_batch", "mitigation_recovered_beats",
     "suspend_verdict_wait_s",
 })
@@ -153,6 +154,8 @@ class _Episode:
     slow_levels: list[float] = field(default_factory=list)
     #: the planner's rise being localized again (Planner.status()["relocalizing"]), or None
     relocalizing: dict[str, Any] | None = None
+    #: the rank the controller's scores suspected, when they opened the episode (no report did)
+    suspected: int | None = None
 
 
 class Controller:
@@ -199,6 +202,10 @@ class Controller:
         self._first_rank = math.inf  # the lowest rank heard from: min(self.beats), kept
         self._past_baseline: set[int] = set()  # ranks seen at or past link_baseline_iteration
         self._next_scores = -math.inf  # when the next rank_scores event is due
+        #: ranks the scores show as stragglers: (fresh readings in a row, the iteration of the
+        #: last counted), and those already acted on (until they read normal again)
+        self._outliers: dict[int, tuple[int, int]] = {}
+        self._outliers_acted: set[int] = set()
         #: operator's mute: no new episode, no planner decision (tracking goes on)
         self.muted = False
         #: fail-slow reports held while muted, by rank (taken up at unmute if still open)
@@ -324,9 +331,70 @@ class Controller:
             return []
         self._next_scores = now + self.cfg.score_interval_s
         samples = {b.rank: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for b in beats}
-        scores = rank_scores(samples, {b.rank: role_key(b.stage, b.role, b.tp) for b in beats})
+        roles = {b.rank: role_key(b.stage, b.role, b.tp) for b in beats}
+        scores = rank_scores(samples, roles)
         return [_event("rank_scores", iteration=min(b.score_iteration for b in beats), slowest=slowest(scores),
-                       window=self.cfg.score_window, ranks={str(r): s.to_dict() for r, s in sorted(scores.items())})]
+                       window=self.cfg.score_window, ranks={str(r): s.to_dict() for r, s in sorted(scores.items())})
+                ] + self._suspect(beats, roles, scores, now)
+
+    def _suspect(self, beats: list[Heartbeat], roles: dict[int, Any], scores: dict[int, Any],
+                 now: float) -> list[Output]:
+        """A straggler the scores show (detect/scores.py compute_outliers) in
+        ``score_trigger_readings`` fresh scores in a row is localized now: in an episode of
+        its own when none is open, or as a re-localization inside a mitigated one that has
+        not named it. Each outlier is acted on once, until it reads normal again."""
+        cfg = self.cfg
+        if not cfg.score_trigger_ratio:
+            return []
+        flagged = compute_outliers(scores, {b.rank: b.mb_s for b in beats}, roles,
+                                   cfg.score_trigger_ratio, cfg.min_slowdown)
+        for r in [r for r in self._outliers if r not in flagged]:
+            del self._outliers[r]
+            self._outliers_acted.discard(r)
+        ready: list[tuple[float, int]] = []
+        for r, ratio in flagged.items():
+            n, last = self._outliers.get(r, (0, -1))
+            it = self.beats[r].iteration
+            self._outliers[r] = (n + 1, it) if it > last else (n, last)
+            if self._outliers[r][0] >= cfg.score_trigger_readings and r not in self._outliers_acted:
+                ready.append((ratio, r))
+        if not ready or self.muted or self.state is not State.TRACKING:
+            return []
+        ratio, r = max(ready)
+        beat = self.beats[r]
+        onset = self._outlier_onset(r, beat.mb_s / ratio * cfg.score_trigger_ratio)
+        fields = {"rank": r, "compute_ratio": round(ratio, 4), "onset": onset, "iteration": beat.iteration}
+        ep = self.episode
+        if ep is None:
+            baseline = [b.iter_s for b in self.history.get(r, ()) if b.iteration < onset and b.iter_s > 0]
+            if not baseline:
+                return []  # no reading before it: nothing to measure the fault against
+            self._outliers_acted.add(r)
+            out = [_event("straggler_suspected", action="localize", **fields)] + self._start("fail_slow", now, now)
+            assert self.episode is not None
+            self.episode.suspected = r
+            self.episode.onsets.append(onset)
+            self.episode.baselines.append(min(baseline))
+            self.episode.slow_levels.append(beat.iter_s)
+            return out
+        mit = ep.mitigation
+        if (mit is None or not mit.applied or mit.in_flight is not None or ep.relocalizing is not None
+                or r in mit.gpus):
+            return []  # the episode's own localization or mitigation comes first
+        d = mit.planner.relocalize(beat.iteration, onset, f"rank {r} computes {ratio:.2f}x its peers")
+        if d is None:
+            return []
+        self._outliers_acted.add(r)
+        return [_event("straggler_suspected", action="relocalize", **fields)] + self._decide(mit, d, now, "scores")
+
+    def _outlier_onset(self, rank: int, line: float) -> int:
+        """Where ``rank``'s run of compute readings at or over ``line`` began (its history)."""
+        onset = self.beats[rank].iteration
+        for b in reversed(self.history.get(rank, ())):
+            if b.mb_s < line:
+                break
+            onset = b.iteration
+        return onset
 
     def _deadline_passed(self, now: float) -> list[Output]:
         if self.state is State.PROFILING:
@@ -1155,7 +1223,8 @@ class Controller:
         if mit is not None and (not mit.planner.finished or mit.in_flight is not None):
             return []  # the planner decides when this fail-slow is over
         if ep is not None and (ep.trigger in ("operator", "baseline") or mit is not None
-                               or (ep.reporters and ep.ended >= set(ep.reporters))):
+                               or (ep.reporters and ep.ended >= set(ep.reporters))
+                               or (ep.suspected is not None and ep.localized and not ep.reporters)):
             self.episode = None
             return [_event("episode_end", session=self.session, ranks=sorted(ep.ended))]
         return []

@@ -159,6 +159,30 @@ def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable]
     return out
 
 
+def compute_outliers(scores: Mapping[int, RankScore], mb_s: Mapping[int, float],
+                     roles: Mapping[int, Hashable], ratio: float, min_score: float) -> dict[int, float]:
+    """The stragglers the ranks' own compute shows: {rank: its compute per micro-batch over
+    the median of its role peers'}, for the ranks at ``ratio`` or more whose lateness costs
+    the job at least ``min_score`` of every iteration (``scores``: :func:`rank_scores`).
+
+    Per micro-batch, so a replica that S2 gave more micro-batches is not an outlier; and
+    only when it costs the job, so a slow GPU whose replica S2 already lightened is not
+    one either. Ranks without a positive reading, or without a peer, are never outliers.
+    """
+    good = {r: v for r, v in mb_s.items() if math.isfinite(v) and v > 0 and r in scores}
+    by_role: dict[Hashable, list[int]] = {}
+    for r in good:
+        by_role.setdefault(roles.get(r), []).append(r)
+    out: dict[int, float] = {}
+    for members in by_role.values():
+        if len(members) < 2:
+            continue
+        for r, peers in zip(members, peer_medians([good[r] for r in members])):
+            if peers > 0 and good[r] / peers >= ratio and scores[r].score >= min_score:
+                out[r] = good[r] / peers
+    return out
+
+
 def peer_medians(values: Sequence[float]) -> list[float]:
     """For each value, the median of all the others (``statistics.median`` of the list
     without it), in O(n log n): the list is sorted once, and leaving out any copy of a

@@ -384,6 +384,23 @@ class Planner:
         self._history.append({"kind": "failed", "strategy": s, "reason": str(reason),
                               "impact_s": self._impact})
 
+    def relocalize(self, iteration: int, rise_iteration: int, reason: str) -> Decision | None:
+        """The caller saw a fault the level does not show yet (a rank computing far slower
+        than its peers): a ``relocalize`` Decision, as a rise would give, with the fault
+        taken to begin at ``rise_iteration``. None while a decision is pending, a
+        re-localization runs or the planner has finished."""
+        it = _iteration("iteration", iteration)
+        if self._finished or self._pending is not None or self._relocalizing is not None:
+            return None
+        ref_it, ref = self._reference if self._reference is not None else (self._onset, self._healthy)
+        level = statistics.median(x for _, x in self._levels) if self._levels else ref
+        self._relocalizing = {"iteration": it, "level_s": level, "reference_s": ref,
+                              "reference_iteration": min(ref_it, rise_iteration), "rise_iteration": rise_iteration,
+                              "was_enough": self._verdict is True and self._applied_at is not None}
+        d = Decision("relocalize", self._current, it, self._impact, None, reason + "; localize again before escalating")
+        self._history.append({"kind": "decision", **asdict(d)})
+        return d
+
     def relocalized(self, found_new: bool) -> None:
         """The re-localization a ``relocalize`` Decision asked for is over (``found_new``:
         it named faults this fail-slow had not; widen the candidates first if they need
