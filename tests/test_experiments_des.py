@@ -146,3 +146,21 @@ def test_table7_s_mild_gpu_is_localized_in_its_place_in_the_trace():
     r = des.run(table7.job(), faults, des.Variant("on"), 470)
     named = [e["t"] for e in r.events if e["type"] == "localized" and 41 in e["gpus"]]
     assert named and 1500.0 < named[0] < 1600.0, named
+
+
+def test_in_a_job_of_long_iterations_the_scores_localize_a_gpu_before_its_detectors_report():
+    """table7's GPU 5 (1.5x from 150 s, 3.5 s iterations): the controller's own scores
+    suspect it 8-9 iterations after the onset and localize it; with the trigger off, the
+    detectors' min_duration confirmation localizes it later."""
+    from falconext.config import FalconConfig
+
+    job, faults = _table7_fault(lambda f: f.gpu == 5, 0.0)
+    on = des.run(job, faults, des.Variant("on"), 120)
+    (sus,) = [e for e in on.events if e["type"] == "straggler_suspected"]
+    assert sus["rank"] == 5 and sus["action"] == "localize"
+    loc_on = next(e for e in on.events if e["type"] == "localized" and e["gpus"])
+    assert loc_on["gpus"] == [5] and loc_on["t"] - faults[0].start_s < 50.0
+    off = des.run(job, faults, des.Variant("off", config=FalconConfig(score_trigger_ratio=0.0)), 120)
+    assert not [e for e in off.events if e["type"] == "straggler_suspected"]
+    loc_off = next(e for e in off.events if e["type"] == "localized" and e["gpus"])
+    assert loc_off["gpus"] == [5] and loc_off["t"] > loc_on["t"] + 5.0
