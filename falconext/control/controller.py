@@ -621,7 +621,7 @@ class Controller:
         a suspension of its own."""
         if self._awaiting is None or self._acks.get("resumed") or not self.beats:
             return []
-        return self._observe(self.beats[min(self.beats)], now)
+        return self._observe(self.beats[self._first_rank], now)
 
     def _margin(self, iter_s: float) -> int:
         """Iterations between the controller's estimate of where the ranks are and the one
@@ -1252,10 +1252,12 @@ def _gpu_factors(loc: Localized, gpus: list[int] | None = None) -> dict[int, flo
     over its own (``gpus``: only these)."""
     flops = {int(r): float(g) for r, g in loc.evidence.get("gemm_gflops", {}).items()}
     out: dict[int, float] = {}
+    others = sorted(g for q, g in flops.items() if q not in loc.gpus)
+    if not others:
+        return out
     for r in loc.gpus if gpus is None else gpus:
-        others = [g for q, g in flops.items() if q not in loc.gpus]
-        if flops.get(r) and others:
-            out[r] = max(1.0, sorted(others)[len(others) // 2] / flops[r])
+        if flops.get(r):
+            out[r] = max(1.0, others[len(others) // 2] / flops[r])
     return out
 
 

@@ -31,7 +31,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
-from typing import Hashable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 
 class BusyClock:
@@ -137,11 +137,8 @@ def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable]
     belong to: one bad reading must not make every other rank look slow.
     """
     good = {r: s for r, s in samples.items() if _valid(s)}
-    by_role: dict[Hashable, list[int]] = {}
-    for r in good:
-        by_role.setdefault((roles or {}).get(r), []).append(r)
     out: dict[int, RankScore] = {}
-    for members in by_role.values():
+    for members in _by_role(good, roles or {}):
         if len(members) == 1:
             s = good[members[0]]
             out[members[0]] = RankScore(s.compute_s, s.wait_s, 1.0, 0.0, 0.0, 0)
@@ -170,11 +167,8 @@ def compute_outliers(scores: Mapping[int, RankScore], mb_s: Mapping[int, float],
     one either. Ranks without a positive reading, or without a peer, are never outliers.
     """
     good = {r: v for r, v in mb_s.items() if math.isfinite(v) and v > 0 and r in scores}
-    by_role: dict[Hashable, list[int]] = {}
-    for r in good:
-        by_role.setdefault(roles.get(r), []).append(r)
     out: dict[int, float] = {}
-    for members in by_role.values():
+    for members in _by_role(good, roles):
         if len(members) < 2:
             continue
         for r, peers in zip(members, peer_medians([good[r] for r in members])):
@@ -218,6 +212,14 @@ def role_key(stage: int, role: int, tp: int) -> tuple[int, int] | None:
     if stage < 0 or role < 0:
         return None
     return stage, role % tp if tp > 0 else 0
+
+
+def _by_role(ranks: Iterable[int], roles: Mapping[int, Hashable]) -> list[list[int]]:
+    """``ranks`` grouped by their role (ranks without an entry share one)."""
+    groups: dict[Hashable, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(roles.get(r), []).append(r)
+    return list(groups.values())
 
 
 def _valid(s: RankSample) -> bool:

@@ -394,12 +394,8 @@ class Planner:
             return None
         ref_it, ref = self._reference if self._reference is not None else (self._onset, self._healthy)
         level = statistics.median(x for _, x in self._levels) if self._levels else ref
-        self._relocalizing = {"iteration": it, "level_s": level, "reference_s": ref,
-                              "reference_iteration": min(ref_it, rise_iteration), "rise_iteration": rise_iteration,
-                              "was_enough": self._verdict is True and self._applied_at is not None}
-        d = Decision("relocalize", self._current, it, self._impact, None, reason + "; localize again before escalating")
-        self._history.append({"kind": "decision", **asdict(d)})
-        return d
+        return self._ask_relocalize(it, level, ref, min(ref_it, rise_iteration), rise_iteration,
+                                    self._verdict is True and self._applied_at is not None, reason)
 
     def relocalized(self, found_new: bool) -> None:
         """The re-localization a ``relocalize`` Decision asked for is over (``found_new``:
@@ -485,8 +481,14 @@ class Planner:
         rise_at = next((i for i, x in self._levels if x >= min(line, level)), self._levels[0][0])
         why = (f"{self._current} was judged enough and no longer is (median {level:.3f}s)" if no_longer else
                f"level {level:.3f}s rose {self._rise:.0%} over the lowest seen, {self._reference[1]:.3f}s")
-        self._relocalizing = {"iteration": it, "level_s": level, "reference_s": self._reference[1],
-                              "reference_iteration": self._reference[0], "rise_iteration": rise_at,
+        return self._ask_relocalize(it, level, self._reference[1], self._reference[0], rise_at, was_enough, why)
+
+    def _ask_relocalize(self, it: int, level: float, reference: float, reference_it: int, rise_it: int,
+                        was_enough: bool, why: str) -> Decision:
+        """Hold decisions for a re-localization of the rise at ``rise_it`` (the level then,
+        the reference before it) and return the ``relocalize`` Decision that asks for it."""
+        self._relocalizing = {"iteration": it, "level_s": level, "reference_s": reference,
+                              "reference_iteration": reference_it, "rise_iteration": rise_it,
                               "was_enough": was_enough}
         d = Decision("relocalize", self._current, it, self._impact, None, why + "; localize again before escalating")
         self._history.append({"kind": "decision", **asdict(d)})
