@@ -110,13 +110,14 @@ def test_link_on_the_dp_path_is_moved_by_s3():
 
 
 def test_s3_decided_with_the_verdict_travels_with_the_resume():
-    """The rent since the onset (45) already exceeds S3's cost when the link is named: with
+    """The rent since the onset (40: 10 iterations 0.1 s slow) already exceeds S3's cost
+    (the switch and the validation's pause so far, 0.9 s) when the link is named: with
     the ranks held for the verdict, the TopologyChange goes with the "resume" and every rank
     applies it from the iteration after the hold: no second suspension."""
     ctl = Controller(CFG.replace(suspend_verdict_wait_s=2.0), world=4)
     beats(ctl, 50)
     t = 151.0
-    out = ctl.handle(FailSlowReport(0, 45, 50, 1.5, HEALTHY, t, event_id=1), t)
+    out = ctl.handle(FailSlowReport(0, 40, 50, 1.5, HEALTHY, t, event_id=1), t)
     for p in range(4):
         out += ctl.handle(ProfileData(p, ctl.session, {}, {}, {}), t + 0.2)
     (sus,) = commands(out, "suspend")
@@ -126,6 +127,9 @@ def test_s3_decided_with_the_verdict_travels_with_the_resume():
     out = validated(ctl, out, t, resumed=False)
     (d,) = events(out, "mitigation_decision")
     assert d["strategy"] == "S3" and d["action"] == "apply"
+    # priced at the switch plus this suspension's pause so far (held at t + 0.5, verdict at
+    # t + 1.0): the job's first suspension, so no earlier pause was measured
+    assert abs(d["overhead_s"] - (SWITCH_S + 0.5)) < 1e-6
     (resume,) = commands(out, "resume")
     assert resume.args["session"] == sus.args["session"] and resume.action.KIND == "topology"
     assert not commands(out, "suspend") and ctl.state is State.MITIGATING

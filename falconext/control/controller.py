@@ -194,6 +194,7 @@ class Controller:
         self._via_resume = False
         self._action: MitigationAction | None = None  # the action of the MITIGATING session
         self._last_pause_s = 0.0
+        self._held_since = 0.0  # when every rank was held in the suspension now running
         self.localizations: list[Localized] = []
         #: healthy inter-node link times (node pair -> s), from the baseline session
         self.link_baseline: dict[tuple[int, int], float] = {}
@@ -621,6 +622,10 @@ class Controller:
         a suspension of its own."""
         if self._awaiting is None or self._acks.get("resumed") or not self.beats:
             return []
+        # this suspension's pause is measured only when the ranks resume: an action's
+        # suspension (S2, S3) is priced at least at what it has lasted so far (a job whose
+        # first suspension this is has no measured pause yet)
+        self._last_pause_s = max(self._last_pause_s, now - self._held_since)
         return self._observe(self.beats[self._first_rank], now)
 
     def _margin(self, iter_s: float) -> int:
@@ -652,6 +657,7 @@ class Controller:
         out: list[Output] = []
         if ack.status == "held" and not self._go_sent and self._covers(acks) and suspended:
             self._go_sent = True
+            self._held_since = now
             if self.state is State.VALIDATING and self._wait_s > 0:
                 self._awaiting = self.session  # they validate, report, and wait for the verdict
             out.append(Output("command", Command("go", self.cfg.suspend_deadline_s, args={"session": self.session})))
