@@ -468,6 +468,28 @@ def test_a_suspected_straggler_that_validation_clears_ends_its_episode():
     assert not events(more, "straggler_suspected")
 
 
+def test_heartbeats_that_say_how_far_into_the_iteration_place_the_suspension_at_the_next_one():
+    """Each heartbeat says how long its iteration had been running (into_s): the
+    controller then knows when the next iteration starts, and suspends the ranks there
+    when the command has suspend_margin_s to reach them (one iteration sooner than the
+    whole-iteration margin), else at the one after; a rank that does not say keeps the
+    whole-iteration margin for everyone."""
+    def suspend_at(into: list[float], now: float = 100.0) -> int:
+        ctl = Controller(CFG, world=4)
+        for (r, n), x in zip(NODES.items(), into):
+            ctl.handle(Heartbeat(r, n, 50, 3.5, 100.0, into_s=x), 100.0)
+        outs = ctl.handle(report(t=now), now)
+        for r in NODES:
+            outs += ctl.handle(profile(r, ctl.session, 1), now)
+        (sus,) = commands(outs, "suspend")
+        return sus.iteration
+
+    assert suspend_at([0.2] * 4) == 51  # 51 starts 3.3 s from now
+    assert suspend_at([0.2, 0.2, 0.2, 3.0]) == 52  # rank 3's 51 starts in 0.5 s: too soon
+    assert suspend_at([0.2, 0.2, 0.2, -1.0]) == 51 + 1  # one rank unplaced: the old margin
+    assert suspend_at([0.2] * 4, now=103.0) == 52  # 3 s later, 51 starts in 0.3 s
+
+
 def test_long_iterations_suspend_one_iteration_ahead():
     """The margin is time for the command to reach every rank: with 3.5 s iterations one
     iteration gives it (three kept table7's fail-slows unvalidated 7 s longer, twice per

@@ -164,3 +164,30 @@ def test_in_a_job_of_long_iterations_the_scores_localize_a_gpu_before_its_detect
     assert not [e for e in off.events if e["type"] == "straggler_suspected"]
     loc_off = next(e for e in off.events if e["type"] == "localized" and e["gpus"])
     assert loc_off["gpus"] == [5] and loc_off["t"] > loc_on["t"] + 5.0
+
+
+def test_a_suspected_gpu_is_held_for_validation_at_the_next_iteration_start():
+    """table7's GPU 5 (1.5x, iterations of about 4 s): the controller handles the profiles
+    the moment they arrive (an event loop, not once per iteration), and the heartbeats say
+    how far into its iteration each rank is, so the ranks are held at the first iteration
+    that starts after the command can reach them: within one iteration of the suspicion,
+    not three (a profile round trip, then a whole-iteration margin)."""
+    job, faults = _table7_fault(lambda f: f.gpu == 5, 0.0)
+    r = des.run(job, faults, des.Variant("on"), 80)
+    sus = next(e for e in r.events if e["type"] == "straggler_suspected")
+    held = next(e for e in r.events if e["type"] == "suspended")
+    slow_iter = max(s for _, s in r.times[40:60])
+    assert 0 < held["t"] - sus["t"] < slow_iter, (sus, held)
+
+
+def test_a_profile_holds_only_the_iterations_that_ended_by_then():
+    """What a rank sends when asked for a profile mid-iteration: the all-reduces of the
+    iterations that have ended (the current one has not run its all-reduce yet)."""
+    job, faults = _gpu_job()
+    sim = des._Sim(job, faults, des.Variant("on"))
+    while sim.it < 30:
+        sim.step()
+    last_it, start, end = sim.recent[-1][:3]
+    for at, newest in ((end, last_it), (end - 1e-3, last_it - 1)):
+        seen = {c[0] for p in sim.profiles(1, 60.0, at) for calls in p.calls.values() for c in calls}
+        assert max(seen) == newest

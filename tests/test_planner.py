@@ -376,6 +376,33 @@ def test_a_rise_while_nothing_helped_widens_to_s2_when_a_gpu_joins_a_link_fault(
     assert [c["strategy"] for c in p.status()["candidates"]] == ["S2", "S3", "S4"]
 
 
+def test_a_gpu_that_joins_under_an_unjudged_s3_gets_s2_without_waiting_for_s3s_judgement():
+    """S3 was just applied for a link, and a GPU slows before S3 has been judged: the S2 a
+    widening adds treats the GPU, not the link, so the rent so far buys it at once instead
+    of after S3's settle and judge windows. Without a widening the ladder still waits for
+    the judgement."""
+    def s3_applied() -> tuple[Planner, int]:
+        p = Planner("communication", HEALTHY, {"S3": 3.0, "S4": 50.0}, onset=100, rise_margin=0.1)
+        d = first_decision(p, 100, 200, 1.3)
+        p.applied("S3", d.iteration + 1, 3.0)
+        return p, d.iteration + 2
+
+    p, it = s3_applied()
+    d = p.observe(it, 2.0)
+    assert d is None or d.action != "apply"
+    p, it = s3_applied()
+    d = p.relocalize(it, it, "a rank computes 2x its peers")  # the caller's scores saw a GPU
+    assert d is not None and d.action == "relocalize"
+    assert p.widen("computation") == ["S2"]
+    p.set_overhead("S2", 0.5)
+    p.relocalized(True)
+    d = p.observe(it + 1, 2.0)
+    assert d is not None and (d.action, d.strategy) == ("apply", "S2") and "not judged yet" in d.reason
+    # S2 is no longer a complement once decided: the next step is judged as usual
+    p.applied("S2", it + 2, 0.5)
+    assert feed(p, it + 3, it + 6, 2.0) == []
+
+
 def test_after_a_relocalization_the_level_settles_before_it_is_the_reference_again():
     """Heartbeats are medians of recent iterations, so the level goes on rising for a while
     after the re-localization: that is the same rise, not a further one."""

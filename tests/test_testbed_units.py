@@ -143,3 +143,23 @@ def test_forkrun_splits_torchruns_options_from_the_ranks_arguments():
         split_argv(["--nproc_per_node", "4", "-m", "other", "--iters", "3"])
     with pytest.raises(ValueError, match="no '-m falconext.train'"):
         split_argv(["--nproc_per_node", "4"])
+
+
+def test_a_ranks_heartbeat_says_how_long_its_iteration_has_been_running():
+    """FalconRuntime.into_s: since the start of the current loop iteration (the loop's own
+    perf_counter starts, a resumed job's first iteration at index 0); -1 when it cannot
+    know (no loop hooks, or before the loop's first iteration)."""
+    import time
+    from types import SimpleNamespace
+
+    from falconext.runtime.runtime import FalconRuntime as Runtime
+
+    now = time.perf_counter()
+    rt = SimpleNamespace(loop_starts=[now - 9.0, now - 5.0, now - 2.0], _iteration=42, _first_iteration=40)
+    assert 2.0 <= Runtime.into_s(rt) < 2.5
+    rt._iteration = 41
+    assert 5.0 <= Runtime.into_s(rt) < 5.5
+    for bad in (SimpleNamespace(loop_starts=None, _iteration=42, _first_iteration=40),
+                SimpleNamespace(loop_starts=[now], _iteration=-1, _first_iteration=0),
+                SimpleNamespace(loop_starts=[now], _iteration=3, _first_iteration=0)):
+        assert Runtime.into_s(bad) == -1.0

@@ -568,12 +568,18 @@ class Controller:
     def _suspend(self, now: float, state: State = State.VALIDATING) -> list[Output]:
         """Pick an iteration every rank has yet to start, and tell everyone to stop there."""
         self._tries += 1
-        latest, iter_s = 0.0, 0.0
+        latest, iter_s, placed = 0.0, 0.0, True
         for b in self.beats.values():
             iter_s = max(iter_s, b.iter_s)
-            latest = max(latest, b.iteration + max(0.0, now - b.time) / b.iter_s if b.iter_s > 0 else b.iteration)
+            placed = placed and b.into_s >= 0
+            since = max(0.0, now - b.time + max(0.0, b.into_s))  # since its iteration began, at least
+            latest = max(latest, b.iteration + since / b.iter_s if b.iter_s > 0 else b.iteration)
         margin = self._margin(iter_s) * self._tries
         self._iteration = int(math.ceil(latest)) + margin
+        if placed and margin and self._long(iter_s):
+            # every rank said how far into its iteration it was: the first iteration that
+            # starts at least suspend_margin_s (per try) from now is far enough
+            self._iteration = int(math.ceil(latest + self._tries * self.cfg.suspend_margin_s / iter_s))
         self._acks = {"held": {}, "resumed": {}}
         self._go_sent = False
         wait = (self._iteration - latest + 1) * max(iter_s, 0.05)
@@ -628,14 +634,17 @@ class Controller:
         self._last_pause_s = max(self._last_pause_s, now - self._held_since)
         return self._observe(self.beats[self._first_rank], now)
 
+    def _long(self, iter_s: float) -> bool:
+        """Whether an iteration lasts at least ``suspend_margin_s`` (0: never)."""
+        return self.cfg.suspend_margin_s > 0 and iter_s >= self.cfg.suspend_margin_s
+
     def _margin(self, iter_s: float) -> int:
         """Iterations between the controller's estimate of where the ranks are and the one
         they suspend at: ``suspend_margin_iterations``, or one when an iteration lasts at
         least ``suspend_margin_s``: the margin is time for the command to reach every
-        rank, and one such iteration gives it."""
-        if self.cfg.suspend_margin_s > 0 and iter_s >= self.cfg.suspend_margin_s:
-            return 1
-        return self.cfg.suspend_margin_iterations
+        rank, and one such iteration gives it. (When every heartbeat says how far into its
+        iteration the rank was, :meth:`_suspend` needs only ``suspend_margin_s`` itself.)"""
+        return 1 if self._long(iter_s) else self.cfg.suspend_margin_iterations
 
     def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:
         suspended = self.state in (State.VALIDATING, State.MITIGATING)

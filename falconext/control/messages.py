@@ -82,6 +82,10 @@ class Heartbeat:
     est_iter_s: float = 0.0
     compute_s: float = 0.0
     wait_s: float = 0.0
+    #: seconds its loop iteration had been running when the heartbeat was made (-1:
+    #: unknown, e.g. no loop hooks): with it the controller knows when the rank's next
+    #: iteration starts, not only which iteration it is in
+    into_s: float = -1.0
 
 
 @dataclass(frozen=True)

@@ -313,7 +313,8 @@ class _Sim:
         self.t = 0.0
         self.it = 0
         self.starts: deque[float] = deque(maxlen=ITER_S_WINDOW + 1)
-        self.recent: deque[tuple[float, IterationBreakdown, list[int]]] = deque(maxlen=8)
+        #: the latest iterations: (loop iteration, start, end, breakdown, roles)
+        self.recent: deque[tuple[int, float, float, IterationBreakdown, list[int]]] = deque(maxlen=8)
         self.suspension: dict[str, Any] | None = None  # pending or held: session, iteration, plan, go, release
         #: share commands of the validation sessions not suspended yet, by session
         self.shares: dict[int, list[Any]] = {}
@@ -356,7 +357,7 @@ class _Sim:
         """What the ranks do with one command (control/client.py, runtime.schedule/signal)."""
         session = cmd.args.get("session")
         if cmd.kind == "profile":
-            self.post(self.profiles(int(session), float(cmd.args.get("window_s", 3.0))), at)
+            self.post(self.profiles(int(session), float(cmd.args.get("window_s", 3.0)), at), at)
         elif cmd.kind == "share" and cmd.share is not None:
             self.shares.setdefault(int(session), []).append(cmd.share)
         elif cmd.kind == "suspend":
@@ -402,17 +403,20 @@ class _Sim:
                 rank=p, node=self.node_of[p], iteration=self.it, iter_s=iter_s, time=at, replica=d, mb_s=mb,
                 micro=st.plan[d], restart_s=restart_s, switch_s=switch_s, role=role, stage=s, tp=lay.tp, pp=lay.pp,
                 grad_bytes=int(self.job.costs.grad_bytes[s]), act_bytes=int(self.job.costs.act_bytes),
-                score_iteration=self.it - 1, est_iter_s=iter_s, compute_s=compute, wait_s=max(0.0, iter_s - compute)))
+                score_iteration=self.it - 1, est_iter_s=iter_s, compute_s=compute, wait_s=max(0.0, iter_s - compute),
+                into_s=0.0))
         return out
 
-    def profiles(self, session: int, window_s: float) -> list[ProfileData]:
-        """Every rank's DP all-reduces of the iterations that began in the last
-        ``window_s`` (at least the latest): issued when the rank's stage finished its
-        last backward, ended when the slowest member's transfer did."""
+    def profiles(self, session: int, window_s: float, at: float) -> list[ProfileData]:
+        """Every rank's DP all-reduces, as of time ``at``, of the iterations that ended by
+        then and began in the last ``window_s`` (at least the latest that ended): issued
+        when the rank's stage finished its last backward, ended when the slowest member's
+        transfer did."""
         lay = self.job.layout
-        recent = [r for r in self.recent if r[0] >= self.t - window_s] or list(self.recent)[-1:]
+        done = [r for r in self.recent if r[2] <= at]
+        recent = [r for r in done if r[1] >= at - window_s] or done[-1:]
         calls: dict[int, dict[str, list[list[float]]]] = {}
-        for k, (t0, bd, roles) in enumerate(recent):
+        for it, t0, _, bd, roles in recent:
             proc = [0] * self.job.world
             for p, r in enumerate(roles):
                 proc[r] = p
@@ -424,7 +428,7 @@ class _Sim:
                 for role in members:
                     issue = t0 + bd.stage_finish_s[replica_of(lay, role)][s] + abs(self.rng_bench.normal(0, 1e-3))
                     calls.setdefault(proc[role], {}).setdefault(gid, []).append(
-                        [len(self.times) - len(recent) + k, round(issue, 6), round(max(issue, end), 6),
+                        [it, round(issue, 6), round(max(issue, end), 6),
                          int(self.job.costs.grad_bytes[s])])
         out = []
         roles_now = self.state.roles
@@ -547,13 +551,13 @@ class _Sim:
             self.post(self.heartbeats(self.t), self.t)
         bd = self.models.breakdown(self.state.plan, faults, self.state.roles)
         dur = bd.total_s * math.exp(JOB_JITTER * self.rng_job.standard_normal())
-        self.recent.append((self.t, bd, list(self.state.roles)))
         gpus, _ = fault_maps(faults)
         reads = np.exp(READ_JITTER * self.rng_rank.standard_normal(self.job.world))
         mbs = np.exp(MB_JITTER * self.rng_rank.standard_normal(self.job.world))
         t_end = self.t + dur
         whole = t_end - t_begin  # a pause in this iteration is part of its span
         self.times.append((t_end, whole))
+        self.recent.append((len(self.times) - 1, self.t, t_end, bd, list(self.state.roles)))
         if self.ctl is not None:
             reports: list[FailSlowReport] = []
             for p, rk in enumerate(self.ranks):
@@ -561,6 +565,9 @@ class _Sim:
                 rk.mb.append(self.job.costs.fwd_s[s] * gpus.get(p, 1.0) * float(mbs[p]))
                 reports += self.detect(p, rk, whole * float(reads[p]), t_end)
             self.post(reports, t_end)
+            # the controller is an event loop: it handles what arrives while the ranks
+            # compute (heartbeats, profiles), not only at iteration boundaries
+            self.deliver(t_end)
         self.t = t_end
         self.it += 1
 

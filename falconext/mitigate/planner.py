@@ -33,7 +33,9 @@ median is within ``enough_margin`` of the healthy time. While the strategy in ef
 enough the planner never escalates; the verdict is kept up to date on the rolling median of
 the last ``judge_iterations`` observations, so escalation resumes if the iteration time
 rises above the margin again. No escalation happens before the strategy in effect has been
-judged, nor while a decision is pending (issued but not yet ``applied``/``failed``).
+judged, nor while a decision is pending (issued but not yet ``applied``/``failed``); a
+candidate that a widening added (below) is not an escalation: it treats the fault that
+joined, so the rent may buy it before the strategy in effect has been judged.
 
 Re-localizing a rise. A strategy judged enough that stops being enough, or an iteration
 time that rises by ``rise_margin`` over the lowest level seen in this fail-slow (the
@@ -188,6 +190,9 @@ class Planner:
             self._overheads[name] = _overhead(f"overhead of {name}", value)
         # Remaining (not yet applied or failed) candidates for this root cause.
         self._remaining: list[str] = list(CANDIDATES[root_cause])
+        # candidates a widening added: they treat another fault than the strategy in
+        # effect does, so they need not wait for its judgement
+        self._complements: set[str] = set()
         self._applied: list[str] = []
         self._failed: dict[str, str] = {}
         self._impact = 0.0
@@ -306,13 +311,14 @@ class Planner:
         rise = self._watch_level(it, t, was_enough)
         if rise is not None or self._relocalizing is not None:
             return rise
-        if self._applied_at is not None and self._verdict is None:
+        nxt = self.candidates()
+        complement = bool(nxt) and nxt[0] in self._complements
+        if self._applied_at is not None and self._verdict is None and not complement:
             return None  # the strategy in effect has not been judged yet
         if self._verdict is True:
             return None  # enough: keep it
         if self._current in TERMINAL:
             return None
-        nxt = self.candidates()
         if not nxt:
             return None
         s = nxt[0]
@@ -323,6 +329,9 @@ class Planner:
         why = f"impact {self._impact:.3f}s >= overhead {ov:.3f}s of {s}"
         if self._current != "S1":
             why += f" ({self._current} judged not enough)"
+        if complement:
+            why += f" (for the fault that joined; {self._current} not judged yet)"
+        self._complements.discard(s)
         d = Decision("apply", s, it, self._impact, ov, why)
         self._pending = d
         self._history.append({"kind": "decision", **asdict(d)})
@@ -416,12 +425,15 @@ class Planner:
     def widen(self, root_cause: str) -> list[str]:
         """A fault of another kind joined this fail-slow (a slow GPU under a congested
         link): the strategies for ``root_cause`` that were not applied or failed become
-        candidates too. Returns those added (none when the root cause adds nothing)."""
+        candidates too, and one of them may be applied before the strategy in effect has
+        been judged: it treats the fault that joined, not the one that strategy is for.
+        Returns those added (none when the root cause adds nothing)."""
         if root_cause not in CANDIDATES:
             raise ValueError(f"unknown root_cause {root_cause!r}; expected one of {', '.join(CANDIDATES)}")
         added = [s for s in CANDIDATES[root_cause]
                  if s not in self._remaining and s not in self._applied and s not in self._failed]
         self._remaining += added
+        self._complements.update(added)
         if set(CANDIDATES[root_cause]) >= set(CANDIDATES[self._root_cause]):
             self._root_cause = root_cause
         if added:

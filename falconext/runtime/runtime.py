@@ -85,6 +85,7 @@ class FalconRuntime:
         self.loop_starts = loop_starts
         #: the training loop calls before_iteration (False: the calls are the clock)
         self.hooked = loop_starts is not None
+        self._first_iteration = first_iteration  # loop_starts[0] is this iteration's start
         self._iteration = -1
         self._lock = threading.Lock()
         self._pending: Suspension | None = None
@@ -340,6 +341,7 @@ class FalconRuntime:
             "compute_s": scored[1].compute_s, "wait_s": scored[1].wait_s,
         }
         return {
+            "into_s": self.into_s(),
             "replica": self.replica,
             "mb_s": mb[len(mb) // 2] if mb else 0.0,
             "restart_s": self.restart_s,
@@ -348,6 +350,14 @@ class FalconRuntime:
             "micro": self._micro,
             **score,
         }
+
+    def into_s(self) -> float:
+        """Seconds the current loop iteration has been running (perf_counter, as the loop's
+        starts); -1 without loop hooks or before the first iteration."""
+        starts, i = self.loop_starts, self._iteration - self._first_iteration
+        if starts is None or not 0 <= i < len(starts):
+            return -1.0
+        return max(0.0, time.perf_counter() - starts[i])
 
     def iter_s(self) -> float:
         """Median recent loop iteration time; 0 (no heartbeat) while falconext is off."""
