@@ -178,6 +178,17 @@ class FalconConfig:
     #: planning, since the compute-rise check, S2's revert and S3 read each process's
     #: compute before the onset
     heartbeat_history: int = 64
+    #: a heartbeat's iteration time is the median of the rank's latest this many loop
+    #: iterations, and its compute per micro-batch the upper median of its latest this
+    #: many steps. The controller smooths again (the planner judges a median of
+    #: mitigation_judge_iterations heartbeats, the score trigger wants
+    #: score_trigger_readings of them, S2's revert mitigation_recovered_beats), so a
+    #: heartbeat only has to keep a lone outlier out (a pause, a spike): five iterations
+    #: keep two out, four steps one. Longer medians held every reaction back by half
+    #: their length: with 12 and 8, table7's slow GPUs were suspected 8-9 iterations after
+    #: their onset and S2 reverted 35 s after the fault ended
+    beat_iter_window: int = 5
+    beat_compute_window: int = 4
     #: the controller serves Prometheus metrics on this TCP port (0: off) ...
     metrics_port: int = 0
     #: ... bound to this address (loopback unless an operator widens it)
@@ -330,6 +341,8 @@ class FalconConfig:
         _check(self.wait_causer_dominance >= 1.0, "wait_causer_dominance must be >= 1")
         _check(self.control_slack_s >= 0.0, "control_slack_s must be >= 0")
         _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")
+        _check(1 <= self.beat_iter_window <= 1000, "beat_iter_window must be in [1, 1000]")
+        _check(1 <= self.beat_compute_window <= 1000, "beat_compute_window must be in [1, 1000]")
         _check(self.restart_probe_bytes >= 4096, "restart_probe_bytes must be >= 4096")
         _check(0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]")
         _check(bool(self.metrics_host.strip()), "metrics_host must not be empty")

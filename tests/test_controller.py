@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
 from falconext.validate.plan import join_shares
@@ -363,7 +365,7 @@ def test_a_mild_gpu_is_named_although_the_detectors_placed_its_onset_late():
     below the fastest / 1.25, rank 1 is named; healthy ranks are not."""
     ctl = Controller(CFG, world=4)
     t = 60.0
-    for it in range(20, 54):  # the fault begins at iteration 33; each beat a median of 8 iterations
+    for it in range(20, 54):  # the fault begins at iteration 33; each beat a median of recent iterations
         t += 1.0
         for r, n in NODES.items():
             mb = 0.05 * (1.3 if r == 1 and it >= 37 else 1.0) * (1.0 + 0.005 * ((r + it) % 3))
@@ -380,6 +382,42 @@ def test_a_mild_gpu_is_named_although_the_detectors_placed_its_onset_late():
         outs += ctl.handle(ValidationResult(r, session, 1e10 / (1.3 if r == 1 else 1.0), []), t + 0.5)
     (loc,) = events(outs, "localized")
     assert loc["gpus"] == [1], loc["evidence"]
+
+
+def _planned_healthy(reported_baseline: float, before: list[float]) -> float:
+    """The planner's healthy time for rank 1's 1.3x GPU (onset 40, reported against
+    ``reported_baseline``) after heartbeats at ``before``'s times up to iteration 39."""
+    ctl = Controller(CFG, world=4)
+    t = 60.0
+    for it, x in enumerate(before + [1.3] * 14, start=40 - len(before)):
+        t += 1.0
+        for r, n in NODES.items():
+            mb = 0.05 * (1.3 if r == 1 and it >= 40 else 1.0)
+            ctl.handle(Heartbeat(r, n, it, x, t, replica=r, mb_s=mb, micro=8, role=r), t)
+    ctl.handle(FailSlowReport(1, 40, 52, 1.3, reported_baseline, t, event_id=0), t)
+    for r in NODES:
+        ctl.handle(profile(r, ctl.session), t)
+    session, it = ctl.session, max(b.iteration for b in ctl.beats.values()) + 1
+    for r in NODES:
+        ctl.handle(SessionAck(r, session, "held", it, t), t)
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(ValidationResult(r, session, 1e10 / (1.3 if r == 1 else 1.0), []), t + 0.5)
+    (started,) = events(outs, "planner_started")
+    return started["healthy_s"]
+
+
+def test_the_healthy_time_is_the_jobs_own_when_the_detectors_baseline_held_a_mitigated_stretch():
+    """The detectors' baseline may hold iterations an earlier S2 plan ran (table7's first
+    link fault came 7 iterations after GPU 5's S2 was reverted: baseline 3.74 s for a
+    3.50 s job), which underprices the rent. The controller takes its own clean readings
+    (no episode, no mitigation in force) when they read lower; with too few of them
+    (fewer than min_baseline) it keeps the detectors'."""
+    clean = [1.0 + 0.002 * (k % 3) for k in range(20)]
+    assert _planned_healthy(1.1, clean) == pytest.approx(1.002)
+    assert _planned_healthy(0.95, clean) == 0.95  # never raised over the detectors'
+    assert _planned_healthy(1.1, [1.0] * (CFG.min_baseline - 1) + [1.0]) == pytest.approx(1.0)
+    assert _planned_healthy(1.1, [1.0] * (CFG.min_baseline - 2)) == 1.1
 
 
 def test_heartbeats_of_a_slow_loop_keep_one_reading_per_iteration():

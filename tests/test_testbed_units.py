@@ -163,3 +163,30 @@ def test_a_ranks_heartbeat_says_how_long_its_iteration_has_been_running():
                 SimpleNamespace(loop_starts=[now], _iteration=-1, _first_iteration=0),
                 SimpleNamespace(loop_starts=[now], _iteration=3, _first_iteration=0)):
         assert Runtime.into_s(bad) == -1.0
+
+
+def test_a_heartbeats_medians_span_the_configured_windows():
+    """The heartbeat's iteration time is the median of the latest beat_iter_window loop
+    iterations, its compute per micro-batch the upper median of the latest
+    beat_compute_window steps: a step in either shows once half the window holds it."""
+    from types import SimpleNamespace
+
+    from falconext.config import FalconConfig
+    from falconext.runtime.runtime import FalconRuntime
+
+    cfg = FalconConfig(beat_iter_window=5, beat_compute_window=4)
+    starts = [0.0]
+    for d in [1.0] * 10 + [2.0] * 3:
+        starts.append(starts[-1] + d)
+    rt = SimpleNamespace(_enabled=True, hooked=True, loop_starts=starts, cfg=cfg)
+    assert FalconRuntime.iter_s(rt) == 2.0  # 3 of the latest 5 are slow
+    rt.loop_starts = starts[:-1]
+    assert FalconRuntime.iter_s(rt) == 1.0  # 2 of 5
+    assert FalconRuntime.iter_s(SimpleNamespace(_enabled=True, hooked=True, loop_starts=starts,
+                                                cfg=FalconConfig(beat_iter_window=12))) == 1.0
+    import collections
+    mb = collections.deque(maxlen=cfg.beat_compute_window)
+    fake = SimpleNamespace(_mb_s=mb, _micro=0)
+    for f in [0.1] * 6 + [0.2] * 2:
+        FalconRuntime.after_step(fake, 4, 4 * f)
+    assert sorted(mb)[len(mb) // 2] == 0.2  # the upper median: 2 of the latest 4 are slow

@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -203,6 +204,12 @@ class Controller:
         self._first_rank = math.inf  # the lowest rank heard from: min(self.beats), kept
         self._past_baseline: set[int] = set()  # ranks seen at or past link_baseline_iteration
         self._next_scores = -math.inf  # when the next rank_scores event is due
+        #: the job's iteration time while nothing was wrong: (iteration, iter_s) of the
+        #: first rank's heartbeats taken with no episode open and no mitigation in force
+        #: (from beat_iter_window iterations after the plan last changed: a heartbeat is a
+        #: median of that many); a topology change or restart starts it over
+        self._clean: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.cfg.heartbeat_history)
+        self._clean_from = 0
         #: ranks the scores show as stragglers: (fresh readings in a row, the iteration of the
         #: last counted), and those already acted on (until they read normal again)
         self._outliers: dict[int, tuple[int, int]] = {}
@@ -253,6 +260,11 @@ class Controller:
                 kept[-1] = msg  # the loop has not moved: one reading per iteration, the latest
             else:
                 kept.append(msg)
+            if (msg.rank == self._first_rank and self.episode is None and self.state is State.TRACKING
+                    and msg.iteration >= self._clean_from and msg.iter_s > 0):
+                if self._clean and self._clean[-1][0] == msg.iteration:
+                    self._clean.pop()
+                self._clean.append((msg.iteration, msg.iter_s))
             return self._observe(msg, now) + self._maybe_baseline(msg, now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
@@ -375,7 +387,7 @@ class Controller:
             assert self.episode is not None
             self.episode.suspected = r
             self.episode.onsets.append(onset)
-            self.episode.baselines.append(min(baseline))
+            self.episode.baselines.append(statistics.median(baseline))
             self.episode.slow_levels.append(beat.iter_s)
             return out
         mit = ep.mitigation
@@ -755,6 +767,12 @@ class Controller:
         process's compute before the fault is read at (default: the onset)."""
         root = "computation" if loc.gpus else "communication"
         healthy = sorted(ep.baselines)[len(ep.baselines) // 2] if ep.baselines else 0.0
+        clean = [x for it, x in self._clean if it <= min(ep.onsets, default=-1)]
+        if len(clean) >= self.cfg.min_baseline and healthy > 0:
+            # the detectors' baselines can only read too high: they may hold iterations run
+            # under an earlier mitigation (S2's uneven plan), which the detectors cannot tell
+            # from healthy ones, and the controller can
+            healthy = min(healthy, statistics.median(clean))
         if not healthy > 0 or not ep.onsets:
             return [_event("mitigation_skipped", session=self.session, reason="no healthy baseline in the reports")]
         overheads = self._overheads(root)
@@ -1008,6 +1026,9 @@ class Controller:
         elif strategy == "S4" and d is not None and d.overhead_s is not None:
             overhead += d.overhead_s  # the measured save + restart + load estimate; the run logs the real downtime
         fields = action_details(action) if action is not None else {}
+        self._clean_from = effective + self.cfg.beat_iter_window  # the plan changed here
+        if strategy in ("S3", "S4"):
+            self._clean.clear()  # another layout, or other nodes: another healthy time
         out.append(_event("mitigation", strategy=strategy, session=self.session, iteration=effective,
                           pause_s=round(pause, 4), overhead_s=round(overhead, 4),
                           impact_s=None if mit is None else round(mit.planner.impact_s, 4),

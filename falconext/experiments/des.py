@@ -81,10 +81,6 @@ JOB_JITTER = 0.015
 READ_JITTER = 0.003
 #: a GPU's own compute jitter per micro-batch (what its heartbeat's mb_s carries)
 MB_JITTER = 0.01
-#: loop iterations the heartbeat's iteration time is the median of (runtime.iter_s)
-ITER_S_WINDOW = 12
-#: steps the heartbeat's compute per micro-batch is the median of (runtime.after_step)
-MB_WINDOW = 8
 #: the controller's deadlines are checked this often while the ranks wait in a suspension
 TICK_S = 0.1
 
@@ -274,7 +270,8 @@ class _Rank:
     def __init__(self, detector: str, cfg: FalconConfig) -> None:
         self.kind = detector
         self.cfg = cfg
-        self.mb: deque[float] = deque(maxlen=MB_WINDOW)
+        #: the heartbeat's compute per micro-batch is the upper median of these (runtime.after_step)
+        self.mb: deque[float] = deque(maxlen=cfg.beat_compute_window)
         self.generation = -1
         self.ids: dict[tuple[int, int], int] = {}
         self.reported: set[tuple[int, int]] = set()  # (generation, event id) already reported
@@ -312,7 +309,8 @@ class _Sim:
         self._seq = 0
         self.t = 0.0
         self.it = 0
-        self.starts: deque[float] = deque(maxlen=ITER_S_WINDOW + 1)
+        #: the heartbeat's iteration time is the median of these starts' gaps (runtime.iter_s)
+        self.starts: deque[float] = deque(maxlen=self.cfg.beat_iter_window + 1)
         #: the latest iterations: (loop iteration, start, end, breakdown, roles)
         self.recent: deque[tuple[int, float, float, IterationBreakdown, list[int]]] = deque(maxlen=8)
         self.suspension: dict[str, Any] | None = None  # pending or held: session, iteration, plan, go, release

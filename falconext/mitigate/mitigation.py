@@ -110,9 +110,9 @@ def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int, lookback: int
     1.3). ``lookback`` (the controller passes the detectors' confirmation window,
     ``min_duration``: they confirm a fail-slow on that many slow iterations, and the
     onset they estimate lies before the confirmation) reaches back past such a late
-    estimate; a heartbeat's median of 8 iterations is still clean up to 3 iterations into
-    the fault, so the window holds a clean reading for an onset up to about
-    ``lookback + 3`` iterations late. The lowest reading in it
+    estimate; a heartbeat's median (of ``beat_compute_window`` steps) is still clean
+    up to half its window into the fault, so the window holds a clean reading for an
+    onset up to about ``lookback`` + half that window iterations late. The lowest reading in it
     is the clean one: a fail-slow only ever adds time to a micro-batch, and a heartbeat's
     figure is already a median over recent iterations, so the lowest of a few carries
     no single fast outlier (at most its own jitter, about 1% low). Processes without a

@@ -99,7 +99,7 @@ class FalconRuntime:
         self.switch_s = 0.0
         #: the role this process plays, for the heartbeats (see :meth:`set_role`)
         self.role: dict[str, int] = {}
-        self._mb_s: collections.deque[float] = collections.deque(maxlen=8)
+        self._mb_s: collections.deque[float] = collections.deque(maxlen=config.beat_compute_window)
         self._action: tuple[int, MitigationAction] | None = None
         #: this rank's shares of the latest validation plans, by session
         self._shares: dict[int, list[ValidationShare]] = {}
@@ -366,8 +366,8 @@ class FalconRuntime:
         if not self.hooked:
             scored = self.monitor.score_sample
             return scored[1].iter_s if scored is not None else 0.0
-        starts = self.loop_starts[-12:]
-        if len(starts) < 3:
+        starts = self.loop_starts[-(self.cfg.beat_iter_window + 1):]
+        if len(starts) < min(3, self.cfg.beat_iter_window + 1):
             return 0.0
         return statistics.median(b - a for a, b in zip(starts, starts[1:]))
 
