@@ -766,6 +766,15 @@ def test_operator_s4_restarts_without_the_given_nodes():
     (mit,) = events(out, "mitigation")
     assert mit["strategy"] == "S4" and mit["exclude_nodes"] == [1] and mit["trigger"] == "operator"
     assert job.ctl.state is State.TRACKING
+    # a report sent just before the restart (its onset before the restart's iteration) is
+    # of processes that are gone: dropped, not a session that would hold restarting ranks
+    restart = mit["iteration"]
+    out = job.ctl.handle(FailSlowReport(2, restart - 1, restart, 1.5, 0.3, job.t, event_id=3), job.t)
+    (drop,) = events(out, "report_dropped")
+    assert drop["rank"] == 2 and "before the restart" in drop["reason"]
+    assert not commands(out) and job.ctl.state is State.TRACKING and job.ctl.episode is None
+    out = job.ctl.handle(FailSlowReport(2, restart + 5, restart + 12, 1.5, 0.3, job.t, event_id=4), job.t)
+    assert commands(out, "profile") and job.ctl.state is State.PROFILING
 
 
 @pytest.mark.parametrize("nodes", [[True], [-1], ["1"], [1.0], "1", 1])

@@ -210,6 +210,9 @@ class Controller:
         #: median of that many); a topology change or restart starts it over
         self._clean: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.cfg.heartbeat_history)
         self._clean_from = 0
+        #: the iteration the job restarted from at the latest S4 (-1: none): a report of
+        #: a fail-slow that began before it is of processes that are gone
+        self._restart_from = -1
         #: ranks the scores show as stragglers: (fresh readings in a row, the iteration of the
         #: last counted), and those already acted on (until they read normal again)
         self._outliers: dict[int, tuple[int, int]] = {}
@@ -442,6 +445,12 @@ class Controller:
                 return []  # a ladder update of a fail-slow already held
             return [_event("fail_slow_muted", rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
                            slowdown=rep.slowdown)]
+        if rep.end is None and rep.onset < self._restart_from:
+            # sent just before the restart (a detector saw the restart's own hold): the
+            # processes that saw it are gone, and a session for it would hold ranks that
+            # are restarting
+            return [_event("report_dropped", rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
+                           reason=f"onset {rep.onset} is before the restart from iteration {self._restart_from}")]
         if rep.end is not None:
             if ep is not None and ep.reporters.get(rep.rank) == rep.event_id:
                 ep.ended.add(rep.rank)
@@ -1029,6 +1038,8 @@ class Controller:
         self._clean_from = effective + self.cfg.beat_iter_window  # the plan changed here
         if strategy in ("S3", "S4"):
             self._clean.clear()  # another layout, or other nodes: another healthy time
+        if strategy == "S4":
+            self._restart_from = effective
         out.append(_event("mitigation", strategy=strategy, session=self.session, iteration=effective,
                           pause_s=round(pause, 4), overhead_s=round(overhead, 4),
                           impact_s=None if mit is None else round(mit.planner.impact_s, 4),
