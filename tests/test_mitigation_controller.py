@@ -773,8 +773,17 @@ def test_operator_s4_restarts_without_the_given_nodes():
     (drop,) = events(out, "report_dropped")
     assert drop["rank"] == 2 and "before the restart" in drop["reason"]
     assert not commands(out) and job.ctl.state is State.TRACKING and job.ctl.episode is None
+    # nor do the gone processes' heartbeats place anything: after the restart's pause the
+    # suspension for a new fail-slow is placed from the restarted ranks' own heartbeats
+    assert job.ctl.beats == {} and job.ctl.history == {}
+    job.t += 80.0
+    job.beat(restart + 6)
     out = job.ctl.handle(FailSlowReport(2, restart + 5, restart + 12, 1.5, 0.3, job.t, event_id=4), job.t)
     assert commands(out, "profile") and job.ctl.state is State.PROFILING
+    for r in NODES:
+        out += job.ctl.handle(profile(r, job.ctl.session), job.t)
+    (sus,) = commands(out, "suspend")
+    assert restart + 6 < sus.iteration <= restart + 7 + CFG.suspend_margin_iterations, sus.iteration
 
 
 @pytest.mark.parametrize("nodes", [[True], [-1], ["1"], [1.0], "1", 1])

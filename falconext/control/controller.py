@@ -1039,7 +1039,14 @@ class Controller:
         if strategy in ("S3", "S4"):
             self._clean.clear()  # another layout, or other nodes: another healthy time
         if strategy == "S4":
+            # every process restarts: what they said before describes processes that are
+            # gone (a suspension placed from their last heartbeats, or a straggler score
+            # read from them, would be about the job before its restart's pause)
             self._restart_from = effective
+            self.beats.clear()
+            self.history.clear()
+            self._outliers.clear()
+            self._outliers_acted.clear()
         out.append(_event("mitigation", strategy=strategy, session=self.session, iteration=effective,
                           pause_s=round(pause, 4), overhead_s=round(overhead, 4),
                           impact_s=None if mit is None else round(mit.planner.impact_s, 4),
