@@ -190,3 +190,26 @@ def test_a_heartbeats_medians_span_the_configured_windows():
     for f in [0.1] * 6 + [0.2] * 2:
         FalconRuntime.after_step(fake, 4, 4 * f)
     assert sorted(mb)[len(mb) // 2] == 0.2  # the upper median: 2 of the latest 4 are slow
+
+
+def test_a_forked_rank_waits_until_its_node_has_all_its_ranks(tmp_path):
+    """forkrun's ranks, forked by the agent, connect nowhere until every rank of the node
+    exists (the agent's threads then serve no connection while it forks): a rank returns
+    once local_world ranks have said so, and gives up at its deadline."""
+    import threading
+    import time
+
+    from falconext.testbed.forkrun import _all_forked
+
+    folder = str(tmp_path / "0")
+    done: list[bool] = []
+    first = threading.Thread(target=lambda: done.append(_all_forked(folder, "0", 2, deadline_s=10.0)))
+    first.start()
+    time.sleep(0.1)
+    assert first.is_alive() and not done  # waits for rank 1
+    assert _all_forked(folder, "1", 2, deadline_s=10.0)
+    first.join(5.0)
+    assert done == [True]
+    t0 = time.monotonic()
+    assert _all_forked(str(tmp_path / "1"), "0", 3, deadline_s=0.2) is False  # a sibling never came
+    assert time.monotonic() - t0 < 2.0

@@ -1,5 +1,6 @@
-"""What every test-bed rank imports before its first iteration, imported once by the fork
-server of :mod:`falconext.testbed.forkrun` so that its forks (the ranks) share it.
+"""What every test-bed rank imports before its first iteration, imported once by the ranks'
+parent in :mod:`falconext.testbed.forkrun` (the agent, or its fork server) so that its
+forks (the ranks) share it.
 
 Importing this module is the whole of its work: torch, megatron-core, redis and
 falconext's rank side are imported with the garbage collector off (as
