@@ -370,7 +370,15 @@ def test_a_mild_gpu_is_named_although_the_detectors_placed_its_onset_late():
         for r, n in NODES.items():
             mb = 0.05 * (1.3 if r == 1 and it >= 37 else 1.0) * (1.0 + 0.005 * ((r + it) % 3))
             ctl.handle(Heartbeat(r, n, it, 1.3, t, replica=r, mb_s=mb, micro=8, role=r), t)
-    ctl.handle(FailSlowReport(1, 40, 52, 1.3, 1.0, t, event_id=0), t)  # onset 40: 7 iterations late
+    outs = _validated(ctl, FailSlowReport(1, 40, 52, 1.3, 1.0, t, event_id=0), t)  # onset 40: 7 iterations late
+    (loc,) = events(outs, "localized")
+    assert loc["gpus"] == [1], loc["evidence"]
+
+
+def _validated(ctl: Controller, rep: FailSlowReport, t: float) -> list:
+    """``rep`` handled, every rank profiled, held and validated (rank 1's GEMM 1.3x slow);
+    the verdict's outputs."""
+    ctl.handle(rep, t)
     for r in NODES:
         ctl.handle(profile(r, ctl.session), t)
     assert ctl.state is State.VALIDATING
@@ -380,8 +388,7 @@ def test_a_mild_gpu_is_named_although_the_detectors_placed_its_onset_late():
     outs = []
     for r in NODES:
         outs += ctl.handle(ValidationResult(r, session, 1e10 / (1.3 if r == 1 else 1.0), []), t + 0.5)
-    (loc,) = events(outs, "localized")
-    assert loc["gpus"] == [1], loc["evidence"]
+    return outs
 
 
 def _planned_healthy(reported_baseline: float, before: list[float]) -> float:
@@ -394,15 +401,7 @@ def _planned_healthy(reported_baseline: float, before: list[float]) -> float:
         for r, n in NODES.items():
             mb = 0.05 * (1.3 if r == 1 and it >= 40 else 1.0)
             ctl.handle(Heartbeat(r, n, it, x, t, replica=r, mb_s=mb, micro=8, role=r), t)
-    ctl.handle(FailSlowReport(1, 40, 52, 1.3, reported_baseline, t, event_id=0), t)
-    for r in NODES:
-        ctl.handle(profile(r, ctl.session), t)
-    session, it = ctl.session, max(b.iteration for b in ctl.beats.values()) + 1
-    for r in NODES:
-        ctl.handle(SessionAck(r, session, "held", it, t), t)
-    outs = []
-    for r in NODES:
-        outs += ctl.handle(ValidationResult(r, session, 1e10 / (1.3 if r == 1 else 1.0), []), t + 0.5)
+    outs = _validated(ctl, FailSlowReport(1, 40, 52, 1.3, reported_baseline, t, event_id=0), t)
     (started,) = events(outs, "planner_started")
     return started["healthy_s"]
 
