@@ -145,6 +145,16 @@ def test_forkrun_splits_torchruns_options_from_the_ranks_arguments():
         split_argv(["--nproc_per_node", "4"])
 
 
+def test_forkrun_reads_the_node_count_that_chooses_how_ranks_are_forked():
+    """One node: forks of the agent; any other count (either spelling): a fork server."""
+    from falconext.testbed.forkrun import _nodes
+
+    assert _nodes(["--nproc_per_node", "4"]) == "1"
+    assert _nodes(["--nnodes", "2", "--node_rank", "1"]) == "2"
+    assert _nodes(["--nnodes=2", "--node_rank", "0"]) == "2"
+    assert _nodes(["--nnodes", "1"]) == "1"
+
+
 def test_a_ranks_heartbeat_says_how_long_its_iteration_has_been_running():
     """FalconRuntime.into_s: since the start of the current loop iteration (the loop's own
     perf_counter starts, a resumed job's first iteration at index 0); -1 when it cannot

@@ -259,15 +259,12 @@ class Controller:
             self.beats[msg.rank] = msg
             self._first_beat.setdefault(msg.rank, msg.iteration)
             kept = self.history.setdefault(msg.rank, collections.deque(maxlen=self.cfg.heartbeat_history))
-            if kept and kept[-1].iteration == msg.iteration and kept[-1].role == msg.role:
-                kept[-1] = msg  # the loop has not moved: one reading per iteration, the latest
-            else:
-                kept.append(msg)
+            # the loop has not moved: one reading per iteration, the latest
+            _keep_latest(kept, msg, bool(kept) and (kept[-1].iteration, kept[-1].role) == (msg.iteration, msg.role))
             if (msg.rank == self._first_rank and self.episode is None and self.state is State.TRACKING
                     and msg.iteration >= self._clean_from and msg.iter_s > 0):
-                if self._clean and self._clean[-1][0] == msg.iteration:
-                    self._clean.pop()
-                self._clean.append((msg.iteration, msg.iter_s))
+                clean = self._clean
+                _keep_latest(clean, (msg.iteration, msg.iter_s), bool(clean) and clean[-1][0] == msg.iteration)
             return self._observe(msg, now) + self._maybe_baseline(msg, now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
@@ -595,12 +592,13 @@ class Controller:
             placed = placed and b.into_s >= 0
             since = max(0.0, now - b.time + max(0.0, b.into_s))  # since its iteration began, at least
             latest = max(latest, b.iteration + since / b.iter_s if b.iter_s > 0 else b.iteration)
-        margin = self._margin(iter_s) * self._tries
-        self._iteration = int(math.ceil(latest)) + margin
-        if placed and margin and self._long(iter_s):
+        if placed and self._long(iter_s):
             # every rank said how far into its iteration it was: the first iteration that
             # starts at least suspend_margin_s (per try) from now is far enough
             self._iteration = int(math.ceil(latest + self._tries * self.cfg.suspend_margin_s / iter_s))
+        else:
+            self._iteration = int(math.ceil(latest)) + self._margin(iter_s) * self._tries
+        margin = self._iteration - int(math.ceil(latest))  # iterations past the one next due
         self._acks = {"held": {}, "resumed": {}}
         self._go_sent = False
         wait = (self._iteration - latest + 1) * max(iter_s, 0.05)
@@ -829,6 +827,7 @@ class Controller:
         if not (gpus or links) or self.muted:
             mit.planner.relocalized(False)
             return [_event("relocalized", outcome="nothing new" if not (gpus or links) else "muted", **fields)]
+        part = Localized(gpus=gpus, links=links, evidence=loc.evidence)
         if info["was_enough"]:
             healthy = mit.planner.status()["healthy_s"]
             new = _Episode("fail_slow", now, localized=True, onsets=[int(info["rise_iteration"])],
@@ -837,9 +836,7 @@ class Controller:
             out = [_event("relocalized", outcome="new episode", **fields),
                    _event("episode_end", session=self.session, ranks=sorted(ep.ended),
                           reason="superseded by a new fail-slow", gpus=gpus, links=links)]
-            part = Localized(gpus=gpus, links=links, evidence=loc.evidence)
             return out + self._plan_mitigation(new, part, now, clean_before=int(info["reference_iteration"]))
-        part = Localized(gpus=gpus, links=links, evidence=loc.evidence)
         mit.gpus += gpus
         mit.links += links
         if gpus:
@@ -1299,6 +1296,15 @@ def for_bus(loc: Localized) -> Localized:
     return Localized(gpus=loc.gpus[:1000], links=loc.links[:500],
                      evidence=dict(keep, truncated=True, full_in="events.jsonl",
                                    gpus_total=len(loc.gpus), links_total=len(loc.links)))
+
+
+def _keep_latest(kept: collections.deque, item: Any, same: bool) -> None:
+    """Append ``item`` to ``kept``, or replace its last entry when ``same`` (another reading
+    of the same loop iteration)."""
+    if same:
+        kept[-1] = item
+    else:
+        kept.append(item)
 
 
 def _gpu_factors(loc: Localized, gpus: list[int] | None = None) -> dict[int, float]:

@@ -85,6 +85,17 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     raise ValueError(f"forkrun: no '-m {MODULE}' on the command line")
 
 
+def _nodes(launcher_args: list[str]) -> str:
+    """torchrun's ``--nnodes`` as given (``--nnodes N`` or ``--nnodes=N``; "1" without it),
+    read before torch is imported: it chooses how the ranks are forked."""
+    for i, arg in enumerate(launcher_args):
+        if arg == "--nnodes" and i + 1 < len(launcher_args):
+            return launcher_args[i + 1]
+        if arg.startswith("--nnodes="):
+            return arg.split("=", 1)[1]
+    return "1"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ranks as torchrun would, forked; returns 0 when every rank returned 0
     (a failed rank raises torch's ChildFailedError, whose report names it)."""
@@ -95,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from multiprocessing import forkserver
 
     launcher_args, rank_args = split_argv(list(sys.argv[1:] if argv is None else argv))
-    nodes = launcher_args[launcher_args.index("--nnodes") + 1] if "--nnodes" in launcher_args else "1"
-    method = "fork" if nodes == "1" else "forkserver"
+    method = "fork" if _nodes(launcher_args) == "1" else "forkserver"
     if method == "forkserver":
         # started now: its imports run while this process imports torch for the agent
         multiprocessing.get_context("forkserver").set_forkserver_preload([PRELOAD])
