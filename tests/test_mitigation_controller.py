@@ -880,28 +880,72 @@ def test_a_failed_revert_still_closes_the_episode():
     assert commands(out, "profile")
 
 
-def test_a_new_fail_slow_under_a_mitigation_in_force_is_localized_afresh():
+def test_a_new_fail_slow_under_a_mitigation_in_force_is_localized_again():
     """fig17's compound trace: a GPU slowed after S3 had moved a congested link's traffic,
     and the controller read it as "S3 not enough" and restarted without the link's node.
-    A new event whose onset is after the strategy settled opens its own episode; a ladder
-    update of the episode's own event, or an onset before the strategy settled, does not."""
-    job = Job()
+    A new event whose onset is after the strategy settled, on a level risen over the one
+    the strategy held, is localized again (as a rise the planner sees), and a new fault
+    found under a strategy judged enough gets its own episode; a ladder update of the
+    episode's own event, or an onset before the strategy settled, starts nothing."""
+    job = Job(restart_s=2.0)
     effective = _s2_applied(job)
-    job.advance(CFG.mitigation_settle_iterations + 2)
     ctl = job.ctl
+    job.iter_s = HEALTHY
+    job.it = effective - 1
+    job.advance(CFG.mitigation_settle_iterations + CFG.mitigation_judge_iterations + 3)
+    first = ctl.episode
+    assert first.mitigation.planner.status()["judged"][-1]["enough"] is True
     session = ctl.session
     # the old event again (a ladder update), and a new one from before S2 had settled
     out = ctl.handle(FailSlowReport(1, ONSET, job.it, 2.2, HEALTHY, job.t, event_id=7), job.t)
     out += ctl.handle(FailSlowReport(2, effective + 1, job.it, 1.3, HEALTHY, job.t, event_id=3), job.t)
-    assert not events(out, "episode_end") and ctl.session == session and ctl.state is State.TRACKING
-    # a new fail-slow on rank 3, well after S2 settled
-    new_onset = effective + CFG.mitigation_settle_iterations + 1
-    out = ctl.handle(FailSlowReport(3, new_onset, job.it, 1.8, SLOW * 0.8, job.t, event_id=9), job.t)
+    assert not events(out, "episode_end") and not commands(out) and ctl.session == session
+    assert ctl.state is State.TRACKING
+    # a new fail-slow on rank 3, well after S2 settled, reported before the heartbeats' level shows it
+    job.mb[3] = SLOW_MB
+    out = ctl.handle(FailSlowReport(3, job.it - 1, job.it, 1.8, HEALTHY, job.t, event_id=9), job.t)
+    (dec,) = decisions(out)
+    assert dec["action"] == "relocalize" and dec["trigger"] == "report"
+    out = _revalidate(job, out, slow=(1, 3))
+    (loc,) = events(out, "localized")
+    assert loc["evidence"]["trigger"] == "relocalize"
+    (rel,) = events(out, "relocalized")
+    assert rel["outcome"] == "new episode" and rel["gpus"] == [3]
     (end,) = events(out, "episode_end")
-    assert end["reason"] == "superseded by a new fail-slow" and end["rank"] == 3
-    assert ctl.state is State.PROFILING and ctl.session > session and commands(out, "profile")
-    assert ctl.episode.reporters == {3: 9} and ctl.episode.onsets == [new_onset]
-    assert ctl.episode.mitigation is None  # the new fault gets its own localization and planner
+    assert end["reason"] == "superseded by a new fail-slow"
+    assert ctl.episode is not first and ctl.episode.mitigation.gpus == [3]  # its own planner
+
+
+def test_a_new_event_on_the_level_the_mitigation_holds_is_not_a_new_fail_slow():
+    """The shared S3 job (issue 36): S3 left a x3 link on pipeline traffic, 1.1x the
+    healthy time; a detector's event ended on the step down and one on the same level
+    opened against the old baseline. It is the residual of the fault the episode
+    mitigates: no new episode, no localization. A report on a level risen over the one the
+    strategy held (by mitigation_relocalize_rise) is localized again; one whose onset came
+    before that re-localization is not (it saw the rise)."""
+    job = Job()
+    effective = _s2_applied(job)
+    job.iter_s = HEALTHY * 1.1  # what S2 holds: a residual over healthy
+    job.advance(CFG.mitigation_settle_iterations + 4)
+    ctl = job.ctl
+    session = ctl.session
+    out = ctl.handle(FailSlowReport(1, ONSET, job.it, 2.0, HEALTHY, job.t, event_id=7, end=effective + 1), job.t)
+    new_onset = effective + CFG.mitigation_settle_iterations + 2
+    out += ctl.handle(FailSlowReport(1, new_onset, job.it, 1.12, HEALTHY, job.t, event_id=8), job.t)
+    assert not events(out, "episode_end") and not commands(out) and not decisions(out), out
+    (joined,) = events(out, "report_joined")
+    assert joined["rank"] == 1 and joined["event_id"] == 8
+    assert ctl.session == session and ctl.state is State.TRACKING and ctl.episode.mitigation is not None
+    # the same rank's next event on a level 20% over the held one is localized again
+    out = ctl.handle(FailSlowReport(1, new_onset + 1, job.it, 1.1 * 1.2, HEALTHY, job.t, event_id=9), job.t)
+    (dec,) = decisions(out)
+    assert dec["action"] == "relocalize" and commands(out, "profile")
+    out = _revalidate(job, out, slow=(1,))
+    (rel,) = events(out, "relocalized")
+    assert rel["outcome"] == "nothing new" and ctl.episode.mitigation is not None
+    # a report of a rise from before that re-localization: it saw the rise already
+    out = ctl.handle(FailSlowReport(2, new_onset + 1, job.it, 1.5, HEALTHY, job.t, event_id=4), job.t)
+    assert not commands(out) and not decisions(out) and ctl.state is State.TRACKING, out
 
 
 # --- a rise inside the episode is localized again ------------------------------------------

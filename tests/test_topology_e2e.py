@@ -91,6 +91,9 @@ def test_congested_links_end_up_on_pipeline_traffic(runs):
     assert loc["gpus"] == [] and loc["links"] == [[0, 1], [0, 2]], loc["evidence"]
     applied = [e for e in events(out, "mitigation") if e["strategy"] in ("S2", "S3", "S4")]
     assert [e["strategy"] for e in applied] == ["S3"], applied
+    # the x3 link stays on pipeline traffic (1.1x healthy): a re-localization, when host
+    # noise lifts the level over the planner's line, finds no fault it does not know
+    assert {e["outcome"] for e in events(out, "relocalized")} <= {"nothing new"}
     roles = applied[0]["roles"]
     before, after = groups(list(range(4))), groups(roles)
     assert {0, 1} in before["dp"] and {0, 2} in before["pp"]  # both paths were congested
@@ -111,7 +114,8 @@ def test_s3_removes_half_the_slowdown_and_reports_its_pause(runs):
     assert probe["probe"] and not real["probe"] and real["moved_bytes"] > 0
     assert 0 < real["pause_s"] < 30
     # the planner's cost for S3 came from the probe's measured pause
-    (decision,) = [d for d in summary["mitigation"]["decisions"] if d["strategy"] == "S3"]
+    # the apply decision (a re-localization's decision names the strategy in effect too)
+    (decision,) = [d for d in summary["mitigation"]["decisions"] if d["strategy"] == "S3" and d["action"] == "apply"]
     assert decision["overhead_s"] >= probe["pause_s"]
     assert real["disk_restart_s"] is None or real["shorter_than_disk"] > 0
     print(f"S3: removed {summary['slowdown_removed']}, pause {real['pause_s']} s, "

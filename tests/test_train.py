@@ -164,11 +164,18 @@ def test_tensor_parallel_trains(runs):
 
 @pytest.mark.parametrize("name, gpus, links", [("compute", [1], []), ("link", [], [[0, 1], [0, 2]])])
 def test_fault_is_localized_in_job(runs, name, gpus, links):
-    """Detected -> profiled -> every rank suspended -> validated -> the right component named."""
-    found = events(runs[name], "localized")
-    assert len(found) == 1, found
+    """Detected -> profiled -> every rank suspended -> validated -> the right component named,
+    once. Under the mitigation the planner may localize again when the level hovers over
+    the line it judged enough by (issue 36: S3 leaves the x3 link on pipeline traffic,
+    1.1x healthy, and host noise crossed the 1.1x line); such a re-localization names
+    nothing the fault's did not."""
+    every = events(runs[name], "localized")
+    found = [e for e in every if e["evidence"]["trigger"] == "fail_slow"]
+    assert len(found) == 1, every
     assert found[0]["gpus"] == gpus and found[0]["links"] == links, found[0]["evidence"]
-    assert found[0]["evidence"]["trigger"] == "fail_slow"
+    again = [e for e in every if e is not found[0]]
+    assert all(e["evidence"]["trigger"] == "relocalize" for e in again), again
+    assert [e["outcome"] for e in events(runs[name], "relocalized")] == ["nothing new"] * len(again)
     if name == "link":  # the emulated bed's floor, set by the launcher (EMULATED_TESTBED)
         assert found[0]["evidence"]["links"]["min_excess_s"] == 0.005
     # the validation's hold (a two-node job also holds once early on to measure its network

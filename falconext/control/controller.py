@@ -25,7 +25,12 @@ comes, a deadline) is tested without Redis. :func:`main` is the thin process aro
 
 One episode per fail-slow: reports from the other ranks, and ladder updates, join the
 episode rather than start new ones; the episode closes when every rank that reported
-it has reported its end, and only then can a new one start.
+it has reported its end, and only then can a new one start. Under a mitigation in force a
+rank's new event is news only when its level rose over the one the strategy holds (the
+residual of a fault a strategy only partly hides, such as a slow link moved onto
+pipeline traffic, reads 1.1x healthy, and a detector whose event ended on the strategy's
+step down opens one on it against the old baseline); such a report is localized again
+like a rise the planner sees.
 
 A rise the planner sees (the iteration time up by ``mitigation_relocalize_rise`` over the
 lowest level of the episode, or a strategy judged enough that no longer is) is localized
@@ -157,6 +162,9 @@ class _Episode:
     relocalizing: dict[str, Any] | None = None
     #: the rank the controller's scores suspected, when they opened the episode (no report did)
     suspected: int | None = None
+    #: the iteration of the episode's latest re-localization (-1: none): it saw every rise
+    #: that began before it
+    relocalized_at: int = -1
 
 
 class Controller:
@@ -457,16 +465,21 @@ class Controller:
                     return self._maybe_close()
             return []
         if ep is not None and self._new_fail_slow(ep, rep):
-            # a second fault under a mitigation in force: localize it, do not blame the first
-            out = [_event("episode_end", session=self.session, ranks=sorted(ep.ended),
-                          reason="superseded by a new fail-slow", rank=rep.rank, onset=rep.onset)]
-            self.episode = None
-            return out + self._on_report(rep, now)
+            # maybe a second fault under a mitigation in force: localize again, as for a rise
+            # the planner sees, so that what is found is sorted against what is known
+            return self._report_relocalizes(ep, rep, now)
         if ep is not None:
             if rep.rank not in ep.reporters:
                 ep.onsets.append(rep.onset)
                 ep.baselines.append(rep.baseline_s)
                 ep.slow_levels.append(rep.baseline_s * rep.slowdown)
+            elif ep.reporters[rep.rank] != rep.event_id and ep.mitigation is not None and ep.mitigation.applied:
+                # a new event of this rank that is no news: on the level the strategy holds
+                # (its event ended on the step down and one opened against the old
+                # baseline), from before a re-localization, or while one runs
+                return [_event("report_joined", session=self.session, rank=rep.rank, onset=rep.onset,
+                               event_id=rep.event_id, level_s=round(rep.baseline_s * rep.slowdown, 6),
+                               reason="no rise the episode has not localized")]
             ep.reporters.setdefault(rep.rank, rep.event_id)
             return []
         out = self._start("fail_slow", rep.time, now)
@@ -478,19 +491,58 @@ class Controller:
         return out
 
     def _new_fail_slow(self, ep: _Episode, rep: FailSlowReport) -> bool:
-        """Whether a report opens a fail-slow of its own although an episode is open: the
-        episode's mitigation is in force (applied, nothing in flight, tracking) and the
-        report is a new event (not the one this rank reported for the episode) whose onset
-        comes after the last strategy had settled. Without this, a GPU that slowed after
-        S3 had moved a congested link's traffic read as "S3 not enough", and the planner
-        restarted the job without the link's node, leaving the slow GPU in place."""
+        """Whether a report may be a fault the open episode does not know: its mitigation
+        is in force (applied, nothing in flight, tracking); the report is a new event (not
+        the one this rank reported for the episode) whose onset comes after the last
+        strategy had settled and after the episode's latest re-localization (which saw any
+        rise before it); and its slow level (baseline x slowdown) is a rise over the level
+        the strategy held before that onset (:meth:`_mitigated_level`) by
+        ``mitigation_relocalize_rise`` (``min_slowdown`` where that is 0), or no such level
+        was read. Without the level rule, the residual of a fault the strategy only partly
+        hides read as a new fault: S3 left the shared S3 job's x3 link on pipeline traffic
+        (1.1x the healthy time), a detector's event ended on the step down, one on the same
+        level opened against the old baseline, and the new episode localized that link
+        alone and decided S3 again."""
         mit = ep.mitigation
         if mit is None or not mit.applied or mit.in_flight is not None or self.state is not State.TRACKING:
             return False
         if ep.reporters.get(rep.rank) == rep.event_id:
             return False
-        settled = int(mit.applied[-1]["iteration"]) + self.cfg.mitigation_settle_iterations
-        return rep.onset > settled
+        settled = max(int(mit.applied[-1]["iteration"]) + self.cfg.mitigation_settle_iterations,
+                      ep.relocalized_at)
+        if rep.onset <= settled:
+            return False
+        held = self._mitigated_level(mit, settled, rep.onset)
+        rise = self.cfg.mitigation_relocalize_rise or self.cfg.min_slowdown
+        return held is None or rep.baseline_s * rep.slowdown > held * (1.0 + rise)
+
+    def _report_relocalizes(self, ep: _Episode, rep: FailSlowReport, now: float) -> list[Output]:
+        """A report :meth:`_new_fail_slow` let through: the planner localizes again from the
+        report's onset (:meth:`_relocalized` sorts the finding: nothing new, a new episode
+        under a strategy that was enough, or a fault that joins this one). Without this, a
+        GPU that slowed after S3 had moved a congested link's traffic read as "S3 not
+        enough", and the planner restarted the job without the link's node."""
+        mit = ep.mitigation
+        assert mit is not None
+        ep.reporters[rep.rank] = rep.event_id
+        ep.ended.discard(rep.rank)
+        level = rep.baseline_s * rep.slowdown
+        d = mit.planner.relocalize(max(rep.onset, mit.planner.status()["last_iteration"]), rep.onset,
+                                   f"rank {rep.rank} reported a fail-slow from iteration {rep.onset} ({level:.3f}s)")
+        joined = _event("report_joined", session=self.session, rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
+                        level_s=round(level, 6), reason="localized again" if d is not None else "the planner is busy")
+        return [joined] + ([] if d is None else self._decide(mit, d, now, "report"))
+
+    def _mitigated_level(self, mit: Mitigation, settled: int, onset: int) -> float | None:
+        """The iteration time the strategy in force held from its settling up to ``onset``:
+        the lowest of the first rank's heartbeats there (each a median of recent
+        iterations), or the planner's reference level (the lowest since settling) where
+        none is kept; None: neither."""
+        readings = [b.iter_s for b in self.history.get(int(self._first_rank), ()) if math.isfinite(self._first_rank)
+                    and settled < b.iteration <= onset and b.iter_s > 0]
+        reference = mit.planner.status()["reference_s"]
+        candidates = readings + ([reference] if reference else [])
+        return min(candidates) if candidates else None
 
     def _start(self, trigger: str, t_event: float, now: float | None = None) -> list[Output]:
         """Open an episode for the event at ``t_event`` and ask every rank for its calls.
@@ -726,7 +778,7 @@ class Controller:
             return self._baseline_verdict(ep, link_evidence, now)
         evidence: dict[str, Any] = {
             "session": self.session,
-            "trigger": ep.trigger if ep else "unknown",
+            "trigger": ("relocalize" if ep.relocalizing is not None else ep.trigger) if ep else "unknown",
             "scope": (self._plan or {}).get("scope"),
             "profile": self._findings.evidence() if self._findings else {},
             "gemm_gflops": {str(r): round(f / 1e9, 3) for r, f in sorted(flops.items())},
@@ -817,6 +869,7 @@ class Controller:
         info, ep.relocalizing = ep.relocalizing, None
         mit = ep.mitigation
         assert info is not None
+        ep.relocalized_at = max(ep.relocalized_at, int(info["iteration"]))
         if mit is None or mit.planner.finished:
             return []
         known = {tuple(sorted(x)) for x in mit.links}

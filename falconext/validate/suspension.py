@@ -10,10 +10,12 @@ each P2P pass), reports, and lets the trapped call go on.
 Deadlines: the wait for "go" ends at the trap's deadline whatever happens to the
 controller or Redis; a "release" ends it at once. While it waits, the rank says "held"
 again every ``resend_s``: one lost message must not cost the whole suspension. The
-validation itself has a budget (``budget_s``): before each benchmark step (a GEMM round,
-a P2P sweep) the ranks agree whether any of them has spent it, or would during a step as
-long as the last of its kind (:attr:`Bench.agree_stop`), and if one has, every rank stops
-there and reports what it measured, marked partial.
+validation itself has a budget (``budget_s``) for its repeats: the plan runs in sweeps
+(every GEMM round, then every P2P pass), and the first sweep always runs, so every suspect
+is measured once and a verdict never names a component healthy that was not measured.
+Before each step of a later sweep the ranks agree whether any of them has spent the
+budget, or would during a step as long as the last of its kind (:attr:`Bench.agree_stop`),
+and if one has, every rank stops there and reports what it measured, marked partial.
 The validation traffic runs on a dedicated process group whose timeout bounds a step
 that loses its peer.
 
@@ -206,7 +208,7 @@ class Suspension:
         self.committed = True
 
     def _out_of_budget(self, t0: float, expected_s: float = 0.0) -> bool:
-        """Before a benchmark step: stop here? True once this rank, or (with
+        """Before a benchmark step of a repeat sweep: stop here? True once this rank, or (with
         :attr:`Bench.agree_stop`) any rank, has spent ``budget_s`` since ``t0``, or would
         spend it during a step expected to take ``expected_s`` (as long as the last step of
         its kind took: a second P2P sweep over a congested link is as slow as the first)."""
@@ -239,10 +241,14 @@ class Suspension:
             for k, src, dst in work.pairs:
                 schedule[k].append((src, dst))
             steps = sweeps * len(rounds) + (sweeps if plan.p2p_rounds else 0)
-            last_s = 0.0  # the last step of the kind about to run: its expected time
-            for _ in range(sweeps):  # each rank keeps its best sweep
+            # the first sweep of each kind runs whatever the budget (bounded by the group's
+            # timeout): a verdict needs every suspect measured once (a budget spent on GEMM
+            # rounds used to leave the links unmeasured, and the verdict named none). The
+            # budget cuts only the repeats, each expected to take as long as the last of its kind
+            last_gemm_s = last_p2p_s = 0.0
+            for sweep in range(sweeps):  # each rank and pair keeps its best sweep
                 for k in rounds:  # rounds: every rank takes part in each barrier
-                    if self._out_of_budget(t0, last_s):
+                    if sweep > 0 and self._out_of_budget(t0, last_gemm_s):
                         raise _BudgetSpent
                     t_step = time.monotonic()
                     if plan.gemm_rounds > 1:
@@ -250,16 +256,16 @@ class Suspension:
                     if work.gemm_round == k:
                         got = float(self.bench.gemm(plan.gemm_n, plan.gemm_repeats))
                         flops = got if flops is None else max(flops, got)
-                    last_s = time.monotonic() - t_step
+                    last_gemm_s = time.monotonic() - t_step
                     done += 1
-            last_s = 0.0
-            for _ in range(sweeps if plan.p2p_rounds else 0):  # each pair keeps its best sweep
-                if self._out_of_budget(t0, last_s):
+                if not plan.p2p_rounds:
+                    continue
+                if sweep > 0 and self._out_of_budget(t0, last_p2p_s):
                     raise _BudgetSpent
                 t_step = time.monotonic()
                 for src, dst, sec in self.bench.passes(schedule, plan.nbytes, plan.repeats, 0):
                     best[(src, dst)] = min(float(sec), best.get((src, dst), math.inf))
-                last_s = time.monotonic() - t_step
+                last_p2p_s = time.monotonic() - t_step
                 done += 1
         except _BudgetSpent:
             error = (f"partial: validation budget of {self.budget_s:g} s spent after {done} of {steps} steps "
