@@ -187,7 +187,6 @@ def test_fast_at_8192_replicas():
 
 
 def test_cvxpy_agrees_on_slowest_time():
-    pytest.importorskip("cvxpy")
     rng = np.random.default_rng(5)
     cases = [([1.0, 2.0, 1.0, 1.0], 16, None)]
     for d in (3, 8, 17, 32):
