@@ -22,4 +22,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[dev]"
+# an editable install leaves falconext uncompiled; where PYTHONDONTWRITEBYTECODE is set every
+# process (a job starts a dozen) would compile it again
+"$PY" -m compileall -q falconext >/dev/null
 echo "setup: ok ($("$PY" -c 'import falconext, torch; print("falconext", falconext.__version__, "torch", torch.__version__)'))" >&2

@@ -8,6 +8,11 @@ Jobs that several modules need (a faulty DP4 run that S2 mitigates, an undisturb
 reference) are run once per session through :class:`JobCache` (the ``jobs`` fixture of
 conftest.py): the same arguments give the same run. A reference may be longer than the
 run it is compared with; the constant learning rate makes its first iterations the same.
+
+One job at a time (:data:`ONE_JOB`, which every launch here holds): two jobs' ranks on the
+2-core host would slow each other's device windows. The shared jobs start in the
+background when the session starts (:meth:`JobCache.prefetch`, conftest.py), while the
+unit tests run; conftest.py runs the modules that train jobs of their own after those.
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+
+#: held by every job this module launches (and by the modules that start their own): one
+#: job on the host at a time
+ONE_JOB = threading.RLock()
 
 
 def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
@@ -32,7 +44,8 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
         inject.write_text(json.dumps(faults))
         cmd += ["--inject", str(inject)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    with ONE_JOB:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def train(out: Path, *args: str, nproc: int = 4, faults: list | None = None, timeout: int = 500,
@@ -68,6 +81,39 @@ def losses(out: Path) -> dict[int, float]:
     return got
 
 
+def device_slowdown_removed(out: Path) -> float | None:
+    """The share of the slowdown a run's mitigation removed on its emulated devices' own
+    records (ranks/device-rank*.json: the device time each iteration took, fault included):
+    an iteration takes its slowest rank's compute and link time, and the healthy, slow and
+    mitigated windows are summary.json's. Deterministic, where the wall clock's figure
+    carries the host's noise. None without a mitigation or a window."""
+    from statistics import median
+
+    from falconext.mitigate.planner import slowdown_removed
+    from falconext.testbed.report import SETTLE
+
+    run = json.loads((out / "run.json").read_text())
+    world = int(run["topology"]["world"])
+    records = [json.loads((out / "ranks" / f"device-rank{r}.json").read_text())["iterations"] for r in range(world)]
+    took = {int(it): max(rec[it]["compute_s"] + rec[it]["link_s"] for rec in records)
+            for it in records[0] if all(it in rec for rec in records)}
+    fixes = [int(e["iteration"]) for e in events(out, "mitigation") if e["strategy"] in ("S2", "S3", "S4")]
+    faults = run["faults"]
+
+    def in_fault(it: int) -> bool:
+        return any(f["start"] <= it and (f["end"] is None or it < f["end"]) for f in faults)
+
+    if not fixes:
+        return None
+    fix = min(fixes)
+    healthy = [v for it, v in took.items() if it > 0 and not in_fault(it)]
+    slow = [v for it, v in took.items() if in_fault(it) and it < fix]
+    mitigated = [v for it, v in took.items() if in_fault(it) and it >= fix + SETTLE]
+    if not (healthy and slow and mitigated):
+        return None
+    return slowdown_removed(median(healthy), median(slow), median(mitigated))
+
+
 #: iterations.csv holds losses to 6 decimals: two runs that learn the same agree to the last
 #: digit, give or take one rounding of it (a float-rounding difference that straddles a
 #: rounding boundary); the losses here are over 1, so this is under 1e-6 relative
@@ -85,19 +131,46 @@ def assert_same_trajectory(a: dict[int, float], b: dict[int, float], iters: int)
 
 
 class JobCache:
-    """Jobs run at most once per session: the same arguments return the same run."""
+    """Jobs run at most once per session: the same arguments return the same run (a job
+    that failed raises its failure to every test that asks for it)."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
-        self._runs: dict[str, Path] = {}
+        self._runs: dict[str, Future] = {}
+        self._lock = threading.Lock()
 
     def train(self, *args: str, nproc: int = 4, faults: list | None = None, device: str = "cpu",
               report: bool = False) -> Path:
+        """The run of these arguments: run now, or the one already run or under way."""
         key = json.dumps([list(args), nproc, faults, device, report])
-        if key not in self._runs:
-            self._runs[key] = train(self.base / f"job{len(self._runs)}", *args, nproc=nproc, faults=faults,
-                                    device=device, report=report)
-        return self._runs[key]
+        with self._lock:
+            future, mine = self._runs.get(key), key not in self._runs
+            if future is None:
+                future = self._runs[key] = Future()
+                out = self.base / f"job{len(self._runs) - 1}"
+        if mine:
+            try:
+                future.set_result(train(out, *args, nproc=nproc, faults=faults, device=device, report=report))
+            except BaseException as exc:  # noqa: BLE001 - every test that asks for the job sees it
+                future.set_exception(exc)
+        return future.result()
+
+    def prefetch(self, *shared: Callable[[JobCache], Path], stop: threading.Event) -> threading.Thread:
+        """Run the jobs the ``shared`` functions of this module ask for, in order, on a
+        background thread (each under :data:`ONE_JOB`), until ``stop`` is set; a test that
+        asks for one waits for it. Returns the thread (join it to wait for the rest)."""
+        def worker() -> None:
+            for job in shared:
+                if stop.is_set():
+                    return
+                try:
+                    job(self)
+                except BaseException:  # noqa: BLE001 - kept in the job's future for its tests
+                    pass
+
+        thread = threading.Thread(target=worker, name="prefetch-jobs", daemon=True)
+        thread.start()
+        return thread
 
 
 # --- jobs shared by several modules -----------------------------------------------------------

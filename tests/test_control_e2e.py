@@ -165,4 +165,7 @@ def test_training_keeps_its_speed_without_redis(scenario):
             before.append(secs)
         t += secs
     assert len(down) >= 5 and len(before) >= 5, (len(down), len(before))
-    assert median(down) < 1.5 * median(before), (median(down), median(before))
+    # fail-open: the README's "within 5%" is chaos_acceptance's quiet figure; here the run
+    # shares the host with the test's own checks (0.97 quiet and 0.84 with two CPU hogs,
+    # 2026-11-26), so the bound is 10%
+    assert median(down) < 1.10 * median(before), (median(down), median(before))

