@@ -79,15 +79,16 @@ def test_falconext_localizes_a_slow_gpu_and_applies_s2():
     assert r.jct_s < slow.jct_s
 
 
-#: the simulator's published figures (README highlights; full runs, measured 2026-11-26 with
-#: ``table7.runs(table7.FULL_S)`` and ``ablations.measure(False)``): the share of
-#: the slowdown each removes. The simulation is deterministic; a change that moves a figure
-#: by more than a point must update it here on purpose, with the reason in its commit.
+#: the simulator's published figures (README highlights, measured 2026-11-26): the share of
+#: the slowdown table7 (full run) removes, and each ablation on its quick run (seed 17; the
+#: README's mean over seeds 17-19 is within 0.1 point of it for every variant). The
+#: simulation is deterministic; a change that moves a figure by more than a point must
+#: update it here on purpose, with the reason in its commit.
 TABLE7_REDUCED = 0.615
 ABLATIONS_REDUCED = {
-    "all on": 0.8337, "falconext off": 0.0, "verification off (plain BOCD)": 0.7701,
-    "1.1x rule -> 1.5x": 0.8337, "1.1x rule off (1000x)": 0.8337, "immediate escalation": 0.9146,
-    "S2 only": 0.4406, "S3 only": -0.0013, "S4 only": 0.8377, "no mitigation (detect + localize)": -0.0009,
+    "all on": 0.8344, "falconext off": 0.0, "verification off (plain BOCD)": 0.771,
+    "1.1x rule -> 1.5x": 0.8344, "1.1x rule off (1000x)": 0.8344, "immediate escalation": 0.9144,
+    "S2 only": 0.4406, "S3 only": -0.0016, "S4 only": 0.8383, "no mitigation (detect + localize)": -0.0011,
 }
 POINT = 0.01
 
@@ -102,7 +103,7 @@ def test_table7_removes_the_share_of_the_slowdown_the_readme_states():
 
 
 def test_each_ablation_removes_the_share_the_readme_states():
-    rows = {r["variant"]: r["slowdown_reduced"] for r in ablations.measure(quick=False).rows if r["variant"] != "healthy"}
+    rows = {r["variant"]: r["slowdown_reduced"] for r in ablations.measure(quick=True).rows if r["variant"] != "healthy"}
     assert set(rows) == set(ABLATIONS_REDUCED)
     moved = {k: (v, ABLATIONS_REDUCED[k]) for k, v in rows.items() if abs(v - ABLATIONS_REDUCED[k]) > POINT}
     assert not moved, f"(measured, pinned): {moved}"
