@@ -538,8 +538,9 @@ class Controller:
         the lowest of the first rank's heartbeats there (each a median of recent
         iterations), or the planner's reference level (the lowest since settling) where
         none is kept; None: neither."""
-        readings = [b.iter_s for b in self.history.get(int(self._first_rank), ()) if math.isfinite(self._first_rank)
-                    and settled < b.iteration <= onset and b.iter_s > 0]
+        first = self._first_rank
+        beats = self.history.get(int(first), ()) if math.isfinite(first) else ()
+        readings = [b.iter_s for b in beats if settled < b.iteration <= onset and b.iter_s > 0]
         reference = mit.planner.status()["reference_s"]
         candidates = readings + ([reference] if reference else [])
         return min(candidates) if candidates else None
