@@ -12,7 +12,7 @@ run it is compared with; the constant learning rate makes its first iterations t
 One job at a time (:data:`ONE_JOB`, which every launch here holds): two jobs' ranks on the
 2-core host would slow each other's device windows. The shared jobs start in the
 background when the session starts (:meth:`JobCache.prefetch`, conftest.py), while the
-unit tests run; conftest.py runs the modules that train jobs of their own after those.
+unit tests run; conftest.py starts the modules that train jobs after those are done.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-#: held by every job this module launches (and by the modules that start their own): one
-#: job on the host at a time
+#: held by every job this module launches: a test's job never shares the host with one the
+#: background runs (conftest.py also starts the job modules only once those are done)
 ONE_JOB = threading.RLock()
 
 
@@ -83,35 +83,20 @@ def losses(out: Path) -> dict[int, float]:
 
 def device_slowdown_removed(out: Path) -> float | None:
     """The share of the slowdown a run's mitigation removed on its emulated devices' own
-    records (ranks/device-rank*.json: the device time each iteration took, fault included):
-    an iteration takes its slowest rank's compute and link time, and the healthy, slow and
-    mitigated windows are summary.json's. Deterministic, where the wall clock's figure
-    carries the host's noise. None without a mitigation or a window."""
-    from statistics import median
-
-    from falconext.mitigate.planner import slowdown_removed
-    from falconext.testbed.report import SETTLE
+    records (ranks/device-rank*.json: the device time each iteration took, fault included),
+    where an iteration takes its slowest rank's compute and link time: summary.json's
+    figure, with the same windows, computed from those times instead of the wall clock's.
+    Deterministic, where the wall clock's figure carries the host's noise. None without a
+    mitigation or a window."""
+    from falconext.testbed.report import summarize
 
     run = json.loads((out / "run.json").read_text())
     world = int(run["topology"]["world"])
     records = [json.loads((out / "ranks" / f"device-rank{r}.json").read_text())["iterations"] for r in range(world)]
-    took = {int(it): max(rec[it]["compute_s"] + rec[it]["link_s"] for rec in records)
+    took = {it: max(rec[it]["compute_s"] + rec[it]["link_s"] for rec in records)
             for it in records[0] if all(it in rec for rec in records)}
-    fixes = [int(e["iteration"]) for e in events(out, "mitigation") if e["strategy"] in ("S2", "S3", "S4")]
-    faults = run["faults"]
-
-    def in_fault(it: int) -> bool:
-        return any(f["start"] <= it and (f["end"] is None or it < f["end"]) for f in faults)
-
-    if not fixes:
-        return None
-    fix = min(fixes)
-    healthy = [v for it, v in took.items() if it > 0 and not in_fault(it)]
-    slow = [v for it, v in took.items() if in_fault(it) and it < fix]
-    mitigated = [v for it, v in took.items() if in_fault(it) and it >= fix + SETTLE]
-    if not (healthy and slow and mitigated):
-        return None
-    return slowdown_removed(median(healthy), median(slow), median(mitigated))
+    rows = [[0, it, secs, ""] for it, secs in took.items()]
+    return summarize(rows, [], events(out), run)["slowdown_removed"]
 
 
 #: iterations.csv holds losses to 6 decimals: two runs that learn the same agree to the last
