@@ -8,11 +8,6 @@ Jobs that several modules need (a faulty DP4 run that S2 mitigates, an undisturb
 reference) are run once per session through :class:`JobCache` (the ``jobs`` fixture of
 conftest.py): the same arguments give the same run. A reference may be longer than the
 run it is compared with; the constant learning rate makes its first iterations the same.
-
-One job at a time (:data:`ONE_JOB`, which every launch here holds): two jobs' ranks on the
-2-core host would slow each other's device windows. The shared jobs start in the
-background when the session starts (:meth:`JobCache.prefetch`, conftest.py), while the
-unit tests run; conftest.py starts the modules that train jobs after those are done.
 """
 
 from __future__ import annotations
@@ -22,22 +17,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
-
-#: a job (its launcher, ranks and control plane) runs before the unit tests on a busy host:
-#: the shared jobs run beside the unit tests (conftest.py), and a job's emulated device
-#: loses its timings when its ranks' CPU work overruns the device windows (with equal
-#: priority the shared DP4 job's overruns went from 7% to 14% of device time, and S2 planned
-#: on the noise). GNU nice runs the command anyway, with a warning, where it may not raise
-#: priority (not root)
-JOB_PRIORITY = ("nice", "-n", "-10")
-
-#: held by every job this module launches: a test's job never shares the host with one the
-#: background runs (conftest.py also starts the job modules only once those are done)
-ONE_JOB = threading.RLock()
 
 
 def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
@@ -45,15 +25,14 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
     """Run one job; the caller judges the exit status. ``device``: the test bed's
     ``--device`` (the tests not yet moved to the emulated device keep the CPU bed);
     ``report``: draw its figures at the end (1.5 s a job: only where a test reads them)."""
-    cmd = [*JOB_PRIORITY, sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out),
+    cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out),
            "--device", device, "--report" if report else "--no-report", *args]
     if faults is not None:
         inject = out.parent / f"{out.name}-faults.json"
         inject.write_text(json.dumps(faults))
         cmd += ["--inject", str(inject)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    with ONE_JOB:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def train(out: Path, *args: str, nproc: int = 4, faults: list | None = None, timeout: int = 500,
@@ -124,46 +103,19 @@ def assert_same_trajectory(a: dict[int, float], b: dict[int, float], iters: int)
 
 
 class JobCache:
-    """Jobs run at most once per session: the same arguments return the same run (a job
-    that failed raises its failure to every test that asks for it)."""
+    """Jobs run at most once per session: the same arguments return the same run."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
-        self._runs: dict[str, Future] = {}
-        self._lock = threading.Lock()
+        self._runs: dict[str, Path] = {}
 
     def train(self, *args: str, nproc: int = 4, faults: list | None = None, device: str = "cpu",
               report: bool = False) -> Path:
-        """The run of these arguments: run now, or the one already run or under way."""
         key = json.dumps([list(args), nproc, faults, device, report])
-        with self._lock:
-            future, mine = self._runs.get(key), key not in self._runs
-            if future is None:
-                future = self._runs[key] = Future()
-                out = self.base / f"job{len(self._runs) - 1}"
-        if mine:
-            try:
-                future.set_result(train(out, *args, nproc=nproc, faults=faults, device=device, report=report))
-            except BaseException as exc:  # noqa: BLE001 - every test that asks for the job sees it
-                future.set_exception(exc)
-        return future.result()
-
-    def prefetch(self, *shared: Callable[[JobCache], Path], stop: threading.Event) -> threading.Thread:
-        """Run the jobs the ``shared`` functions of this module ask for, in order, on a
-        background thread (each under :data:`ONE_JOB`), until ``stop`` is set; a test that
-        asks for one waits for it. Returns the thread (join it to wait for the rest)."""
-        def worker() -> None:
-            for job in shared:
-                if stop.is_set():
-                    return
-                try:
-                    job(self)
-                except BaseException:  # noqa: BLE001 - kept in the job's future for its tests
-                    pass
-
-        thread = threading.Thread(target=worker, name="prefetch-jobs", daemon=True)
-        thread.start()
-        return thread
+        if key not in self._runs:
+            self._runs[key] = train(self.base / f"job{len(self._runs)}", *args, nproc=nproc, faults=faults,
+                                    device=device, report=report)
+        return self._runs[key]
 
 
 # --- jobs shared by several modules -----------------------------------------------------------
