@@ -180,7 +180,7 @@ class FalconConfig:
     heartbeat_history: int = 64
     #: a heartbeat's iteration time is the median of the rank's latest this many loop
     #: iterations, and its compute per micro-batch the upper median of its latest this
-    #: many steps. The controller smooths again (the planner judges a median of
+    #: many steps' readings (each the step's fastest forward: runtime.step_forward_s). The controller smooths again (the planner judges a median of
     #: mitigation_judge_iterations heartbeats, the score trigger wants
     #: score_trigger_readings of them, S2's revert mitigation_recovered_beats), so a
     #: heartbeat only has to keep a lone outlier out (a pause, a spike): five iterations

@@ -304,7 +304,7 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
                                       switches, job.events, rank, switch_layout, runtime, rig.injector, rig.device)
             loss = job.trainer.step(it)
             if runtime is not None:
-                runtime.after_step(job.trainer.plan[job.trainer.replica], job.trainer.forward_time()[0])
+                runtime.after_step(job.trainer.plan[job.trainer.replica], job.trainer.forward_times())
             now = time.perf_counter()
             measured.append((it, now - t_prev, loss))
             t_prev = now

@@ -198,8 +198,12 @@ def test_a_heartbeats_medians_span_the_configured_windows():
     mb = collections.deque(maxlen=cfg.beat_compute_window)
     fake = SimpleNamespace(_mb_s=mb, _micro=0)
     for f in [0.1] * 6 + [0.2] * 2:
-        FalconRuntime.after_step(fake, 4, 4 * f)
+        FalconRuntime.after_step(fake, 4, [f, f + 0.05, f, f + 0.3])  # host stalls only add
     assert sorted(mb)[len(mb) // 2] == 0.2  # the upper median: 2 of the latest 4 are slow
+    assert list(mb) == [0.1, 0.1, 0.2, 0.2]  # each step read at its fastest forward
+    FalconRuntime.after_step(fake, 4, [0.1, float("nan")])  # no reading from a broken timer
+    FalconRuntime.after_step(fake, 0, [])
+    assert list(mb) == [0.1, 0.1, 0.2, 0.2]
 
 
 def test_a_forked_rank_waits_until_its_node_has_all_its_ranks(tmp_path):
@@ -223,3 +227,21 @@ def test_a_forked_rank_waits_until_its_node_has_all_its_ranks(tmp_path):
     t0 = time.monotonic()
     assert _all_forked(str(tmp_path / "1"), "0", 3, deadline_s=0.2) is False  # a sibling never came
     assert time.monotonic() - t0 < 2.0
+
+
+def test_an_emulated_job_raises_its_priority_or_says_why_not():
+    """raise_priority sets the process's nice value (children inherit it) and leaves one
+    already at or below it alone; without the right to (an unprivileged account) it keeps
+    the priority and names the reason."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from falconext.testbed.priority import raise_priority as r; "
+            "a = r(-3); b = r(5); print(repr(a), repr(b), os.getpriority(os.PRIO_PROCESS, 0))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    privileged = os.geteuid() == 0
+    if privileged:
+        assert run.stdout.split() == ["None", "None", "-3"], run.stdout + run.stderr
+    else:  # an unprivileged account: the reason, priority unchanged
+        assert "needs root or CAP_SYS_NICE" in run.stdout, run.stdout + run.stderr

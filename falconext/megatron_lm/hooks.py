@@ -174,7 +174,7 @@ class Session:
         self.device = None
         self.iteration = -1
         self._t_start = 0.0
-        self._forward_s = 0.0
+        self._forward_s: list[float] = []  # each forward step's seconds in this step
         self._micro = 0
         self._model_seen = False
         self._restart: dict[str, Any] | None = None
@@ -333,7 +333,7 @@ class Session:
             self._apply(action, iteration)
 
     def loop_end(self) -> None:
-        """The step is over: hand the runtime this replica's micro-batch count and forward time."""
+        """The step is over: hand the runtime this replica's micro-batch count and forward times."""
         if self.runtime is not None:
             self.runtime.after_step(self._micro, self._forward_s)
 
@@ -418,7 +418,7 @@ class Session:
                 else session.schedule.microbatches // session.dp
             kwargs["num_microbatches"] = count
             step = kwargs.get("forward_step_func")
-            session._forward_s = 0.0
+            session._forward_s = []
             session._micro = count
             if step is not None:
                 kwargs["forward_step_func"] = session._timed(step)
@@ -435,7 +435,7 @@ class Session:
             try:
                 return step(*args, **kwargs)
             finally:
-                session._forward_s += time.perf_counter() - t0
+                session._forward_s.append(time.perf_counter() - t0)
 
         return forward_step
 

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import collections
 import datetime
+import math
 import os
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -48,6 +50,19 @@ from falconext.validate.plan import rank_work
 from falconext.validate.suspension import Bench, Suspension
 
 
+def step_forward_s(forward_s: Sequence[float]) -> float | None:
+    """One step's compute per micro-batch: the fastest of its micro-batches' forward
+    times, None without a usable one (none, or any not finite and > 0).
+
+    A device's time for a micro-batch is a floor that the host only adds to (a thread
+    holding the interpreter, a busy core, a page fault), and a slow GPU slows every
+    micro-batch of a step alike: so the floor of the step measures the device, where the
+    mean carried every stall of the step into what S2 balances on (healthy replicas read
+    up to 1.6x their device time on the loaded 2-core test host, and S2 planned
+    [8, 7, 8, 9] for a 2x straggler whose best plan is [9, 5, 9, 9])."""
+    if not forward_s or not all(math.isfinite(t) and t > 0 for t in forward_s):
+        return None
+    return min(forward_s)
 
 class FalconRuntime:
     """falconext in one training process (module docstring): installs the tracer, runs the
@@ -150,12 +165,14 @@ class FalconRuntime:
         self._arm(it)
         return action
 
-    def after_step(self, micro_batches: int, forward_s: float) -> None:
-        """The step ran ``micro_batches`` micro-batches with ``forward_s`` seconds of forward
-        compute: kept for the heartbeat's per-micro-batch time (what S2 balances on)."""
+    def after_step(self, micro_batches: int, forward_s: Sequence[float]) -> None:
+        """The step ran ``micro_batches`` micro-batches whose forwards took ``forward_s``
+        seconds each: the step's reading (:func:`step_forward_s`) is kept for the
+        heartbeat's per-micro-batch time (what S2 balances on)."""
         self._micro = micro_batches
-        if micro_batches > 0 and forward_s > 0:
-            self._mb_s.append(forward_s / micro_batches)
+        reading = step_forward_s(forward_s) if micro_batches > 0 else None
+        if reading is not None:
+            self._mb_s.append(reading)
 
     def _arm(self, it: int) -> None:
         pend = self._pending

@@ -55,8 +55,8 @@ class _ForwardTimer:
     need CUDA events (not done yet)."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.count = 0
+        #: seconds of each model forward of the current step, in order
+        self.seconds: list[float] = []
 
     def __call__(self, data_iterator: Iterator[data.MicroBatch] | None, model: torch.nn.Module):
         batch = next(data_iterator) if data_iterator is not None else None
@@ -67,8 +67,7 @@ class _ForwardTimer:
         else:
             output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
             mask = batch.loss_mask
-        self.seconds += time.perf_counter() - t0
-        self.count += 1
+        self.seconds.append(time.perf_counter() - t0)
         return output, partial(_loss_func, mask)
 
 
@@ -125,16 +124,16 @@ class Trainer:
         return gpt_forward_flops(sh.layers // self.opts.pp, sh.hidden, sh.seq_len, self.opts.micro_batch_size,
                                  sh.vocab, self.opts.tp, self.last_stage)
 
-    def forward_time(self) -> tuple[float, int]:
-        """(seconds, forward passes) of the last step."""
-        return self.timer.seconds, self.timer.count
+    def forward_times(self) -> list[float]:
+        """Seconds of each model forward of the last step (one per micro-batch)."""
+        return list(self.timer.seconds)
 
     def step(self, it: int) -> float | None:
         """Train iteration ``it``: this replica's planned micro-batches through megatron-core's
         schedule, then the optimizer step. Returns the DP-averaged per-token loss on the
         last pipeline stage, None on the others."""
         opts = self.opts
-        self.timer.seconds, self.timer.count = 0.0, 0
+        self.timer.seconds = []
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         n_micro = self.plan[self.replica]
