@@ -19,12 +19,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from falconext.testbed.zygote import ZYGOTE_ENV
+
 
 def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
-           timeout: int = 500, device: str = "cpu", report: bool = False) -> subprocess.CompletedProcess:
+           timeout: int = 500, device: str = "cpu", report: bool = False,
+           fresh: bool = False) -> subprocess.CompletedProcess:
     """Run one job; the caller judges the exit status. ``device``: the test bed's
     ``--device`` (the tests not yet moved to the emulated device keep the CPU bed);
-    ``report``: draw its figures at the end (1.5 s a job: only where a test reads them)."""
+    ``report``: draw its figures at the end (1.5 s a job: only where a test reads them);
+    ``fresh``: start its ranks' parent as a fresh interpreter, not from the session's
+    zygote (conftest.py), where a start's real cost is part of what is tested (S4's
+    price is a restart's measured start-up, and a restart on a cluster starts fresh
+    processes)."""
     cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out),
            "--device", device, "--report" if report else "--no-report", *args]
     if faults is not None:
@@ -32,13 +39,16 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
         inject.write_text(json.dumps(faults))
         cmd += ["--inject", str(inject)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if fresh:
+        env.pop(ZYGOTE_ENV, None)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def train(out: Path, *args: str, nproc: int = 4, faults: list | None = None, timeout: int = 500,
-          device: str = "cpu", report: bool = False) -> Path:
-    """Run one job that must succeed; its output is kept in ``stdout.txt``."""
-    proc = launch(out, *args, nproc=nproc, faults=faults, timeout=timeout, device=device, report=report)
+          device: str = "cpu", report: bool = False, fresh: bool = False) -> Path:
+    """Run one job that must succeed (:func:`launch`); its output is kept in ``stdout.txt``."""
+    proc = launch(out, *args, nproc=nproc, faults=faults, timeout=timeout, device=device, report=report,
+                  fresh=fresh)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (out / "stdout.txt").write_text(proc.stdout)
     return out

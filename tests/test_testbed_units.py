@@ -245,3 +245,48 @@ def test_an_emulated_job_raises_its_priority_or_says_why_not():
         assert run.stdout.split() == ["None", "None", "-3"], run.stdout + run.stderr
     else:  # an unprivileged account: the reason, priority unchanged
         assert "needs root or CAP_SYS_NICE" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_zygote_parses_strictly_and_refuses_what_it_cannot_serve_as_a_fresh_process_would():
+    """Requests: exactly argv, env, cwd and nice, each checked; a job whose start-up
+    settings differ from the zygote's is refused (its launcher then starts a fresh process)."""
+    import json
+
+    import pytest
+
+    from falconext.testbed.zygote import ZygoteError, parse_request, startup_mismatch
+
+    good = {"argv": ["--nproc-per-node", "2"], "env": {"A": "1"}, "cwd": "/tmp", "nice": -10}
+    assert parse_request(json.dumps(good).encode()) == good
+    for bad, word in [(b"\xff", "JSON"), (b"[1]", "exactly"), ({**good, "x": 1}, "exactly"),
+                      ({**good, "argv": "a b"}, "argv"), ({**good, "env": {"A": 1}}, "env"),
+                      ({**good, "cwd": "rel"}, "cwd"), ({**good, "nice": True}, "nice"),
+                      ({**good, "nice": -21}, "nice")]:
+        raw = bad if isinstance(bad, bytes) else json.dumps(bad).encode()
+        with pytest.raises(ZygoteError, match=word):
+            parse_request(raw)
+    assert startup_mismatch({"OMP_NUM_THREADS": "1", "X": "a"}, {"OMP_NUM_THREADS": "1"}) is None
+    assert "OMP_NUM_THREADS" in startup_mismatch({"OMP_NUM_THREADS": "4"}, {"OMP_NUM_THREADS": "1"})
+
+
+def test_a_zygote_runs_forkrun_with_the_callers_streams_and_exit_status(zygote, tmp_path, capfd):
+    """The session's zygote runs forkrun on the request's arguments in the caller's
+    working directory and streams, and reports its exit status: forkrun's refusal of
+    another module is its traceback on the caller's stderr and status 1, as from a fresh
+    ``python -m falconext.testbed.forkrun``; a caller whose start-up settings differ is
+    refused (None). ``zygote`` may still be importing: the call is retried until served."""
+    import os
+    import time
+
+    from falconext.testbed.zygote import run_job
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    end = time.monotonic() + 60
+    code = None
+    while code is None and time.monotonic() < end:
+        code = run_job(["--nproc-per-node", "1", "-m", "json.tool"], env, zygote)
+        if code is None:
+            time.sleep(0.2)
+    assert code == 1
+    assert "forkrun runs falconext.train only, not 'json.tool'" in capfd.readouterr().err
+    assert run_job(["-m", "json.tool"], dict(env, OMP_NUM_THREADS="3"), zygote) is None

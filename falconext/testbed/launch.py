@@ -148,9 +148,9 @@ def launch_training(args: argparse.Namespace) -> int:
         progress = Progress(plane.url, plane.job, args.iters).start()
     try:
         while True:
-            proc = subprocess.run(cmd, env=env)
-            if proc.returncode != 0:
-                raise InputError(f"training failed (torchrun exit status {proc.returncode}); see the messages above")
+            code = _run_torchrun(cmd, env)
+            if code != 0:
+                raise InputError(f"training failed (torchrun exit status {code}); see the messages above")
             req = _take_restart_request(args.out)
             if req is None:
                 return 0
@@ -164,6 +164,16 @@ def launch_training(args: argparse.Namespace) -> int:
             progress.stop()
         if plane is not None:
             plane.stop()
+
+
+def _run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
+    """Run forkrun's command line ``cmd`` and return its exit status: forked from the
+    zygote named in the environment when one serves it (:mod:`falconext.testbed.zygote`,
+    the same run without importing torch again), otherwise as a fresh process."""
+    from falconext.testbed.zygote import run_job
+
+    code = run_job(cmd[len(TORCHRUN):], env) if cmd[:len(TORCHRUN)] == TORCHRUN else None
+    return subprocess.run(cmd, env=env).returncode if code is None else code
 
 
 def _start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str = "127.0.0.1"):
