@@ -13,7 +13,7 @@ import pytest
 
 from falconext.control.redis_server import RedisServer, start_redis
 from falconext.testbed.zygote import ZYGOTE_ENV
-from jobs import JobCache
+from jobs import LANE, JobCache, stop_jobs
 
 
 @pytest.fixture
@@ -30,6 +30,23 @@ def redis_server() -> Iterator[RedisServer]:
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> JobCache:
     """Training jobs shared across test modules (tests/jobs.py)."""
     return JobCache(tmp_path_factory.mktemp("jobs"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def jobs_ahead(request: pytest.FixtureRequest, zygote: str, jobs: JobCache) -> Iterator[None]:
+    """The jobs the session's test modules read (each module's ``AHEAD``), run one after
+    another in the background from the start, in the order the tests first need them,
+    while the unit tests run beside them (jobs.LANE keeps it to one job at a time)."""
+    makers: list = []
+    seen: set[int] = set()
+    for item in request.session.items:
+        for make in getattr(item.module, "AHEAD", ()) if item.module is not None else ():
+            if id(make) not in seen:
+                seen.add(id(make))
+                makers.append(make)
+    jobs.prefetch(makers)
+    yield
+    stop_jobs()  # before the zygote stops: a job run ahead for tests never reached ends now
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -54,3 +71,14 @@ def zygote() -> Iterator[str]:
             proc.kill()
             proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def alone(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module that names why in ``ALONE`` (it drives jobs by hand, or times real links)
+    runs with the job lane held: no job of the session runs ahead beside it."""
+    if getattr(request.module, "ALONE", None):
+        with LANE:
+            yield
+    else:
+        yield

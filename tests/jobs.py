@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from falconext.testbed.zygote import ZYGOTE_ENV
@@ -41,7 +42,33 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if fresh:
         env.pop(ZYGOTE_ENV, None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    with LANE:
+        if _stopping.is_set():
+            raise RuntimeError("the session is over: no more jobs")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        _running.add(proc)
+        try:
+            out_text, err_text = proc.communicate(timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+            raise
+        finally:
+            _running.discard(proc)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out_text, err_text)
+
+
+#: the jobs running now, and whether the session has ended (stop_jobs)
+_running: set[subprocess.Popen] = set()
+_stopping = threading.Event()
+
+
+def stop_jobs() -> None:
+    """The session is over: no job starts any more, and a running one (one run ahead
+    whose tests were not reached) is stopped; its launcher stops its ranks."""
+    _stopping.set()
+    for proc in list(_running):
+        proc.terminate()
 
 
 def train(out: Path, *args: str, nproc: int = 4, faults: list | None = None, timeout: int = 500,
@@ -112,20 +139,73 @@ def assert_same_trajectory(a: dict[int, float], b: dict[int, float], iters: int)
     return max(off[i] / abs(b[i]) for i in range(iters))
 
 
+#: one job at a time: every test-bed job of the session runs in this lane (launch takes
+#: it; a test that drives a job by hand takes it too), so the jobs that the session runs
+#: ahead (JobCache.prefetch) never share the 2-core host with another job, only with
+#: unit tests, which a job's raised priority (falconext.testbed.priority) keeps off its
+#: device time
+LANE = threading.RLock()
+
+
 class JobCache:
-    """Jobs run at most once per session: the same arguments return the same run."""
+    """Jobs run at most once per session: the same arguments return the same run,
+    whichever thread asks first (a second caller waits for the first's run)."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
-        self._runs: dict[str, Path] = {}
+        self._runs: dict[str, Path | BaseException] = {}
+        self._running: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._count = 0
+        self._ahead: threading.Thread | None = None
 
     def train(self, *args: str, nproc: int = 4, faults: list | None = None, device: str = "cpu",
-              report: bool = False) -> Path:
-        key = json.dumps([list(args), nproc, faults, device, report])
-        if key not in self._runs:
-            self._runs[key] = train(self.base / f"job{len(self._runs)}", *args, nproc=nproc, faults=faults,
-                                    device=device, report=report)
-        return self._runs[key]
+              report: bool = False, fresh: bool = False) -> Path:
+        """:func:`train`'s run of these arguments, run now unless it ran or runs already."""
+        key = json.dumps([list(args), nproc, faults, device, report, fresh])
+        with self._lock:
+            done = self._runs.get(key)
+            wait = self._running.get(key)
+            if done is None and wait is None:
+                wait = self._running[key] = threading.Event()
+                out, mine = self.base / f"job{self._count}", True
+                self._count += 1
+            else:
+                mine = False
+        if mine:
+            try:
+                result: Path | BaseException = train(out, *args, nproc=nproc, faults=faults, device=device,
+                                                     report=report, fresh=fresh)
+            except BaseException as exc:  # noqa: BLE001  (every caller of this job sees it fail)
+                result = exc
+            with self._lock:
+                self._runs[key] = result
+                self._running.pop(key).set()
+        elif done is None:
+            wait.wait()
+        result = self._runs[key]
+        if isinstance(result, BaseException):
+            raise AssertionError(f"shared job {key} failed") from result
+        return result
+
+    def prefetch(self, makers: list) -> None:
+        """Run the jobs ``makers`` make (functions of this cache, as below) one after
+        another in a background thread, while the session's other tests go on; a test
+        that needs one first runs or waits for it as usual. Failures surface in the tests."""
+        if self._ahead is not None or not makers:
+            return
+
+        def ahead() -> None:
+            for make in makers:
+                if _stopping.is_set():
+                    return
+                try:
+                    make(self)
+                except BaseException:  # noqa: BLE001  (reported to the tests that use the job)
+                    pass
+
+        self._ahead = threading.Thread(target=ahead, name="jobs-ahead", daemon=True)
+        self._ahead.start()
 
 
 # --- jobs shared by several modules -----------------------------------------------------------

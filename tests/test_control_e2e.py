@@ -24,6 +24,10 @@ from falconext.control.redis_server import start_redis
 JOB = "e2e"
 DEADLINE_S = 3.0
 
+#: the job lane held for the whole module (conftest.py: alone):
+#: it drives a job by hand (Redis and the controller killed under it)
+ALONE = True
+
 
 def read_events(out: Path) -> list[dict]:
     path = out / "events.jsonl"

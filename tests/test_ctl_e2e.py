@@ -49,6 +49,10 @@ PLAN = [4, 6, 3, 3]
 EVEN = [4, 4, 4, 4]
 MARGIN = 8
 
+#: the job lane held for the whole module (conftest.py: alone):
+#: it drives a job by hand (an operator steering it live)
+ALONE = True
+
 
 def free_port() -> int:
     with socket.socket() as s:

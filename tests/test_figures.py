@@ -13,6 +13,9 @@ from falconext.testbed import figures
 
 from jobs import S2_FAULT_START, events, s2_job
 
+#: the jobs this module reads, run ahead by the session (conftest.py)
+AHEAD = (s2_job,)
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -28,6 +28,10 @@ from falconext.testbed.faults import Fault
 
 NET = ipaddress.IPv4Network("10.213.7.0/24")
 
+#: the job lane held for the whole module (conftest.py: alone):
+#: its jobs and rate checks run over real network namespaces, timed by the kernel
+ALONE = True
+
 
 def layout(nodes: int = 3) -> netns.Layout:
     return netns.Layout("fx4194304", NET, nodes)

@@ -29,6 +29,9 @@ from jobs import (
     train,
 )
 
+#: the jobs this module reads, run ahead by the session (conftest.py)
+AHEAD = (forced_pp2_job, pp2_reference, tp2_pp2_reference)
+
 
 # --- pure ------------------------------------------------------------------------------
 

@@ -38,12 +38,12 @@ from jobs import (
     PP2_JOB,
     PP2_REFERENCE_ITERS,
     S3_LINK_FAULT_START,
+    JobCache,
     assert_same_trajectory,
     events,
     losses,
     pp2_reference,
     s3_link_job,
-    train,
 )
 
 FAULT_START = S3_LINK_FAULT_START
@@ -56,20 +56,29 @@ JOB = [*PP2_JOB, "--iters", str(ITERS)]
 VOCAB = ["--vocab", "4096", "--global-batch-size", "8"]
 
 
+def consolidate_job(jobs: JobCache) -> Path:
+    """GPUs 0 and 3 3x slow from the fault's start, a heavier last stage; only S3."""
+    slow_gpus = [{"kind": "compute", "rank": r, "factor": 3.0, "start": FAULT_START} for r in (0, 3)]
+    return jobs.train(*JOB, *VOCAB, "--device-gflops", "4", "--falcon-mitigation-strategies", "S3",
+                      faults=slow_gpus, device="emulated")
+
+
+def vocab_reference(jobs: JobCache) -> Path:
+    """What the consolidation run learns undisturbed."""
+    return jobs.train(*PP2_JOB, "--iters", str(ITERS), *VOCAB, "--no-falcon")
+
+
+#: the jobs this module reads, run ahead by the session (conftest.py)
+AHEAD = (s3_link_job, consolidate_job, pp2_reference, vocab_reference)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, jobs) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("topology")
+def runs(jobs) -> dict[str, Path]:
     # the links (tests/jobs.py: s3_link_job): x8 on the DP path, about 0.17 s more per
     # iteration on a 0.2 s one, well above this host's noise; x3 on the pipeline path,
     # about 0.03 s
-    slow_gpus = [{"kind": "compute", "rank": r, "factor": 3.0, "start": FAULT_START} for r in (0, 3)]
-    return {
-        "s3": s3_link_job(jobs),
-        "consolidate": train(base / "consolidate", *JOB, *VOCAB, "--device-gflops", "4",
-                             "--falcon-mitigation-strategies", "S3", faults=slow_gpus, device="emulated"),
-        "ref": pp2_reference(jobs),
-        "ref_vocab": train(base / "ref_vocab", *PP2_JOB, "--iters", str(ITERS), *VOCAB, "--no-falcon"),
-    }
+    return {"s3": s3_link_job(jobs), "consolidate": consolidate_job(jobs), "ref": pp2_reference(jobs),
+            "ref_vocab": vocab_reference(jobs)}
 
 
 def groups(roles: list[int]) -> dict[str, list[set[int]]]:

@@ -21,11 +21,11 @@ from jobs import (
     S2_FAULT_START,
     S3_LINK_FAULT_START,
     TP2_PP2_REFERENCE_ITERS,
+    JobCache,
     events,
     s2_job,
     s3_link_job,
     tp2_pp2_reference,
-    train,
 )
 
 FAULT_START = S2_FAULT_START
@@ -37,15 +37,22 @@ def rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def healthy_pp2_job(jobs: JobCache) -> Path:
+    """A fault-free PP2 job on the emulated device; two layers per stage: a 4 GFLOP/s
+    device keeps the real CPU work inside its time."""
+    return jobs.train("--tp", "1", "--pp", "2", "--iters", "60", "--device-gflops", "4", device="emulated")
+
+
+#: the jobs this module reads, run ahead by the session (conftest.py)
+AHEAD = (healthy_pp2_job, s2_job, s3_link_job, tp2_pp2_reference)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, jobs) -> dict[str, Path]:
+def runs(jobs) -> dict[str, Path]:
     """The jobs, all on the emulated device (each rank owns its device's time, so DP4 on
     the 2-core host behaves like four GPUs: the CPU bed hid a 2x straggler there)."""
-    base = tmp_path_factory.mktemp("train")
-    emu = {"device": "emulated"}
     return {
-        # two layers per stage: a 4 GFLOP/s device keeps the real CPU work inside its time
-        "pp2": train(base / "pp2", "--tp", "1", "--pp", "2", "--iters", "60", "--device-gflops", "4", **emu),
+        "pp2": healthy_pp2_job(jobs),
         # the compute fault: the S2 job test_mitigation_e2e also reads (tests/jobs.py)
         "compute": s2_job(jobs),
         # two congested links on four one-rank nodes (tests/jobs.py: s3_link_job, the S3
