@@ -20,13 +20,10 @@ from falconext.control.bus import Bus
 from falconext.control.client import CMD_STREAM, CTL_STREAM, node_stream
 from falconext.control.messages import Command, ValidationPlan
 from falconext.control.redis_server import start_redis
+from jobs import LANE, JobCache
 
 JOB = "e2e"
 DEADLINE_S = 3.0
-
-#: the job lane held for the whole module (conftest.py: alone):
-#: it drives a job by hand (Redis and the controller killed under it)
-ALONE = True
 
 
 def read_events(out: Path) -> list[dict]:
@@ -58,61 +55,78 @@ def current_iteration(bus: Bus, timeout: float = 30.0) -> int:
     raise AssertionError("no heartbeat from the ranks")
 
 
+def _scenario(folder: Path) -> tuple[Path, dict[str, float]]:
+    """The healthy PP2 job an operator validates, fed garbage, left suspended, whose
+    controller hangs and dies and whose Redis dies and comes back; in the job lane."""
+    out = folder / "run"
+    folder.mkdir(parents=True, exist_ok=True)
+    with LANE:
+        redis = start_redis()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FALCON_REDIS_URL=redis.url, FALCON_JOB=JOB)
+        cmd = [sys.executable, "-m", "falconext.cli", "train", "--no-report", "--nproc", "4", "--pp", "2", "--iters", "110",
+               "--device-gflops", "4",
+               "--out", str(out), "--falcon-suspend-deadline-s", str(DEADLINE_S)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        marks: dict[str, float] = {}
+        bus = Bus(redis.url, JOB)
+        try:
+            bus.seek(node_stream(0), "0-0")
+            bus.seek(node_stream(1), "0-0")
+            while current_iteration(bus) < 25:
+                pass
+            # 1. an operator asks for a validation of the healthy job
+            assert bus.post(CTL_STREAM, Command("validate", 0.0))
+            wait_for(out, lambda e: e["type"] in ("localized", "localization_failed"), "operator validation", proc=proc)
+            # 1b. garbage on both streams: dropped with a message, nothing else happens
+            assert bus.post_raw(CMD_STREAM, {"m": "{not json"})
+            assert bus.post_raw(CTL_STREAM, {"m": '{"v":1,"type":"Command","body":{"kind":"validate","deadline_s":NaN}}'})
+            wait_for(out, lambda e: e["type"] == "message_dropped" and e.get("where") == "controller", "controller drop",
+                     proc=proc)
+            # 2. a controller that sends "suspend" and then dies: nobody ever says "go"
+            plan = ValidationPlan("all", [], 64, 1, 0, 1, 1, 1, 0)  # nothing to run
+            it = current_iteration(bus) + 4
+            assert bus.post(CMD_STREAM, Command("suspend", DEADLINE_S, iteration=it, args={"session": 1000},
+                                                validation=plan))
+            wait_for(out, lambda e: e["type"] == "suspension" and e["session"] == 1000 and e["rank"] == 3,
+                     "the orphaned suspension to expire", proc=proc)
+            # 3. the controller hangs (SIGSTOP), then dies: the launcher restarts it
+            pid = json.loads((out / "control.json").read_text())["pids"]["controller"]
+            os.kill(pid, signal.SIGSTOP)
+            wait_for(out, lambda e: e["type"] == "control_lost" and e["what"] == "controller", "controller loss", proc=proc)
+            os.kill(pid, signal.SIGKILL)
+            wait_for(out, lambda e: e["type"] == "control_restored" and e["what"] == "controller", "a new controller",
+                     proc=proc)
+            # 4. Redis dies and comes back
+            marks["redis_down"] = time.time()
+            redis.kill()
+            wait_for(out, lambda e: e["type"] == "control_lost" and e["what"] == "redis", "redis loss", proc=proc)
+            time.sleep(5.0)  # >= 5 iterations without Redis even at 0.6 s each
+            redis.restart()
+            marks["redis_up"] = time.time()
+            wait_for(out, lambda e: e["type"] == "control_restored" and e["what"] == "redis", "redis back",
+                     timeout=20, proc=proc)
+            stdout, _ = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            bus.close()
+            redis.stop()
+        assert proc.returncode == 0, stdout[-3000:]
+        return out, marks
+
+
+def control_scenario(jobs: JobCache) -> tuple[Path, dict[str, float]]:
+    """The scenario's run, once per session (run ahead: conftest.py)."""
+    return jobs.once("test_control_e2e scenario", _scenario)
+
+
+#: the jobs this module reads, run ahead by the session (conftest.py)
+AHEAD = (control_scenario,)
+
+
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
-    out = tmp_path_factory.mktemp("control") / "run"
-    redis = start_redis()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FALCON_REDIS_URL=redis.url, FALCON_JOB=JOB)
-    cmd = [sys.executable, "-m", "falconext.cli", "train", "--no-report", "--nproc", "4", "--pp", "2", "--iters", "110",
-           "--device-gflops", "4",
-           "--out", str(out), "--falcon-suspend-deadline-s", str(DEADLINE_S)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    marks: dict[str, float] = {}
-    bus = Bus(redis.url, JOB)
-    try:
-        bus.seek(node_stream(0), "0-0")
-        bus.seek(node_stream(1), "0-0")
-        while current_iteration(bus) < 25:
-            pass
-        # 1. an operator asks for a validation of the healthy job
-        assert bus.post(CTL_STREAM, Command("validate", 0.0))
-        wait_for(out, lambda e: e["type"] in ("localized", "localization_failed"), "operator validation", proc=proc)
-        # 1b. garbage on both streams: dropped with a message, nothing else happens
-        assert bus.post_raw(CMD_STREAM, {"m": "{not json"})
-        assert bus.post_raw(CTL_STREAM, {"m": '{"v":1,"type":"Command","body":{"kind":"validate","deadline_s":NaN}}'})
-        wait_for(out, lambda e: e["type"] == "message_dropped" and e.get("where") == "controller", "controller drop",
-                 proc=proc)
-        # 2. a controller that sends "suspend" and then dies: nobody ever says "go"
-        plan = ValidationPlan("all", [], 64, 1, 0, 1, 1, 1, 0)  # nothing to run
-        it = current_iteration(bus) + 4
-        assert bus.post(CMD_STREAM, Command("suspend", DEADLINE_S, iteration=it, args={"session": 1000},
-                                            validation=plan))
-        wait_for(out, lambda e: e["type"] == "suspension" and e["session"] == 1000 and e["rank"] == 3,
-                 "the orphaned suspension to expire", proc=proc)
-        # 3. the controller hangs (SIGSTOP), then dies: the launcher restarts it
-        pid = json.loads((out / "control.json").read_text())["pids"]["controller"]
-        os.kill(pid, signal.SIGSTOP)
-        wait_for(out, lambda e: e["type"] == "control_lost" and e["what"] == "controller", "controller loss", proc=proc)
-        os.kill(pid, signal.SIGKILL)
-        wait_for(out, lambda e: e["type"] == "control_restored" and e["what"] == "controller", "a new controller",
-                 proc=proc)
-        # 4. Redis dies and comes back
-        marks["redis_down"] = time.time()
-        redis.kill()
-        wait_for(out, lambda e: e["type"] == "control_lost" and e["what"] == "redis", "redis loss", proc=proc)
-        time.sleep(5.0)  # >= 5 iterations without Redis even at 0.6 s each
-        redis.restart()
-        marks["redis_up"] = time.time()
-        wait_for(out, lambda e: e["type"] == "control_restored" and e["what"] == "redis", "redis back",
-                 timeout=20, proc=proc)
-        stdout, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        bus.close()
-        redis.stop()
-    assert proc.returncode == 0, stdout[-3000:]
-    return out, marks
+def scenario(jobs):
+    return control_scenario(jobs)
 
 
 def test_operator_validation_of_a_healthy_job_names_nothing(scenario):

@@ -50,7 +50,8 @@ EVEN = [4, 4, 4, 4]
 MARGIN = 8
 
 #: the job lane held for the whole module (conftest.py: alone):
-#: it drives a job by hand (an operator steering it live)
+#: it drives a job by hand (an operator steering it live), and its in-process ctl calls swap
+#: sys.stdout, which a test running beside it would share, so it is not run ahead
 ALONE = True
 
 

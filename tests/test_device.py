@@ -19,6 +19,10 @@ from falconext.testbed.device import DeviceModel, gemm_flops, gpt_forward_flops,
 from falconext.testbed.emulator import EmulatedDevice, sleep_until
 from falconext.testbed.faults import compute_factor, link_factor, parse_faults
 
+#: the job lane held for the whole module (conftest.py: alone):
+#: it times the emulated device's sleeps and transfers on the wall clock
+ALONE = True
+
 
 def test_gpt_flops_follow_the_layer_formula():
     # 24 b s h^2 + 4 b s^2 h per layer, logits only on the last stage, split by TP

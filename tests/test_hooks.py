@@ -30,6 +30,10 @@ WRAPPED = (
     "isend", "irecv", "batch_isend_irecv", "all_to_all_single", "barrier", "_coalescing_manager",
 )
 
+#: the job lane held for the whole module (conftest.py: alone):
+#: it times real waits inside megatron-core's schedules
+ALONE = True
+
 
 # --------------------------------------------------------------------------- parent side
 

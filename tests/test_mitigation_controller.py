@@ -39,6 +39,10 @@ TOTAL = 16
 # settle 2, judge 3: a strategy applied at iteration E is judged at E + 2 + 3
 CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, link_baseline_iteration=0)
 
+#: the job lane held for the whole module (conftest.py: alone):
+#: it times the controller's rounds on the wall clock
+ALONE = True
+
 
 class Job:
     """Four DP ranks that send heartbeats one iteration at a time, with an explicit clock."""

@@ -25,9 +25,6 @@ from falconext.detect.scores import (
 
 from jobs import CALLS_ONLY_ONSET, CALLS_ONLY_SLOW_RANK, calls_only_job, events
 
-#: the jobs this module reads, run ahead by the session (conftest.py)
-AHEAD = (calls_only_job,)
-
 
 # --- BusyClock ------------------------------------------------------------------------------
 

@@ -11,6 +11,10 @@ import torch
 from falconext.validate.gemm import GemmResult, gemm_benchmark
 from falconext.validate.health import decode_throttle_reasons, gpu_health
 
+#: the job lane held for the whole module (conftest.py: alone):
+#: it times real GEMM and transfer benchmarks
+ALONE = True
+
 
 def stretched(a, b):
     """What the fault injector does to a slow GPU: compute, then stall as long again."""
