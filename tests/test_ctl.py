@@ -433,3 +433,30 @@ def test_a_restarted_controller_keeps_mute_and_thresholds(tmp_path):
         t.join(5)
     finally:
         redis.stop()
+
+
+def test_a_command_reported_done_shows_in_the_next_status(tmp_path):
+    """The controller writes the status a command left before it replies: with the
+    snapshot's rate limit at its tightest (a snapshot may cost at most 1e-6 of the time,
+    so the periodic refresh waits for hours), ``ctl mute`` then ``ctl status`` agree."""
+    run = tmp_path / "run"
+    run.mkdir()
+    redis = start_redis()
+    cfg = FalconConfig(status_max_share=1e-6, link_baseline_iteration=0)
+    write_private_json(str(run / ACCESS_FILE), {"job": JOB, "url": redis.url, "world": 4, "ended": None})
+    stop = [False]
+    loop = threading.Thread(target=run_controller, args=(redis.url, JOB, 4, str(run / "events.jsonl"), cfg, stop),
+                            daemon=True)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 10
+        while ctl(run, "status", "--json").returncode != 0:
+            assert time.monotonic() < deadline, "the controller wrote no status"
+            time.sleep(0.1)
+        for command, muted in [("mute", True), ("unmute", False), ("mute", True)]:
+            assert ctl(run, command).returncode == 0
+            assert json.loads(ctl(run, "status", "--json").stdout)["muted"] is muted, command
+    finally:
+        stop[0] = True
+        loop.join(5)
+        redis.stop()

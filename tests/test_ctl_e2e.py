@@ -290,11 +290,10 @@ def test_mute_holds_detections_until_unmute(steered):
     assert mute["accepted"] and unmute["accepted"] and mute["at"] < unmute["at"]
     # the ranks detected the fault; the muted controller held it instead of localizing it
     detected = [e for e in evs if e["type"] == "fail_slow" and mute["time"] < e["time"] < unmute["time"]]
+    # no skip on a loaded host: the job's processes run ahead of other work (nice -10,
+    # falconext/testbed/priority.py), so its devices keep their time beside it
     device = json.loads((out / "summary.json").read_text())["device"]
-    if not detected and device["worst_rank_overrun_share"] > 0.05:  # as test_train's no-fault test
-        pytest.skip(f"host overloaded: a rank's CPU work overran its device time by "
-                    f"{device['worst_rank_overrun_share']:.0%}, and the ranks missed the fault")
-    assert detected, "the ranks detected no fail-slow while muted"
+    assert detected, f"the ranks detected no fail-slow while muted (overrun share {device['worst_rank_overrun_share']})"
     held = [e for e in evs if e["type"] == "fail_slow_muted"]
     assert held and all(mute["time"] < e["time"] < unmute["time"] for e in held)
     started = [e for e in evs if e["type"] == "controller_state" and e.get("trigger") == "fail_slow"

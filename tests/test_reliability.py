@@ -448,3 +448,29 @@ def test_a_call_log_rotates_at_its_cap_and_keeps_one_older_file(tmp_path):
         unlimited.write(r)
     unlimited.close()
     assert len(open(tmp_path / "all.jsonl").read().splitlines()) == len(recs)
+
+
+def test_a_controller_not_seen_yet_is_lost_only_after_its_timeout(tmp_path, redis_server):
+    """Ranks may start before the controller's process has: a rank reports the controller
+    lost only when none has beaten for controller_timeout_s since the rank started."""
+    import time
+
+    cfg = FalconConfig(heartbeat_s=0.05, controller_timeout_s=1.0)
+    log = tmp_path / "e.jsonl"
+    client = RankClient(redis_server.url, "job", 0, 0, cfg, _Runtime(10), EventLog(str(log)).emit)
+
+    def lost() -> list[dict]:
+        rows = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+        return [e for e in rows if e["type"] == "control_lost" and e["what"] == "controller"]
+
+    client.start()
+    try:
+        time.sleep(0.6)
+        assert lost() == []  # within the timeout: waiting, not lost
+        deadline = time.monotonic() + 5
+        while not lost() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (first,) = lost()
+        assert "since the rank started" in first["reason"]
+    finally:
+        client.stop()

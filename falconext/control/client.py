@@ -118,6 +118,8 @@ class RankClient:
     def _run(self) -> None:
         bus = Bus(self._url, self._job, on_state=lambda ok, why: self._state("redis", ok, why))
         self._next = [0.0, 0.0]  # next heartbeat, next controller check (monotonic)
+        self._since = time.monotonic()  # the controller's absence counts from here
+        self._seen_controller = False
         try:
             while not self._stop.is_set():
                 try:
@@ -145,8 +147,14 @@ class RankClient:
         if now >= next_check:
             self._next[1] = now + self.cfg.heartbeat_s
             alive = bus.alive(CONTROLLER_KEY)
-            if alive is not None:  # None: Redis itself is down, logged as such
-                self._state("controller", alive, "no controller heartbeat")
+            self._seen_controller = self._seen_controller or bool(alive)
+            # None: Redis itself is down, logged as such. A controller not seen yet is not
+            # lost before controller_timeout_s: ranks forked from a warm process can start
+            # before the controller's own interpreter has (0.3 s, seen in the test suite)
+            if alive is not None and (alive or self._seen_controller
+                                      or now - self._since >= self.cfg.controller_timeout_s):
+                self._state("controller", alive, "no controller heartbeat" if self._seen_controller
+                            else f"no controller heartbeat since the rank started {now - self._since:.1f} s ago")
         while True:
             try:
                 msg = self._out.get_nowait()

@@ -139,20 +139,23 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             if outputs and ctl.operator_state() != kept:  # saved before any reply says it is done
                 kept = ctl.operator_state()
                 bus.put(OPERATOR_KEY, json.dumps(kept), OPERATOR_TTL_S)
+            replies = [out for out in outputs if out.kind == "reply"]
             for out in outputs:
+                if out.kind == "reply":
+                    continue  # after the snapshot below: a command reported done shows in the status
                 if out.kind in ("command", "localized"):
                     stream = CMD_STREAM if out.kind == "command" else LOCALIZED_STREAM
                     try:
                         bus.post(stream, out.message)
                     except MessageError as exc:  # too large for the bus: said, never the controller's end
                         emit("post_failed", what=type(out.message).__name__, error=str(exc))
-                elif out.kind == "reply":
-                    bus.put(reply_key(out.message.id), encode(out.message), REPLY_TTL_S)
                 else:
                     ev = dict(out.event)
                     emit(ev.pop("type"), **ev)
             t_status = time.monotonic()
-            if (outputs or t_status >= next_status) and t_status >= status_not_before:
+            # an operator's command is answered with the status it left (never rate-limited:
+            # commands are rare, and "ctl mute" then "ctl status" must agree)
+            if replies or ((outputs or t_status >= next_status) and t_status >= status_not_before):
                 snap = step(lambda: [ctl.snapshot(time.time(), job, last_event)])
                 gap = ctl.cfg.status_interval_s
                 if snap:
@@ -165,6 +168,8 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                     if metrics is not None:
                         metrics.on_snapshot(snap[0])
                 next_status = t_status + gap
+            for out in replies:
+                bus.put(reply_key(out.message.id), encode(out.message), REPLY_TTL_S)
     finally:
         if server is not None:
             server.close()
