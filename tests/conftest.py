@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +33,29 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> JobCache:
     return JobCache(tmp_path_factory.mktemp("jobs"))
 
 
+def _phase(module: object) -> int:
+    """0: a module that times the wall clock (``RUN_FIRST``); 1: one that needs the job lane
+    to itself (``ALONE``); 2: the rest, which run beside the jobs run ahead."""
+    return 0 if getattr(module, "RUN_FIRST", False) is True else 1 if getattr(module, "ALONE", False) is True else 2
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The RUN_FIRST modules first, then the ALONE ones, then the rest, each in its usual
+    order: the jobs run ahead start with the rest, so no module waits for the lane while
+    a job it did not ask for runs to its end."""
+    items.sort(key=lambda item: _phase(item.module))
+
+
+#: set when the first test of the last phase starts: the jobs run ahead may start
+_ahead_may_start = threading.Event()
+
+
+@pytest.fixture(autouse=True)
+def _start_the_jobs_ahead_with_the_last_phase(request: pytest.FixtureRequest) -> None:
+    if _phase(request.module) == 2:
+        _ahead_may_start.set()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def jobs_ahead(request: pytest.FixtureRequest, zygote: str, jobs: JobCache) -> Iterator[None]:
     """The jobs the session's test modules read (each module's ``AHEAD``), run one after
@@ -44,7 +68,7 @@ def jobs_ahead(request: pytest.FixtureRequest, zygote: str, jobs: JobCache) -> I
             if id(make) not in seen:
                 seen.add(id(make))
                 makers.append(make)
-    jobs.prefetch(makers)
+    jobs.prefetch(makers, after=_ahead_may_start)
     yield
     stop_jobs()  # before the zygote stops: a job run ahead for tests never reached ends now
 
@@ -75,9 +99,9 @@ def zygote() -> Iterator[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def alone(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A module that names why in ``ALONE`` (it drives jobs by hand, or times real links)
-    runs with the job lane held: no job of the session runs ahead beside it."""
-    if getattr(request.module, "ALONE", None):
+    """A module that says ``ALONE`` (it drives jobs by hand, times real links, or reads a
+    job that must run with nothing beside it) runs with the job lane held."""
+    if getattr(request.module, "ALONE", False) is True:
         with LANE:
             yield
     else:

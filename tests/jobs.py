@@ -230,14 +230,18 @@ class JobCache:
             raise AssertionError(f"shared job {key[:300]} failed: {str(result)[-3000:]}") from result
         return result
 
-    def prefetch(self, makers: list) -> None:
+    def prefetch(self, makers: list, after: threading.Event | None = None) -> None:
         """Run the jobs ``makers`` make (functions of this cache, as below) one after
-        another in a background thread, while the session's other tests go on; a test
-        that needs one first runs or waits for it as usual. Failures surface in the tests."""
+        another in a background thread, once ``after`` is set, while the session's other
+        tests go on; a test that needs one first runs or waits for it as usual. Failures
+        surface in the tests."""
         if self._ahead is not None or not makers:
             return
 
         def ahead() -> None:
+            while after is not None and not after.wait(1.0):
+                if _stopping.is_set():
+                    return
             for make in makers:
                 if _stopping.is_set():
                     return

@@ -21,9 +21,9 @@ REPORT = FailSlowReport(rank=3, onset=150, detected_at=164, slowdown=1.4, baseli
 SUSPEND = Command("suspend", 5.0, 200)
 LOCALIZED = Localized([1], [[0, 1]], {"pause_s": 1.2})
 
-#: the job lane held for the whole module (conftest.py: alone):
+#: run first, before any job runs ahead (conftest.py: RUN_FIRST):
 #: it times blocking reads and restarts on the wall clock
-ALONE = True
+RUN_FIRST = True
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float = 3.0) -> Any:

@@ -19,9 +19,9 @@ from falconext.testbed.device import DeviceModel, gemm_flops, gpt_forward_flops,
 from falconext.testbed.emulator import EmulatedDevice, sleep_until
 from falconext.testbed.faults import compute_factor, link_factor, parse_faults
 
-#: the job lane held for the whole module (conftest.py: alone):
+#: run first, before any job runs ahead (conftest.py: RUN_FIRST):
 #: it times the emulated device's sleeps and transfers on the wall clock
-ALONE = True
+RUN_FIRST = True
 
 
 def test_gpt_flops_follow_the_layer_formula():

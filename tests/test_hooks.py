@@ -30,9 +30,9 @@ WRAPPED = (
     "isend", "irecv", "batch_isend_irecv", "all_to_all_single", "barrier", "_coalescing_manager",
 )
 
-#: the job lane held for the whole module (conftest.py: alone):
+#: run first, before any job runs ahead (conftest.py: RUN_FIRST):
 #: it times real waits inside megatron-core's schedules
-ALONE = True
+RUN_FIRST = True
 
 
 # --------------------------------------------------------------------------- parent side

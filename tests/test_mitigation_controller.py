@@ -39,9 +39,9 @@ TOTAL = 16
 # settle 2, judge 3: a strategy applied at iteration E is judged at E + 2 + 3
 CFG = FalconConfig(mitigation_settle_iterations=2, mitigation_judge_iterations=3, link_baseline_iteration=0)
 
-#: the job lane held for the whole module (conftest.py: alone):
+#: run first, before any job runs ahead (conftest.py: RUN_FIRST):
 #: it times the controller's rounds on the wall clock
-ALONE = True
+RUN_FIRST = True
 
 
 class Job:

@@ -25,6 +25,10 @@ from falconext.detect.scores import (
 
 from jobs import CALLS_ONLY_ONSET, CALLS_ONLY_SLOW_RANK, calls_only_job, events
 
+#: the job lane held for the whole module (conftest.py: alone): it reads the calls-only
+#: job (tests/jobs.py), which runs with nothing beside it
+ALONE = True
+
 
 # --- BusyClock ------------------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ from falconext.validate.suspension import Bench, Suspension
 PLAN = {"gemm": [0, 1, 2], "gemm_n": 64, "gemm_repeats": 2, "gemm_concurrency": 1,
         "passes": [[[1, 0]], [[0, 1]]], "nbytes": 8, "repeats": 1}
 
-#: the job lane held for the whole module (conftest.py: alone):
+#: run first, before any job runs ahead (conftest.py: RUN_FIRST):
 #: it times holds and deadlines on the wall clock
-ALONE = True
+RUN_FIRST = True
 
 
 def make(rank=0, plan=PLAN, gemm=None, passes=None):

@@ -11,9 +11,9 @@ import torch
 from falconext.validate.gemm import GemmResult, gemm_benchmark
 from falconext.validate.health import decode_throttle_reasons, gpu_health
 
-#: the job lane held for the whole module (conftest.py: alone):
+#: run first, before any job runs ahead (conftest.py: RUN_FIRST):
 #: it times real GEMM and transfer benchmarks
-ALONE = True
+RUN_FIRST = True
 
 
 def stretched(a, b):
