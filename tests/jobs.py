@@ -12,7 +12,6 @@ run it is compared with; the constant learning rate makes its first iterations t
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
@@ -44,13 +43,9 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if fresh:
         env.pop(ZYGOTE_ENV, None)
-    # a job without falconext on the CPU bed is timed by nothing (a reference's losses):
-    # it needs no lane, and runs beside the lane's job at the lowest priority (nice 19)
-    with LANE if not untimed(args, device) else contextlib.nullcontext():
+    with LANE:
         if _stopping.is_set():
             raise RuntimeError("the session is over: no more jobs")
-        if untimed(args, device):  # at the lowest priority: the lane's job goes first
-            cmd = ["nice", "-n", "19", *cmd]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         _running.add(proc)
         try:
@@ -62,11 +57,6 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
         finally:
             _running.discard(proc)
         return subprocess.CompletedProcess(cmd, proc.returncode, out_text, err_text)
-
-
-def untimed(args: tuple[str, ...] | list[str], device: str) -> bool:
-    """Whether a job's results depend on no clock: no falconext, on the CPU bed."""
-    return device == "cpu" and "--no-falcon" in args
 
 
 #: the jobs running now, and whether the session has ended (stop_jobs)
@@ -248,11 +238,11 @@ class JobCache:
         if self._ahead is not None or not makers:
             return
 
-        def ahead(chosen: list) -> None:
+        def ahead() -> None:
             while after is not None and not after.wait(1.0):
                 if _stopping.is_set():
                     return
-            for make in chosen:
+            for make in makers:
                 if _stopping.is_set():
                     return
                 try:
@@ -260,12 +250,8 @@ class JobCache:
                 except BaseException:  # noqa: BLE001  (reported to the tests that use the job)
                     pass
 
-        # the references (makers marked UNTIMED) in a second thread: they need no lane
-        free = [m for m in makers if getattr(m, "UNTIMED", False)]
-        lane = [m for m in makers if not getattr(m, "UNTIMED", False)]
-        self._ahead = threading.Thread(target=ahead, args=(lane,), name=AHEAD_THREAD, daemon=True)
+        self._ahead = threading.Thread(target=ahead, name=AHEAD_THREAD, daemon=True)
         self._ahead.start()
-        threading.Thread(target=ahead, args=(free,), name=AHEAD_THREAD + "-untimed", daemon=True).start()
 
 
 # --- jobs shared by several modules -----------------------------------------------------------
@@ -290,9 +276,6 @@ def s2_reference(jobs: JobCache) -> Path:
     """What the S2 job learns undisturbed: the same job without falconext, on the CPU bed
     (device time changes no number, and the CPU bed runs it in a third of the time)."""
     return jobs.train(*S2_JOB, "--no-falcon")
-
-
-s2_reference.UNTIMED = True  # type: ignore[attr-defined]  (a reference: JobCache.prefetch)
 
 
 #: the calls-only job's fault: rank 2's device 1.5x slow from iteration 35
@@ -323,9 +306,6 @@ def pp2_reference(jobs: JobCache) -> Path:
     """PP2_JOB undisturbed for PP2_REFERENCE_ITERS iterations on the CPU bed: the reference of the S3
     runs, of forced topology switches and of forced uneven micro-batch plans."""
     return jobs.train(*PP2_JOB, "--iters", str(PP2_REFERENCE_ITERS), "--no-falcon")
-
-
-pp2_reference.UNTIMED = True  # type: ignore[attr-defined]  (a reference: JobCache.prefetch)
 
 
 #: the S3 link job: from iteration 45 the link 0-1 (x8) carries stage 0's DP gradient
@@ -369,6 +349,3 @@ def tp2_pp2_reference(jobs: JobCache) -> Path:
     """TP2_PP2_JOB undisturbed for 10 iterations, without falconext: tensor parallelism
     trains (test_train), and the reference of moving TP blocks between nodes (test_switch)."""
     return jobs.train(*TP2_PP2_JOB, "--iters", str(TP2_PP2_REFERENCE_ITERS), "--no-falcon")
-
-
-tp2_pp2_reference.UNTIMED = True  # type: ignore[attr-defined]  (a reference: JobCache.prefetch)

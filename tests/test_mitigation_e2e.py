@@ -63,9 +63,6 @@ def s4_reference(jobs: JobCache) -> Path:
     return jobs.train(*S4_JOB, "--no-falcon", nproc=2)
 
 
-s4_reference.UNTIMED = True  # type: ignore[attr-defined]  (a reference: JobCache.prefetch)
-
-
 #: the jobs this module reads, run ahead by the session (conftest.py)
 AHEAD = (s2_job, s2_reference, s4_job, s4_reference, forced_pp2_job, pp2_reference)
 

@@ -68,9 +68,6 @@ def vocab_reference(jobs: JobCache) -> Path:
     return jobs.train(*PP2_JOB, "--iters", str(ITERS), *VOCAB, "--no-falcon")
 
 
-vocab_reference.UNTIMED = True  # type: ignore[attr-defined]  (a reference: JobCache.prefetch)
-
-
 #: the jobs this module reads, run ahead by the session (conftest.py)
 AHEAD = (s3_link_job, consolidate_job, pp2_reference, vocab_reference)
 
