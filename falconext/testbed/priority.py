@@ -9,14 +9,21 @@ A real GPU is not slowed by its host's other processes; so the test bed runs a j
 processes (the control plane, torchrun and the ranks) at a raised CPU priority, which
 the kernel's scheduler honours at every wake-up, and the job keeps its device time
 beside other work (measured: the S2 job's plan exact and its mitigation at the optimum
-with two CPU hogs beside it, as on the quiet host).
+with two CPU hogs beside it, as on the quiet host). The CPU bed (``--device cpu``), whose
+times are the host's own, is raised the same way.
+
+Priority is not isolation: two CPU-bound Python processes beside a job leave its device
+time alone, but another training job beside it (torch's kernels on the same cores and
+caches, even at nice 19) stretched the S2 job's healthy iteration from 0.49 to 0.67 s
+and delayed its detection from 12 to 21 iterations (2026-11-27): the test suite runs one
+job at a time (tests/jobs.py).
 """
 
 from __future__ import annotations
 
 import os
 
-#: the nice value of an emulated-device job's processes (lower runs first; 0 is normal)
+#: the nice value of a test-bed job's processes (lower runs first; 0 is normal)
 DEVICE_NICE = -10
 
 
@@ -31,6 +38,6 @@ def raise_priority(target: int = DEVICE_NICE) -> str | None:
     try:
         os.setpriority(os.PRIO_PROCESS, 0, target)
     except OSError as exc:
-        return (f"the emulated device's processes keep nice {current} (raising them to {target} "
-                f"needs root or CAP_SYS_NICE: {exc.strerror}); other work on this host will stretch their device time")
+        return (f"the job's processes keep nice {current} (raising them to {target} "
+                f"needs root or CAP_SYS_NICE: {exc.strerror}); other work on this host will stretch their times")
     return None
