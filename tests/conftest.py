@@ -35,14 +35,20 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> JobCache:
 
 def _phase(module: object) -> int:
     """0: a module that times the wall clock (``RUN_FIRST``); 1: one that needs the job lane
-    to itself (``ALONE``); 2: the rest, which run beside the jobs run ahead."""
-    return 0 if getattr(module, "RUN_FIRST", False) is True else 1 if getattr(module, "ALONE", False) is True else 2
+    to itself (``ALONE``); then, beside the jobs run ahead, 2: the modules that read none
+    of them, and 3: those that do (``AHEAD``)."""
+    if getattr(module, "RUN_FIRST", False) is True:
+        return 0
+    if getattr(module, "ALONE", False) is True:
+        return 1
+    return 3 if getattr(module, "AHEAD", ()) else 2
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The RUN_FIRST modules first, then the ALONE ones, then the rest, each in its usual
-    order: the jobs run ahead start with the rest, so no module waits for the lane while
-    a job it did not ask for runs to its end."""
+    """The phases in order (each module in its usual order within its phase): the jobs
+    run ahead start with phase 2, whose tests run beside them, and the tests that read
+    them come last, when most are done, so no test waits for the lane while a job it did
+    not ask for runs to its end and the suite ends soon after its last job."""
     items.sort(key=lambda item: _phase(item.module))
 
 
@@ -52,7 +58,7 @@ _ahead_may_start = threading.Event()
 
 @pytest.fixture(autouse=True)
 def _start_the_jobs_ahead_with_the_last_phase(request: pytest.FixtureRequest) -> None:
-    if _phase(request.module) == 2:
+    if _phase(request.module) >= 2:
         _ahead_may_start.set()
 
 
