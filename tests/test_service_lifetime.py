@@ -20,8 +20,8 @@ def test_a_service_ends_when_its_launcher_is_killed(redis_server, tmp_path, role
     argv = [sys.executable, "-m", "falconext.control.service", role, "--job", "life", "--events",
             str(tmp_path / "events.jsonl"), "--world", "2"]
     launcher = textwrap.dedent(f"""
-        import subprocess, sys, time
-        child = subprocess.Popen({argv!r})
+        import os, subprocess, sys, time
+        child = subprocess.Popen({argv!r}, env=dict(os.environ, FALCONEXT_PARENT_PID=str(os.getpid())))
         print(child.pid, flush=True)
         time.sleep(600)
     """)
@@ -58,3 +58,36 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "?"
+
+
+def test_a_launcher_killed_before_its_service_has_started_is_seen_gone(redis_server, tmp_path):
+    """The launcher names itself to the service (FALCONEXT_PARENT_PID, as the control
+    plane does): one killed at once, before the service's imports are over (when the
+    parent it would see is already init), still ends it."""
+    argv = [sys.executable, "-m", "falconext.control.service", "agent", "--job", "life", "--world", "2"]
+    launcher = textwrap.dedent(f"""
+        import os, subprocess
+        child = subprocess.Popen({argv!r}, env=dict(os.environ, FALCONEXT_PARENT_PID=str(os.getpid())))
+        print(child.pid, flush=True)
+    """)  # ends as soon as it has started the service
+    env = dict(os.environ, **{REDIS_URL_ENV: redis_server.url})
+    parent = subprocess.Popen([sys.executable, "-c", launcher], env=env, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.wait(timeout=10)
+    try:
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            if _state(child) == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the agent outlived a launcher that died before it had started")
+    finally:
+        try:
+            os.kill(child, 9)
+        except ProcessLookupError:
+            pass

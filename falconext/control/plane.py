@@ -117,7 +117,7 @@ class ControlPlane:
         return base + ["agent", "--job", self.job, "--node", str(node), *self.falcon_argv, "--ranks", ranks]
 
     def _spawn(self, name: str) -> None:
-        env = dict(os.environ, **self.env())
+        env = dict(os.environ, **self.env(), FALCONEXT_PARENT_PID=str(os.getpid()))  # service.PARENT_ENV
         log = open(os.path.join(self.out, f"{name}.log"), "ab")
         self.procs[name] = subprocess.Popen(self._argv(name), env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()

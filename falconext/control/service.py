@@ -218,11 +218,19 @@ def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] |
     agent.bus.close()
 
 
+#: the launcher's pid, set by the launcher that starts a service (its parent)
+PARENT_ENV = "FALCONEXT_PARENT_PID"
+
+
 def watch_parent(stop: list[bool], every_s: float = 0.5) -> threading.Thread:
     """Set ``stop[0]`` once this process's parent (the launcher that supervises it) is
     gone, so a launcher killed with SIGKILL leaves no controller or agent behind; checked
-    every ``every_s`` by a daemon thread, which it returns."""
-    parent = os.getppid()
+    every ``every_s`` by a daemon thread, which it returns. The parent is the pid the
+    launcher named in :data:`PARENT_ENV` (else the parent seen now): a launcher killed
+    while this process was still importing (1.5 s on a loaded 2-core host) is then seen
+    gone at the first check, where the parent seen after the imports was already init."""
+    named = os.environ.get(PARENT_ENV, "")
+    parent = int(named) if named.isdigit() else os.getppid()
 
     def watch() -> None:
         while not stop[0]:
