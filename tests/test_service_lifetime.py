@@ -33,23 +33,28 @@ def test_a_service_ends_when_its_launcher_is_killed(redis_server, tmp_path, role
         os.kill(child, 0)
         parent.kill()
         parent.wait(timeout=10)
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            try:
-                os.kill(child, 0)
-            except ProcessLookupError:
-                break
-            # an exited child of a dead parent is reaped by init; until then it is a zombie
-            if _state(child) == "Z":
-                break
-            time.sleep(0.1)
-        else:
+        if not _ends_within(child, 10):
             pytest.fail(f"the {role} outlived its launcher by 10 s")
     finally:
         try:
             os.kill(child, 9)
         except ProcessLookupError:
             pass
+
+
+def _ends_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` ends (is gone, or a zombie) within ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # an exited child of a dead parent is reaped by init; until then it is a zombie
+        if _state(pid) == "Z":
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _state(pid: int) -> str:
@@ -75,16 +80,7 @@ def test_a_launcher_killed_before_its_service_has_started_is_seen_gone(redis_ser
     child = int(parent.stdout.readline())
     parent.wait(timeout=10)
     try:
-        end = time.monotonic() + 20
-        while time.monotonic() < end:
-            try:
-                os.kill(child, 0)
-            except ProcessLookupError:
-                break
-            if _state(child) == "Z":
-                break
-            time.sleep(0.1)
-        else:
+        if not _ends_within(child, 20):
             pytest.fail("the agent outlived a launcher that died before it had started")
     finally:
         try:

@@ -90,8 +90,9 @@ def startup_mismatch(env: dict[str, str], own: dict[str, str]) -> str | None:
 def run_job(argv: list[str], env: dict[str, str], path: str | None = None) -> int | None:
     """Run ``forkrun`` with ``argv`` in the zygote at ``path`` (default: the one named in
     :data:`ZYGOTE_ENV`) and wait for it: its exit status as subprocess reports one. None
-    when no zygote serves the request (then run it as a fresh process); the job's output
-    goes to this process's own stdout and stderr."""
+    when no zygote serves the request (then run it as a fresh process); RuntimeError when
+    the keeper went away without an exit status (the job may have run: it is not rerun).
+    The job's output goes to this process's own stdout and stderr."""
     path = path or os.environ.get(ZYGOTE_ENV)
     if not path:
         return None
@@ -99,29 +100,32 @@ def run_job(argv: list[str], env: dict[str, str], path: str | None = None) -> in
                       "nice": os.getpriority(os.PRIO_PROCESS, 0)}).encode()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect(path)
-        socket.send_fds(sock, [struct.pack(">I", len(req))], [0, 1, 2])
-        sock.sendall(req)
+        try:
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.connect(path)
+            socket.send_fds(sock, [struct.pack(">I", len(req))], [0, 1, 2])
+            sock.sendall(req)
+        except OSError:
+            return None  # not served: nothing ran
         sock.settimeout(None)  # the job's own length: its launcher's caller sets the deadline
         answer = b""
-        while not answer.endswith(b"\n"):
-            chunk = sock.recv(256)
-            if not chunk:
-                return None if not answer else _lost(answer)
-            answer += chunk
-    except OSError:
-        return None
+        try:
+            while not answer.endswith(b"\n"):
+                chunk = sock.recv(256)
+                if not chunk:
+                    break
+                answer += chunk
+        except OSError:
+            pass
     finally:
         sock.close()
-    word, _, rest = answer.decode().strip().partition(" ")
-    if word == "ok":
+    word, _, rest = answer.decode(errors="replace").strip().partition(" ")
+    if word == "ok" and rest.lstrip("-").isdigit():
         return int(rest)
-    return None  # refused: a fresh process serves it
-
-
-def _lost(answer: bytes) -> int:
-    raise RuntimeError(f"the zygote's keeper went away mid-answer ({answer!r})")
+    if word == "refused":
+        return None  # a fresh process serves it
+    # the job may have run: running it again would not be the same run
+    raise RuntimeError(f"the zygote's keeper went away without the job's exit status (answer {answer!r})")
 
 
 # --- the zygote ------------------------------------------------------------------------------
