@@ -385,15 +385,21 @@ def test_a_congested_node_link_is_localized_and_s3_moves_the_pipeline_off_it(con
 
 
 @real
-@pytest.mark.xfail(strict=False, reason="open: over real TCP links the S3 model overestimates the congested "
-                   "layout's iteration (predicted 0.67 s, measured 0.53 s in one run; it predicts the mitigated "
-                   "one within 7%), so the measured gain is sometimes under half the predicted (1 in 3 runs)")
-def test_s3_over_real_links_gains_at_least_half_what_it_predicted(congested) -> None:
-    """The job gets faster by at least half the fraction the planner predicted (over real
-    TCP links the model is approximate: runs predicted 28.5%, 22.8% and 24.5% and measured
-    40%, 15% and 10.4%)."""
+def test_s3_over_real_links_is_held_to_its_model(congested) -> None:
+    """The model that chose S3's layout predicts both layouts' iterations within 15% of
+    what the job then measured over real TCP links, and the job gets faster by at least
+    half the fraction predicted. Two causes made the model overestimate the congested
+    layout (0.65 s predicted, 0.56 s measured): validation measured the link with two
+    pairs crossing it at once, each at half the link's rate, so the excess per byte was
+    doubled (validation now keeps one transfer per link and direction at a time); and the
+    healthy network's own time per byte was left out, so moving the DP rings onto the link
+    cost only its excess (now priced, with the rings of both stages sharing the link as
+    the pipeline drains)."""
     events, summary = congested
     (s3,) = [e for e in events if e["type"] == "mitigation" and e["strategy"] in ("S2", "S3", "S4")]
     before, after = s3["predicted_s"]
     slow, mitigated = summary["slow_iter_s"], summary["mitigated_iter_s"]
+    print(f"predicted {before:.3f} -> {after:.3f} s, measured {slow:.3f} -> {mitigated:.3f} s")
+    assert abs(before - slow) <= 0.15 * slow, (before, slow, s3.get("model_inputs"))
+    assert abs(after - mitigated) <= 0.15 * mitigated, (after, mitigated, s3.get("model_inputs"))
     assert (slow - mitigated) / slow >= 0.5 * (before - after) / before, summary

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from falconext.validate.passes import ring_passes
+from falconext.validate.passes import one_per_link, ring_passes
 from falconext.validate.plan import validation_plan
 
 
@@ -103,3 +103,33 @@ def test_the_validation_plan_covers_every_ring_of_a_role_in_three_passes_at_most
     plan = validation_plan(groups, world, suspicious=["dp-1-0"])
     assert plan["roles"] == ["dp"] and plan["scope"] == "suspects"
     check(plan["passes"], [link for _, (r, m) in sorted(groups.items()) if r == "dp" for link in ring_links(m)])
+
+
+def test_one_transfer_per_node_link_and_direction_at_a_time():
+    """Two one-rank-per-stage pipelines across two nodes: both PP pairs of a pass cross
+    the one node link the same way, so each gets a pass of its own (a lone message's time
+    is what the link's excess per byte is read from); pairs within a node, the two ways of
+    one link, and links between other nodes stay together."""
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    passes = [[(0, 2), (1, 3)], [(2, 0), (3, 1)]]
+    assert one_per_link(passes, node_of) == [[(0, 2)], [(1, 3)], [(2, 0)], [(3, 1)]]
+    assert one_per_link([[(0, 1), (2, 4), (4, 2), (3, 0)]], node_of) == [[(0, 1), (2, 4), (4, 2), (3, 0)]]
+    assert one_per_link([[(0, 2), (1, 3), (4, 5)]], node_of) == [[(0, 2), (4, 5)], [(1, 3)]]
+    assert one_per_link([[]], node_of) == [[]]
+    # a rank without a node is never held back
+    assert one_per_link([[(0, 2), (1, 9)]], node_of) == [[(0, 2), (1, 9)]]
+
+
+def test_the_validation_plan_keeps_one_transfer_per_node_link_when_it_knows_the_nodes():
+    """DP2 x PP2 on two nodes of two ranks, stage by node: the PP rings both cross the
+    link, and with the nodes given no pass holds two transfers one way over it, while
+    every ring link is still measured exactly once."""
+    groups = {"dp-0": ("dp", [0, 1]), "dp-1": ("dp", [2, 3]), "pp-0": ("pp", [0, 2]), "pp-1": ("pp", [1, 3])}
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    plain = validation_plan(groups, [0, 1, 2, 3])
+    split = validation_plan(groups, [0, 1, 2, 3], node_of=node_of)
+    for p in split["passes"]:
+        ways = [(node_of[a], node_of[b]) for a, b in p if node_of[a] != node_of[b]]
+        assert len(ways) == len(set(ways)), p
+    assert sorted(tuple(x) for p in split["passes"] for x in p) == sorted(tuple(x) for p in plain["passes"] for x in p)
+    assert len(split["passes"]) > len(plain["passes"])

@@ -202,6 +202,55 @@ def test_uneven_plan_slowest_replica_sets_the_pace():
     assert bd.total_s == pytest.approx(21.0)
 
 
+def test_transfers_between_nodes_cost_the_networks_time_per_byte():
+    """net_s_per_byte prices every message and ring step between two nodes, and nothing
+    within a node: DP2 x PP2, stage per node, moves its pipeline messages over the
+    network; the DP rings stay inside the nodes."""
+    layout = L(1, 2, 2, 2)
+    costs = JobCosts.uniform(2, 2, 0.1, 1, act_bytes=1e6, grad_bytes=1e6)
+    plain = iteration_time(layout, ident(layout), costs)
+    net = JobCosts(fwd_s=costs.fwd_s, plan=costs.plan, act_bytes=1e6, grad_bytes=costs.grad_bytes, net_s_per_byte=1e-8)
+    assert iteration_time(layout, ident(layout), net) - plain == pytest.approx(2 * 1e6 * 1e-8)  # there and back
+    # pipelines inside the nodes (roles 0, 2 on node 0): the rings cross instead, 2 (n-1)/n B
+    inside = [0, 2, 1, 3]
+    assert iteration_time(layout, inside, net) - iteration_time(layout, inside, costs) == pytest.approx(1e6 * 1e-8)
+
+
+def test_a_congested_link_carries_its_flows_one_after_another():
+    """Two replicas' pipelines cross one congested link: priced one message at a time,
+    each pipeline alone would wait for its own messages only; the link carries both
+    replicas' messages, so the iteration lasts at least their bytes' time on it (plus
+    other_s). Without the network's rate there is no such bound (an excess alone is not
+    the link's time per byte)."""
+    layout = L(1, 2, 2, 2)  # stage 0 on node 0, stage 1 on node 1
+    kw = dict(fwd_s=[0.001, 0.001], plan=[8, 8], act_bytes=1e5, other_s=0.05)
+    net, e = 1e-7, 9e-7
+    model = IterationModel(layout, JobCosts(**kw, net_s_per_byte=net), None, {(0, 1): e})
+    bd = model.breakdown(ident(layout))
+    carried = 2 * 8 * 1e5 * (net + e)  # both replicas' forward messages, one way
+    assert bd.link_busy_s == pytest.approx(carried)
+    assert bd.total_s == pytest.approx(max(max(bd.pipeline_s), carried) + 0.05)
+    assert bd.total_s > max(bd.pipeline_s) + 0.05  # the bound is what sets the time here
+    blind = IterationModel(layout, JobCosts(**kw), None, {(0, 1): e}).breakdown(ident(layout))
+    assert blind.link_busy_s == 0.0 and blind.total_s == pytest.approx(max(blind.pipeline_s) + 0.05)
+
+
+def test_rings_that_cross_one_congested_link_share_it_as_the_pipeline_drains():
+    """Pipelines inside the nodes, both stages' DP rings over the congested link: stage
+    1's ring starts first, and stage 0's cannot end before all of both rings' bytes have
+    crossed after that start."""
+    layout = L(1, 2, 2, 2)
+    grad = [4e5, 3e5]
+    costs = JobCosts(fwd_s=[0.01, 0.01], plan=[4, 4], grad_bytes=grad, net_s_per_byte=1e-7)
+    roles = [0, 2, 1, 3]  # node 0 plays replica 0 of both stages
+    model = IterationModel(layout, costs, None, {(0, 1): 9e-7})
+    bd = model.breakdown(roles)
+    first = min(bd.allreduce_start_s)
+    shared = first + sum(grad) * 1e-6  # 2 (n-1)/n B = B each way, at net + excess
+    assert bd.total_s == pytest.approx(max(shared, max(a + d for a, d in zip(bd.allreduce_start_s, bd.allreduce_s))))
+    assert bd.total_s == pytest.approx(shared)  # later than either ring alone
+
+
 def test_breakdown_is_consistent():
     layout = L(2, 2, 3, 4)
     costs = JobCosts(

@@ -14,7 +14,7 @@ from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
 from falconext.control.messages import (Command, FailSlowReport, Heartbeat, ProfileData, SessionAck, TopologyChange,
                                          ValidationResult)
-from falconext.mitigate.mitigation import healthy_mb_s, link_excess, topology_inputs
+from falconext.mitigate.mitigation import healthy_mb_s, link_excess, network_s_per_byte, topology_inputs
 from test_controller import commands, events
 
 # suspend_verdict_wait_s 0: these tests follow S3's ski-rental decision on the heartbeats after
@@ -274,6 +274,26 @@ def test_link_excess_of_a_lone_network_link_is_over_its_own_baseline():
     ev = {"links": {"0-1": 0.04}, "reference": None, "reference_from": "baseline", "baseline": {"0-1": 0.01}}
     assert link_excess([[1, 0]], ev, 1000) == {(0, 1): pytest.approx(3e-5)}
     assert link_excess([[1, 0]], dict(ev, baseline={}), 1000) == {}
+
+
+def test_the_networks_time_per_byte_is_the_reference_message_over_its_bytes():
+    assert network_s_per_byte({"links": {"0-1": 0.0112, "2-3": 0.001}, "reference": 0.0012}, 1000) == pytest.approx(1.2e-6)
+    lone = {"links": {"0-1": 0.04}, "reference": None, "baseline": {"0-1": 0.01}}
+    assert network_s_per_byte(lone, 1000) == pytest.approx(1e-5)
+    assert network_s_per_byte({"links": {"0-1": 0.04}, "reference": None}, 1000) == 0.0
+    assert network_s_per_byte(lone, 0) == 0.0
+
+
+def test_topology_inputs_price_the_network_before_the_fit():
+    """With the network's time per byte, the model's transfers between nodes cost it and
+    the fit still meets the healthy time: what moves onto the network costs there."""
+    from falconext.sim.itertime import iteration_time
+
+    bare = topology_inputs(_beats(), 0.5)
+    priced = topology_inputs(_beats(), 0.5, net_s_per_byte=1e-7)
+    assert priced.costs.net_s_per_byte == 1e-7 and bare.costs.net_s_per_byte == 0.0
+    assert iteration_time(priced.layout, priced.roles, priced.costs) == pytest.approx(0.5)
+    assert priced.costs.other_s < bare.costs.other_s
 
 
 def test_a_slow_gpu_under_a_link_nothing_helped_joins_its_episode_and_s2_is_tried():

@@ -90,6 +90,7 @@ from falconext.mitigate.mitigation import (
     back_to_own_level,
     healthy_mb_s,
     link_excess,
+    network_s_per_byte,
     recovery_references,
     replica_view,
     replicas_of,
@@ -628,6 +629,7 @@ class Controller:
                 p2p_concurrency=self.cfg.p2p_concurrency,
                 p2p_bytes=self.cfg.p2p_bytes,
                 p2p_repeats=self.cfg.p2p_repeats,
+                node_of={r: b.node for r, b in self.beats.items()},
             )
         except ValueError as exc:
             return self._abort(now, f"no validation plan: {exc}")
@@ -848,13 +850,18 @@ class Controller:
         ep.mitigation.healthy_mb_s = healthy_mb_s(self.history, min(ep.onsets) if clean_before is None else clean_before,
                                                   self.cfg.min_duration)
         ep.mitigation.link_excess = self._link_excess(loc)
+        ep.mitigation.net_s_per_byte = network_s_per_byte(loc.evidence.get("links", {}), self._p2p_bytes())
         ep.mitigation.gpu_factors = _gpu_factors(loc)
         ep.mitigation.recovery_refs = recovery_references(self.beats, loc.gpus, ep.mitigation.healthy_mb_s,
                                                           self.cfg.min_slowdown)
         return [_event("planner_started", session=self.session, **planner.status())]
 
+    def _p2p_bytes(self) -> int:
+        """Bytes of one validation message of the session now."""
+        return int((self._plan or {}).get("nbytes", 0) or 0)
+
     def _link_excess(self, loc: Localized) -> dict[tuple[int, int], float]:
-        return link_excess(loc.links, loc.evidence.get("links", {}), int((self._plan or {}).get("nbytes", 0) or 0))
+        return link_excess(loc.links, loc.evidence.get("links", {}), self._p2p_bytes())
 
     def _relocalize(self, ep: _Episode, now: float) -> list[Output]:
         """The planner saw a rise: localize again, in this episode, before it escalates."""

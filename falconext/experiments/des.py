@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -454,12 +454,15 @@ class _Sim:
         pass_s = 0.0
         for pas in plan.get("passes", []):
             longest = 0.0
+            # a node link carries the pass's transfers across it one after another
+            ways = Counter((self.node_of[int(src)], self.node_of[int(dst)]) for src, dst in pas)
             for src, dst in pas:
                 a, b = self.node_of[int(src)], self.node_of[int(dst)]
                 if a == b:
                     sec = nbytes / INTRA_NODE_BPS + P2P_LATENCY_S
                 else:
-                    sec = nbytes / INTER_NODE_BPS + P2P_LATENCY_S + nbytes * links.get((min(a, b), max(a, b)), 0.0)
+                    per_byte = 1 / INTER_NODE_BPS + links.get((min(a, b), max(a, b)), 0.0)
+                    sec = ways[(a, b)] * nbytes * per_byte + P2P_LATENCY_S
                 sec *= 1 + abs(self.rng_bench.normal(0, 0.02))
                 got.setdefault(int(dst), []).append([int(src), int(dst), sec])
                 longest = max(longest, sec)

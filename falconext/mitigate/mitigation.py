@@ -47,6 +47,8 @@ class Mitigation:
     #: {(node_a, node_b): excess seconds per byte}
     gpu_factors: dict[int, float] = field(default_factory=dict)
     link_excess: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: a healthy network link's seconds per byte, as validation measured it (0 unknown)
+    net_s_per_byte: float = 0.0
     #: each process's compute seconds per micro-batch before the onset, in the role it
     #: plays now (see :func:`healthy_mb_s`)
     healthy_mb_s: dict[int, float] = field(default_factory=dict)
@@ -146,9 +148,12 @@ class TopologyInputs:
 
 def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[int] = (),
                     gemm_factors: Mapping[int, float] | None = None,
-                    before: Mapping[int, float] | None = None) -> TopologyInputs | str:
+                    before: Mapping[int, float] | None = None, *,
+                    net_s_per_byte: float = 0.0) -> TopologyInputs | str:
     """The job's layout, current roles, healthy costs and the stragglers' slowdown, from
-    the heartbeats, or why not.
+    the heartbeats, or why not. ``net_s_per_byte``: a healthy network link's seconds per
+    byte (:func:`network_s_per_byte`), priced into the model's transfers between nodes
+    before the fit, so that moving traffic onto a network link costs what it costs.
 
     With ``before`` (each process's forward time per micro-batch before the onset, see
     :func:`healthy_mb_s`) covering every process, a stage's compute per micro-batch is
@@ -219,20 +224,22 @@ def topology_inputs(beats: Mapping[int, Any], healthy_s: float, slow: Iterable[i
             return "micro-batches per replica not known yet"
         plan[b.replica] = b.micro
     act = float(max(b.act_bytes for b in beats.values()))
-    modelled = iteration_time(layout, roles, JobCosts(fwd_s=fwd, plan=plan, act_bytes=act, grad_bytes=grad))
+    modelled = iteration_time(layout, roles, JobCosts(fwd_s=fwd, plan=plan, act_bytes=act, grad_bytes=grad,
+                                                      net_s_per_byte=net_s_per_byte))
     if modelled > healthy_s > 0:
         fwd, other = [f * healthy_s / modelled for f in fwd], 0.0
     else:
         other = max(0.0, healthy_s - modelled)
-    costs = JobCosts(fwd_s=fwd, plan=plan, act_bytes=act, grad_bytes=grad, other_s=other)
+    costs = JobCosts(fwd_s=fwd, plan=plan, act_bytes=act, grad_bytes=grad, other_s=other,
+                     net_s_per_byte=net_s_per_byte)
     return TopologyInputs(layout, roles, costs, factors)
 
 
 def link_excess(links: Iterable[Iterable[int]], evidence: Mapping[str, Any], nbytes: int) -> dict[tuple[int, int], float]:
     """Excess seconds per byte of each slow link over its reference, from the validation
-    evidence (a link's median message time minus the reference, per byte). The reference
-    is the peer links' (``reference``) or, for the lone network link of a two-node job,
-    that link's own healthy time (``baseline``)."""
+    evidence (a link's message time, as if alone on the link, minus the reference, per
+    byte). The reference is the peer links' (``reference``) or, for the lone network link
+    of a two-node job, that link's own healthy time (``baseline``)."""
     if not isinstance(evidence, Mapping):
         return {}
     measured = evidence.get("links") or {}
@@ -246,6 +253,19 @@ def link_excess(links: Iterable[Iterable[int]], evidence: Mapping[str, Any], nby
         if isinstance(t, (int, float)) and isinstance(r, (int, float)) and nbytes > 0:
             out[(a, b)] = max(0.0, (float(t) - float(r)) / nbytes)
     return out
+
+
+def network_s_per_byte(evidence: Mapping[str, Any], nbytes: int) -> float:
+    """A healthy inter-node link's seconds per byte, from the validation evidence: the
+    reference message time (the peer links' or, for a two-node job, the median of the
+    links' own healthy baselines) over the message's bytes; 0.0 without a reference."""
+    if not isinstance(evidence, Mapping) or nbytes <= 0:
+        return 0.0
+    ref = evidence.get("reference")
+    if isinstance(ref, (int, float)) and ref > 0:
+        return float(ref) / nbytes
+    own = [float(v) for v in (evidence.get("baseline") or {}).values() if isinstance(v, (int, float)) and v > 0]
+    return statistics.median(own) / nbytes if own else 0.0
 
 
 def replicas_of(ranks: Iterable[int], beats: Mapping[int, Any]) -> set[int]:
@@ -355,10 +375,11 @@ def topology_for(mit: Mitigation, beats: Mapping[int, Any]) -> TopologyPlan | st
     """S3's permutation for the localized faults, or why there is none (with what the
     model was given, so a refusal can be checked)."""
     inputs = topology_inputs(beats, mit.planner.status()["healthy_s"], mit.gpus, mit.gpu_factors,
-                             mit.healthy_mb_s)
+                             mit.healthy_mb_s, net_s_per_byte=mit.net_s_per_byte)
     if isinstance(inputs, str):
         return f"no topology model: {inputs}"
     seen = (f"fwd_s {[round(f, 5) for f in inputs.costs.fwd_s]}, other_s {round(inputs.costs.other_s, 4)}, "
+            f"network {inputs.costs.net_s_per_byte:.4g} s/byte, "
             f"slow GPUs {({p: round(f, 2) for p, f in inputs.gpu_factors.items()})}, "
             f"slow links {({f'{a}-{b}': e for (a, b), e in mit.link_excess.items()})} s/byte")
     try:

@@ -17,16 +17,34 @@ What is modelled, and why that much:
 * Pipeline. Megatron's non-interleaved 1F1B schedule is simulated exactly as a small
   discrete-event computation, because where a slow stage or a slow p2p boundary sits in
   the pipeline changes the bubble, and a closed form would miss that.
-* P2P. A message between adjacent stages costs ``p2p_s + act_bytes * excess``; with
-  ``tp > 1`` each TP rank sends its own message to the matching TP rank, and the stage
-  boundary waits for the slowest of them.
+* P2P. A message between adjacent stages costs ``p2p_s + act_bytes * (net + excess)``,
+  ``net`` being the healthy network's seconds per byte (``net_s_per_byte``) when the two
+  stages sit on different nodes; with ``tp > 1`` each TP rank sends its own message to
+  the matching TP rank, and the stage boundary waits for the slowest of them.
 * DP all-reduce. Runs after the pipeline (no overlap), per stage and per TP rank, as a
   ring in role order (gloo and NCCL rings follow group rank order). A ring moves
-  ``2 (n-1)/n * B`` bytes over every ring link and is as slow as its slowest link.
+  ``2 (n-1)/n * B`` bytes over every ring link and is as slow as its slowest link
+  (``net + excess`` per byte on a link between nodes).
 * Everything else (optimizer step, data, loss reduction) is a fixed ``other_s``.
 
+* A slow link's capacity. A node link carries its transfers one after another, so its
+  busiest direction's bytes of one iteration (every pipeline message and ring step that
+  crosses it, of every replica and TP rank) times its seconds per byte (``net +
+  excess``), plus ``other_s``, bound the iteration from below; and the all-reduces that
+  cross one slow link direction share it once the first of them starts (stage by stage,
+  as the pipeline drains), so they end no earlier than that start plus all their bytes'
+  time (measured: two stages' rings over one congested TCP link ended 0.05 s after what
+  the one-ring-at-a-time price gave). Only where the healthy
+  network's rate is known (``net_s_per_byte > 0``): an excess alone is not a link's
+  time per byte (the simulated jobs of the experiments give excesses only, and their
+  messages are priced one by one). The messages above are
+  priced as if each had the link alone; when two replicas' pipelines cross one congested
+  link, their messages queue behind each other, and this bound is what sees it (over
+  real rate-limited links the bound read 0.53 s of a measured 0.56 s where the
+  per-message model gave 0.49 s).
+
 Intra-node transfers are never slowed (slow links are, by definition, between nodes).
-Contention between concurrent transfers on one link is not modelled.
+Contention on healthy links is not modelled.
 
 Conventions (shared with the planner): ``world = tp * dp * pp``; the node of process
 ``p`` is ``p // ranks_per_node``; a *role* (the torch rank a process plays) is
@@ -207,7 +225,9 @@ class JobCosts:
     ``p2p_s``: healthy seconds of one such message. ``grad_bytes[s]``/``allreduce_s[s]``:
     bytes and healthy seconds of stage ``s``'s DP gradient all-reduce (default 0).
     ``other_s``: fixed per-iteration time. ``plan[d]``: micro-batches of DP replica ``d``
-    (uneven after an S2 rebalance, which is why it is per replica).
+    (uneven after an S2 rebalance, which is why it is per replica). ``net_s_per_byte``:
+    a healthy inter-node link's seconds per byte, added to every transfer between two
+    nodes (0: healthy transfers are left in the compute and ``other_s`` a fit gives).
 
     Sequences are stored as tuples so a ``JobCosts`` is hashable and cannot change under
     a planner that is using it.
@@ -221,6 +241,7 @@ class JobCosts:
     grad_bytes: Sequence[float] | None = None
     allreduce_s: Sequence[float] | None = None
     other_s: float = 0.0
+    net_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         fwd = _float_seq("fwd_s", self.fwd_s)
@@ -249,6 +270,7 @@ class JobCosts:
         object.__setattr__(self, "act_bytes", _finite_nonneg("act_bytes", self.act_bytes))
         object.__setattr__(self, "p2p_s", _finite_nonneg("p2p_s", self.p2p_s))
         object.__setattr__(self, "other_s", _finite_nonneg("other_s", self.other_s))
+        object.__setattr__(self, "net_s_per_byte", _finite_nonneg("net_s_per_byte", self.net_s_per_byte))
 
     @classmethod
     def uniform(
@@ -288,7 +310,9 @@ class IterationBreakdown:
     (pipeline time measured from the iteration start). ``pipeline_s[d]``: that replica's
     pipeline time (max over its stages). ``allreduce_start_s[s]``/``allreduce_s[s]``: when
     stage ``s``'s gradient all-reduce starts (the slowest replica's finish of ``s``) and
-    how long it takes (0 when ``dp == 1``). ``total_s`` includes ``other_s``.
+    how long it takes (0 when ``dp == 1``). ``link_busy_s``: the busiest slow link
+    direction's transfer time per iteration (0 without slow links or a network rate). ``total_s`` includes
+    ``other_s``, and is at least ``link_busy_s + other_s``.
     """
 
     total_s: float
@@ -297,6 +321,7 @@ class IterationBreakdown:
     allreduce_start_s: tuple[float, ...]
     allreduce_s: tuple[float, ...]
     other_s: float
+    link_busy_s: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -437,6 +462,10 @@ class IterationModel:
         for (a, b), e in self._links.items():
             excess[code[a], code[b]] = excess[code[b], code[a]] = e
         self._excess_flat = excess.ravel()
+        # a slow link's seconds per byte in all (healthy network + excess), for its capacity
+        self._link_rate_flat = np.where(excess > 0, excess + costs.net_s_per_byte, 0.0).ravel()
+        self._net = costs.net_s_per_byte
+        self._host = np.arange(self.world) // rpn  # process -> its real node
         # role grid: _grid[s, d, t] = role (tp_r t, dp_r d, pp_r s); _ring_next is the role
         # after it in its DP ring (role order, wrapping around).
         self._grid = np.arange(self.world).reshape(pp, dp, tp)
@@ -447,8 +476,13 @@ class IterationModel:
         self._allreduce = (
             np.asarray(costs.allreduce_s, dtype=float) if dp > 1 else np.zeros(pp)
         )
-        self._p2p_slowed = bool(self._links) and costs.act_bytes > 0 and pp > 1
-        self._ring_slowed = bool(self._links) and dp > 1 and bool(np.any(self._ring_bytes > 0))
+        priced = bool(self._links) or self._net > 0  # some transfer between nodes costs time
+        self._p2p_slowed = priced and costs.act_bytes > 0 and pp > 1
+        self._ring_slowed = priced and dp > 1 and bool(np.any(self._ring_bytes > 0))
+        # bytes of one iteration's pipeline messages per stage boundary and replica (each
+        # way), and of its ring steps per stage, for the capacity of slow links
+        self._pipe_bytes = np.asarray(costs.plan, dtype=float)[None, :, None] * costs.act_bytes
+        self._ring_step_bytes = self._ring_bytes[:, None, None] * np.ones((1, dp, tp))
         self._healthy_msgs = (costs.p2p_s,) * (pp - 1)
         self._pipe_cache: dict[tuple, tuple[float, ...]] = {}
         self._grid_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
@@ -474,17 +508,55 @@ class IterationModel:
             self._pipe_cache[key] = hit
         return hit
 
-    def _evaluate(self, proc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """Core of the model for ``proc[role] = process``: (stage_finish, start, dur, total)."""
+    def _per_byte(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Seconds per byte, beyond the healthy cost already in the fit, of transfers
+        from processes ``src`` to processes ``dst`` (arrays of one shape)."""
+        out = self._excess_flat[self._node[src] * self._n_codes + self._node[dst]]
+        if self._net > 0:
+            out = out + self._net * (self._host[src] != self._host[dst])
+        return out
+
+    def _link_bounds(self, pgrid: np.ndarray, start: np.ndarray) -> tuple[float, float]:
+        """Two lower bounds from the capacity of slow links, for the layout ``pgrid``:
+        (the busiest slow link direction's transfer seconds of one iteration, the latest
+        end of the all-reduces that cross one slow link direction, which share it after the
+        earliest of them starts, ``start[s]`` being stage ``s``'s all-reduce start)."""
+        codes = self._node[pgrid]
+        n = self._n_codes
+        idx, weight = [], []
+        if self._p2p_slowed:
+            a, b = codes[:-1], codes[1:]
+            w = np.broadcast_to(self._pipe_bytes, a.shape)
+            idx += [(a * n + b).ravel(), (b * n + a).ravel()]  # forward and backward
+            weight += [w.ravel(), w.ravel()]
+        tail = 0.0
+        if self._ring_slowed:
+            nxt = codes[:, (np.arange(self.dp) + 1) % self.dp, :]
+            ring_idx = (codes * n + nxt).ravel()
+            ring_w = self._ring_step_bytes.ravel()
+            idx.append(ring_idx)
+            weight.append(ring_w)
+            on = self._link_rate_flat[ring_idx] > 0
+            if on.any():
+                first = np.full(n * n, np.inf)
+                np.minimum.at(first, ring_idx[on], np.broadcast_to(start[:, None, None], codes.shape).ravel()[on])
+                ring_s = np.bincount(ring_idx[on], weights=ring_w[on], minlength=n * n) * self._link_rate_flat
+                tail = float(np.max(np.where(np.isfinite(first), first + ring_s, 0.0)))
+        if not idx:
+            return 0.0, tail
+        moved = np.bincount(np.concatenate(idx), weights=np.concatenate(weight), minlength=n * n)
+        return float((moved * self._link_rate_flat).max()), tail
+
+    def _evaluate(self, proc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+        """Core of the model for ``proc[role] = process``: (stage_finish, start, dur,
+        total, link_busy)."""
         pgrid = proc[self._grid]  # (pp, dp, tp) processes
         factors = self._factor[pgrid]
         # a TP group runs at its slowest member
         factors = factors[:, :, 0] if self.tp == 1 else factors.max(axis=2)
         msgs = None
-        if self._p2p_slowed or self._ring_slowed:
-            nflat = self._node[pgrid] * self._n_codes  # row offsets into the flat excess matrix
         if self._p2p_slowed:
-            worst = self._excess_flat[nflat[:-1] + self._node[pgrid[1:]]]
+            worst = self._per_byte(pgrid[:-1], pgrid[1:])
             worst = worst[:, :, 0] if self.tp == 1 else worst.max(axis=2)  # slowest tp message
             msgs = self.costs.p2p_s + self.costs.act_bytes * worst  # (pp - 1, dp)
         # All replicas at once first: most candidates a planner tries leave every
@@ -506,10 +578,14 @@ class IterationModel:
         finish, start = hit
         dur = self._allreduce
         if self._ring_slowed:
-            ring = self._excess_flat[nflat + self._node[proc[self._ring_next]]]
+            ring = self._per_byte(pgrid, proc[self._ring_next])
             dur = dur + self._ring_bytes * ring.reshape(self.pp, -1).max(axis=1)
-        total = float((start + dur).max()) + self.costs.other_s
-        return finish, start, dur, total
+        total = float((start + dur).max())
+        busy = 0.0
+        if self._links and self._net > 0:
+            busy, tail = self._link_bounds(pgrid, start)
+            total = max(total, busy, tail)
+        return finish, start, dur, total + self.costs.other_s, busy
 
     def _proc(self, roles: Sequence[int], checked: bool) -> np.ndarray:
         if not checked:
@@ -524,7 +600,7 @@ class IterationModel:
         ``checked=True`` skips the permutation check (for callers that built ``roles``
         themselves and call this in a hot loop).
         """
-        finish, start, dur, total = self._evaluate(self._proc(roles, checked))
+        finish, start, dur, total, busy = self._evaluate(self._proc(roles, checked))
         return IterationBreakdown(
             total_s=total,
             pipeline_s=tuple(float(x) for x in finish.max(axis=1)),
@@ -532,6 +608,7 @@ class IterationModel:
             allreduce_start_s=tuple(float(x) for x in start),
             allreduce_s=tuple(float(x) for x in dur),
             other_s=self.costs.other_s,
+            link_busy_s=busy,
         )
 
     def time(self, roles: Sequence[int], *, checked: bool = False) -> float:

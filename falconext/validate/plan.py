@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from falconext.control.messages import MAX_MESSAGE_BYTES, Command, ValidationPlan, ValidationShare, encode
-from falconext.validate.passes import merge_passes, ring_passes, split_rounds
+from falconext.validate.passes import merge_passes, one_per_link, ring_passes, split_rounds
 
 #: roles whose groups partition the ranks: their rings carry the job's traffic
 LINK_ROLES = ("tp", "cp", "ep", "dp", "pp")
@@ -41,10 +41,13 @@ def validation_plan(
     p2p_concurrency: int = 0,
     p2p_bytes: int = 262144,
     p2p_repeats: int = 5,
+    node_of: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """The plan sent to every rank with the suspend command (plain JSON data).
 
-    ``groups`` maps group id -> (role, members in group order).
+    ``groups`` maps group id -> (role, members in group order). With ``node_of`` (rank ->
+    node), no two transfers of a pass share an inter-node link the same way
+    (:func:`falconext.validate.passes.one_per_link`).
     """
     unknown = [g for g in suspicious if g not in groups]
     if unknown:
@@ -67,7 +70,10 @@ def validation_plan(
     passes: list[list[list[int]]] = []
     for role in roles:
         rings = [ring_passes(m) for g, (r, m) in sorted(linked.items()) if r == role]
-        passes.extend([[list(p) for p in pas] for pas in merge_passes(rings)])
+        merged = merge_passes(rings)
+        if node_of is not None:
+            merged = one_per_link(merged, node_of)
+        passes.extend([[list(p) for p in pas] for pas in merged])
     return {
         "scope": scope,
         "gemm": sorted(gemm),
