@@ -106,6 +106,24 @@ def losses(out: Path) -> dict[int, float]:
     return got
 
 
+#: what a healthy job must not raise: a detection, a suspicion, a localization, a decision
+QUIET = ("fail_slow", "straggler_suspected", "localized", "localization_failed", "mitigation_decision",
+         "mitigation", "episode_end")
+
+
+def assert_quiet(out: Path) -> None:
+    """A fault-free run raised nothing of :data:`QUIET`, and its only suspensions were the
+    link baseline's of a multi-node job (named by their session); prints the worst rank's
+    overrun of its device time (a host too loaded for the device's speed)."""
+    device = json.loads((out / "summary.json").read_text())["device"]
+    print(f"{out.name}: worst rank's overrun share {device['worst_rank_overrun_share']:.1%}")
+    raised = [e for e in events(out) if e["type"] in QUIET]
+    assert raised == [], raised
+    baseline = {e["session"] for e in events(out, "link_baseline")}
+    held = {e["session"] for e in events(out, "suspension")} | {e["session"] for e in events(out, "suspended")}
+    assert held <= baseline, (held, baseline)
+
+
 def device_slowdown_removed(out: Path) -> float | None:
     """The share of the slowdown a run's mitigation removed on its emulated devices' own
     records (ranks/device-rank*.json: the device time each iteration took, fault included),
