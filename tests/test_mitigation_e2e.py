@@ -33,6 +33,7 @@ from jobs import (
     JobCache,
     assert_same_trajectory,
     device_slowdown_removed,
+    device_summary,
     events,
     forced_pp2_job,
     launch,
@@ -133,10 +134,14 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
     assert_same_trajectory(losses(out), losses(runs["ref"]), S4_ITERS)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == S4_ITERS
-    # back to its healthy speed without the faulty node (on the CPU bed a fault-free run
-    # itself moved between 0.24 and 0.36 s per iteration, and this was loosened to
-    # "removed >= 0.65"; devices that keep their speed measured 1.01x)
-    assert summary["mitigated_iter_s"] <= 1.1 * summary["healthy_iter_s"], summary
+    # back to its healthy speed without the faulty node, on the devices' own records
+    # (deterministic); the wall clock's figure, printed, carries the host's load: 1.11x
+    # in a fresh-clone run of the suite (2026-11-27) beside unit tests that start torch
+    # processes of their own, where the devices read 1.00x
+    device = device_summary(out)
+    print(f"S4: mitigated / healthy {device['mitigated_iter_s'] / device['healthy_iter_s']:.3f} on the devices' "
+          f"records, {summary['mitigated_iter_s'] / summary['healthy_iter_s']:.3f} by the wall clock")
+    assert device["mitigated_iter_s"] == pytest.approx(device["healthy_iter_s"], rel=1e-3), device
     assert summary["mitigation"]["restarts"][0]["downtime_s"] > 0
 
 
