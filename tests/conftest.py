@@ -14,7 +14,7 @@ import pytest
 
 from falconext.control.redis_server import RedisServer, start_redis
 from falconext.testbed.zygote import ZYGOTE_ENV
-from jobs import LANE, JobCache, stop_jobs
+from jobs import ISOLATED, LANE, JobCache, stop_jobs
 
 
 @pytest.fixture
@@ -57,8 +57,19 @@ _ahead_may_start = threading.Event()
 
 
 @pytest.fixture(autouse=True)
-def _start_the_jobs_ahead_with_the_last_phase(request: pytest.FixtureRequest) -> None:
-    if _phase(request.module) >= 2:
+def _start_the_jobs_ahead_with_the_last_phase(request: pytest.FixtureRequest, jobs: JobCache) -> None:
+    """Before the first test of phase 2: the jobs that must run with nothing beside them
+    (tests/jobs.py: ``ISOLATED``) that a module of the session runs ahead, one after
+    another, while no test runs; then the jobs ahead may start."""
+    if _phase(request.module) >= 2 and not _ahead_may_start.is_set():
+        wanted = {id(m) for item in request.session.items if item.module is not None
+                  for m in getattr(item.module, "AHEAD", ())}
+        for make in ISOLATED:
+            if id(make) in wanted:
+                try:
+                    make(jobs)
+                except BaseException:  # noqa: BLE001  (reported to the tests that read the job)
+                    pass
         _ahead_may_start.set()
 
 
