@@ -93,6 +93,23 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     assert summary["slowdown_removed"] is not None and summary["slowdown_removed"] > 0.5, summary
 
 
+#: what a healthy job must not raise (as tests/jobs.py QUIET)
+QUIET = ("fail_slow", "straggler_suspected", "localized", "localization_failed", "mitigation_decision",
+         "mitigation", "episode_end", "suspended")
+
+
+@pytest.mark.long
+def test_a_healthy_pretrain_gpt_job_raises_nothing(script: str, tmp_path: Path) -> None:
+    """The slow-GPU test's job without its fault: 200 iterations of pretrain_gpt.py with
+    falconext (--log-interval 10), and not one detection, suspicion, localization,
+    suspension or mitigation."""
+    out = tmp_path / "out"
+    launch(script, [*TINY_GPT, "--global-batch-size", "16", "--train-iters", "200", "--log-interval", "10",
+                    "--falcon", "--falcon-out", str(out), "--falcon-device-gflops", "4"])
+    raised = [e for e in events(out) if e["type"] in QUIET]
+    assert raised == [], raised
+
+
 def test_forced_microbatches_train_exactly_what_megatron_trains(script: str, tmp_path: Path) -> None:
     common = [*TINY_GPT, "--global-batch-size", "8", "--train-iters", "30", "--log-interval", "1"]
     plain = losses(launch(script, common))
