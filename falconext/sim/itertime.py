@@ -311,8 +311,8 @@ class IterationBreakdown:
     pipeline time (max over its stages). ``allreduce_start_s[s]``/``allreduce_s[s]``: when
     stage ``s``'s gradient all-reduce starts (the slowest replica's finish of ``s``) and
     how long it takes (0 when ``dp == 1``). ``link_busy_s``: the busiest slow link
-    direction's transfer time per iteration (0 without slow links or a network rate). ``total_s`` includes
-    ``other_s``, and is at least ``link_busy_s + other_s``.
+    direction's transfer time per iteration (0 without slow links or a network rate).
+    ``total_s`` includes ``other_s``, and is at least ``link_busy_s + other_s``.
     """
 
     total_s: float
@@ -469,7 +469,8 @@ class IterationModel:
         # role grid: _grid[s, d, t] = role (tp_r t, dp_r d, pp_r s); _ring_next is the role
         # after it in its DP ring (role order, wrapping around).
         self._grid = np.arange(self.world).reshape(pp, dp, tp)
-        self._ring_next = self._grid[:, (np.arange(dp) + 1) % dp, :]
+        self._dp_next = (np.arange(dp) + 1) % dp  # replica d's next in its DP ring
+        self._ring_next = self._grid[:, self._dp_next, :]
         self._fwd = np.asarray(costs.fwd_s, dtype=float)
         self._bwd = np.asarray(costs.bwd_s, dtype=float)
         self._ring_bytes = 2.0 * (dp - 1) / dp * np.asarray(costs.grad_bytes, dtype=float)
@@ -531,7 +532,7 @@ class IterationModel:
             weight += [w.ravel(), w.ravel()]
         tail = 0.0
         if self._ring_slowed:
-            nxt = codes[:, (np.arange(self.dp) + 1) % self.dp, :]
+            nxt = codes[:, self._dp_next, :]
             ring_idx = (codes * n + nxt).ravel()
             ring_w = self._ring_step_bytes.ravel()
             idx.append(ring_idx)
