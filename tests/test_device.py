@@ -115,7 +115,8 @@ def test_compute_takes_device_time_and_a_fault_is_a_step():
     x = torch.randn(4, 8)
     # one step before the device is attached: torch's first backward starts the autograd
     # engine (33 ms over the device's 60 in a fresh-clone CI run, 2026-11-27), a host cost
-    # that is not the device's; the bounds below allow 30 ms of the host's own CPU work
+    # that is not the device's. The device time is a floor; the ceilings allow a loaded host
+    # one healthy step (60 ms) of its own, less than a step charged twice or a wrong factor
     _step(module, x)
     dev.attach_model(module, 2e7)
     took = []
@@ -126,9 +127,9 @@ def test_compute_takes_device_time_and_a_fault_is_a_step():
         took.append(time.perf_counter() - t0)
     assert dev.microbatch_s() == pytest.approx(0.06)
     for it in (0, 1):
-        assert 0.06 <= took[it] < 0.06 + 0.03, took
+        assert 0.06 <= took[it] < 0.06 + 0.06, took
     for it in (2, 3):  # exactly 3x from the fault's first iteration
-        assert 0.18 <= took[it] < 0.18 + 0.03, took
+        assert 0.18 <= took[it] < 0.18 + 0.06, took
     rec = dev.record()
     assert rec["iterations"]["1"]["compute_s"] == pytest.approx(0.06)
     assert rec["iterations"]["2"]["compute_s"] == pytest.approx(0.18)

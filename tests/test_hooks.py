@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from wallclock import LOADED_HOST_SLACK_S
 
 HERE = Path(__file__).resolve()
 CHILD_TIMEOUT_S = 150
@@ -227,7 +228,7 @@ def test_ring_overflow_is_counted(ops_run: list[dict[str, Any]]) -> None:
 def test_trap_holds_until_release(ops_run: list[dict[str, Any]]) -> None:
     trap = ops_run[0]["trap"]
     assert trap["held_seen"] is True
-    assert 0.15 <= trap["released_pause"] <= 1.5
+    assert 0.15 <= trap["released_pause"] <= 0.2 + LOADED_HOST_SLACK_S  # released after 0.2 s
     assert trap["released_expired"] == 0
     assert trap["issue_after_arm"] >= 0.15  # the call was issued only after the hold
     assert trap["sum_ok"] is True
@@ -235,11 +236,11 @@ def test_trap_holds_until_release(ops_run: list[dict[str, Any]]) -> None:
 
 def test_trap_deadline_lets_the_call_go(ops_run: list[dict[str, Any]]) -> None:
     trap = ops_run[0]["trap"]
-    assert 0.25 <= trap["expired_pause"] <= 1.5
+    assert 0.25 <= trap["expired_pause"] <= 0.3 + LOADED_HOST_SLACK_S  # its 0.3 s deadline
     assert trap["expired"] == 1
     assert trap["holds"] == 2
     assert trap["armed_after"] is False
-    assert trap["unarmed_call_s"] < 0.15
+    assert trap["holds_after_unarmed"] == 2  # a disarmed trap lets the next call through
 
 
 def test_cuda_event_path_with_fake_events(ops_run: list[dict[str, Any]]) -> None:
@@ -735,9 +736,8 @@ def _trap_part(rank: int) -> dict[str, Any]:
             dist.all_reduce(torch.ones(1))
             result.update(expired_pause=trap.last_pause_s, expired=trap.expired,
                           holds=trap.holds, armed_after=trap.armed)
-            start = time.monotonic()
             dist.all_reduce(torch.ones(1))
-            result["unarmed_call_s"] = time.monotonic() - start
+            result["holds_after_unarmed"] = trap.holds
         else:
             for _ in range(3):
                 dist.all_reduce(torch.ones(3 if _ == 0 else 1))

@@ -215,7 +215,8 @@ def test_s2_is_decided_when_impact_crosses_the_overhead_and_applied_at_the_next_
     assert mit["iteration"] == k + 1
     assert mit["plan"] == plan and mit["replica_mb_s"] == [FAST_MB, SLOW_MB, FAST_MB, FAST_MB]
     assert mit["pause_s"] == 0.3  # the longest pause of the ranks
-    assert 0.3 <= mit["overhead_s"] < 0.4  # pause + solve
+    solve_s = ctl.episode.mitigation.solve_s  # the real QP's time, on the wall clock
+    assert 0 < solve_s and mit["overhead_s"] == pytest.approx(0.3 + solve_s, abs=1e-4)  # pause + solve
     assert ctl.state is State.TRACKING
     planner = ctl.episode.mitigation.planner
     assert planner.current == "S2" and planner.pending() is None

@@ -37,6 +37,7 @@ def test_plain_gemm_has_positive_flops():
 
 
 def test_stretched_matmul_halves_flops():
+    # Real GEMMs on the wall clock, judged as a ratio (no seam: this is the benchmark itself).
     # Interleaved rounds, best repeat of each: a CI host busy in one stretch of time
     # must not make the healthy benchmark look as slow as the stretched one.
     plain_best, slow_best = 0.0, 0.0

@@ -79,8 +79,12 @@ class Suspension:
         budget_s: float | None = None,
         action: MitigationAction | None = None,
         work: RankWork | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rank = rank
+        #: the monotonic clock that times holds, deadlines, steps and the budget (a seam:
+        #: tests give it logical time that the benchmarks advance)
+        self.clock = clock
         self.session = session
         self.iteration = iteration
         self.plan = plan
@@ -121,11 +125,11 @@ class Suspension:
 
     def run(self, end: float) -> None:
         """Runs on the trapped training thread; ``end`` is the deadline (monotonic)."""
-        t0 = time.monotonic()
+        t0 = self.clock()
         self.post(SessionAck(self.rank, self.session, "held", self.iteration, time.time()))
         next_ack = t0 + self.resend_s
         while not (self._go.is_set() or self._release.is_set()):
-            now = time.monotonic()
+            now = self.clock()
             left = end - now
             if left <= 0:
                 self.expired = True
@@ -142,7 +146,7 @@ class Suspension:
                     self._await_verdict(self.plan.verdict_wait_s)
             if self.action is not None and not self._voted:
                 self._agree()
-        self.pause_s = time.monotonic() - t0
+        self.pause_s = self.clock() - t0
         self.post(
             SessionAck(self.rank, self.session, "resumed", self.iteration, time.time(), self.pause_s,
                        self.expired, self.committed)
@@ -161,9 +165,9 @@ class Suspension:
         resume brought becomes this suspension's, committed only if every rank that
         validated holds it (a vote over the validation group, which each of them joins
         however its wait ended, so none waits on a peer that resumed)."""
-        deadline = time.monotonic() + wait_s
+        deadline = self.clock() + wait_s
         while not (self._resume.is_set() or self._release.is_set()):
-            left = deadline - time.monotonic()
+            left = deadline - self.clock()
             if left <= 0:
                 break
             self._wake.wait(min(left, 0.05))
@@ -214,7 +218,7 @@ class Suspension:
         its kind took: a second P2P sweep over a congested link is as slow as the first)."""
         if self.budget_s is None:
             return False
-        spent = time.monotonic() - t0 + expected_s >= self.budget_s
+        spent = self.clock() - t0 + expected_s >= self.budget_s
         if self.bench.agree_stop is not None:
             spent = bool(self.bench.agree_stop(spent))
         self.budget_spent = spent
@@ -230,7 +234,7 @@ class Suspension:
         flops: float | None = None
         links: list[list[float]] = []
         error = "" if work.covered else f"no share of the validation plan came for rank {self.rank}"
-        t0 = time.monotonic()
+        t0 = self.clock()
         steps = done = 0
         best: dict[tuple[int, int], float] = {}
         try:
@@ -250,26 +254,26 @@ class Suspension:
                 for k in rounds:  # rounds: every rank takes part in each barrier
                     if sweep > 0 and self._out_of_budget(t0, last_gemm_s):
                         raise _BudgetSpent
-                    t_step = time.monotonic()
+                    t_step = self.clock()
                     if plan.gemm_rounds > 1:
                         self.bench.barrier()
                     if work.gemm_round == k:
                         got = float(self.bench.gemm(plan.gemm_n, plan.gemm_repeats))
                         flops = got if flops is None else max(flops, got)
-                    last_gemm_s = time.monotonic() - t_step
+                    last_gemm_s = self.clock() - t_step
                     done += 1
                 if not plan.p2p_rounds:
                     continue
                 if sweep > 0 and self._out_of_budget(t0, last_p2p_s):
                     raise _BudgetSpent
-                t_step = time.monotonic()
+                t_step = self.clock()
                 for src, dst, sec in self.bench.passes(schedule, plan.nbytes, plan.repeats, 0):
                     best[(src, dst)] = min(float(sec), best.get((src, dst), math.inf))
-                last_p2p_s = time.monotonic() - t_step
+                last_p2p_s = self.clock() - t_step
                 done += 1
         except _BudgetSpent:
             error = (f"partial: validation budget of {self.budget_s:g} s spent after {done} of {steps} steps "
-                     f"({time.monotonic() - t0:.3f} s)")
+                     f"({self.clock() - t0:.3f} s)")
         except Exception as exc:  # a broken benchmark must not take training down
             error = f"{type(exc).__name__}: {exc}"[:500]
             best = {}  # a pass that failed may have left its peers' timings half-taken
