@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from falconext.detect.tracking import RankTracking
-from falconext.sim.calllog import CallLog, CallSpec, Slowdown, dp_only_spec, generate, tp_pp_spec
+from falconext.sim.calllog import CallLog, CallSpec, Slowdown, dist_opt_spec, dp_only_spec, generate, tp_pp_spec
 
 #: Megatron-LM's --log-interval timer all-gather
 LOG_ALL_GATHER = (CallSpec("all_gather", "world", 64, 0.001),)
@@ -19,8 +19,14 @@ ONSET = 150
 def straggler_log(base: str, factor: float | None) -> CallLog:
     """The log of test_itertime's log-interval test (an all-gather every 10 and every 100
     iterations, an evaluation every 50), with rank 1's compute ``factor`` x slower from
-    iteration ONSET on (None: healthy)."""
-    spec = tp_pp_spec(iterations=260, tp=2, pp=2, micro_batches=4) if base == "tp_pp" else dp_only_spec(iterations=260)
+    iteration ONSET on (None: healthy). ``base``: "tp_pp", "dp" (four gradient buckets) or
+    "distopt<k>" (the distributed optimizer's k calls per iteration)."""
+    if base == "tp_pp":
+        spec = tp_pp_spec(iterations=260, tp=2, pp=2, micro_batches=4)
+    elif base.startswith("distopt"):
+        spec = dist_opt_spec(iterations=260, calls=int(base[len("distopt"):]))
+    else:
+        spec = dp_only_spec(iterations=260)
     slow = () if factor is None else (Slowdown(ONSET, 260, factor, (1,)),)
     spec = replace(spec, extra_every=((10, LOG_ALL_GATHER), (100, LOG_ALL_GATHER)), eval_every=50, slowdowns=slow)
     return generate(spec, 11)
@@ -44,7 +50,10 @@ def track(log: CallLog, rank: int) -> list[tuple[int, int, int | None]]:
     return found
 
 
-@pytest.mark.parametrize("base", ["tp_pp", "dp"])
+BASES = ["tp_pp", "dp", "distopt2", "distopt3", "distopt4"]
+
+
+@pytest.mark.parametrize("base", BASES)
 def test_a_2x_straggler_is_detected_within_12_iterations_on_every_rank(base: str) -> None:
     log = straggler_log(base, 2.0)
     # the job's iterations are ~1.9x slower: rank 1's compute doubled, the rest wait for it
@@ -58,7 +67,7 @@ def test_a_2x_straggler_is_detected_within_12_iterations_on_every_rank(base: str
         assert 0 < confirmed - ONSET <= 12, (rank, found)
 
 
-@pytest.mark.parametrize("base", ["tp_pp", "dp"])
+@pytest.mark.parametrize("base", BASES)
 def test_the_healthy_log_raises_no_event(base: str) -> None:
     log = straggler_log(base, None)
     for rank in sorted(log.spec.patterns):

@@ -373,60 +373,136 @@ def refine_by_gaps(
     return period
 
 
-def inner_period(template: Sequence[int] | np.ndarray, max_insert: int, max_insert_share: float = 0.25,
+def inner_period(template: Sequence[int] | np.ndarray, max_insert: int,
                  idle: Sequence[float] | np.ndarray | None = None) -> int | None:
     """The iteration inside a super-period: the shortest ``q`` such that one period
-    ``template`` (any rotation) is ``N >= 2`` exact repeats of a block of ``q`` calls plus
-    one inserted run of ``1 <= k <= min(max_insert, q * max_insert_share)`` calls; None when
-    there is none (or ``max_insert`` is 0).
+    ``template`` (any rotation) is ``N >= 2`` exact repeats of a block of ``q`` calls with
+    runs of inserted calls between blocks, each run of ``1 <= k <= max_insert`` calls,
+    runs at least :data:`MIN_BLOCKS_BETWEEN_INSERTIONS` blocks apart; None when there is none (or ``max_insert`` is 0). A block
+    may be a single call: a data-parallel job with the distributed optimizer issues two to
+    four calls per iteration.
 
     ``idle`` (optional, aligned with ``template``): the host's idle time before each call.
     A block that is an iteration holds the step's longest pause (optimizer step, next
     data) in every repeat; a unit inside the iteration (a 1F1B micro-batch, whose
     remainder is the step's own call or two) holds it in one repeat only. With ``idle``,
     a split is kept only when there are at least 3 repeats and every one of them pauses
-    at least half as long as the longest pause of the whole period (the blocks next to
-    the inserted run may take their pause from it).
+    at least half as long as the step's pause, read beside the inserted runs (see
+    :func:`_every_block_pauses`; the blocks next to a run may take their pause from it).
 
     A job that adds a few calls every N iterations (Megatron-LM's ``--log-interval``
-    timer barriers, a periodic evaluation's or checkpoint's handful of collectives) is
-    exactly periodic only over N iterations, and the lag-1-iteration autocorrelation sits
-    near ``1 - 1/N``, below the threshold for N < 20. The block is the iteration; the
-    inserted run belongs to every N-th one. A unit inside the iteration (a micro-batch)
-    is not taken for it: the calls issued once per step make the remainder a large share
-    of the unit, not a few calls.
+    timer calls, a periodic evaluation's or checkpoint's handful of collectives, several
+    of them with different N) is exactly periodic only over the least common multiple of
+    the N, and the lag-1-iteration autocorrelation sits near ``1 - 1/N``, below the
+    threshold for N < 20. The block is the iteration; the inserted runs belong to the
+    iterations they follow. A unit inside the iteration (a micro-batch) is not taken for
+    it: the calls issued once per step make the remainder a large share of the unit,
+    not a few calls, and they come at every iteration.
     """
     t = np.asarray(template)
-    n = t.size
     if max_insert <= 0:
         return None
-    for q in range(1, n // 2 + 1):
-        reps, k = divmod(n, q)
-        if k == 0 or k > min(max_insert, q * max_insert_share):
-            # k == 0: an exact multiple, which the period search chose on purpose (gaps)
-            continue
-        match = t == np.roll(t, -q)  # cyclic: t[i] == t[i + q]
-        if np.count_nonzero(~match) > q + k:
-            continue
-        # the matches run (cyclic) covers the repeated blocks but the last
-        run, start = _longest_cyclic_run(match)
-        if run < (reps - 1) * q:
-            continue
-        rot = np.roll(t, -start)
-        if not np.array_equal(rot[: reps * q], np.tile(rot[:q], reps)):
-            continue
-        if idle is not None:
-            gaps = np.roll(np.asarray(idle, dtype=float), -start)
-            longest = float(gaps.max())
-            block_max = gaps[: reps * q].reshape(reps, q).max(axis=1)
-            # the inserted calls sit between the last block and the first (cyclic): the
-            # step's pause may come before them (a log all-gather after the last call)
-            # or after them, so their idle counts for both neighbours
-            block_max[[0, -1]] = np.maximum(block_max[[0, -1]], gaps[reps * q :].max())
-            if reps < 3 or (longest > 0 and np.count_nonzero(block_max >= 0.5 * longest) < reps):
-                continue
-        return q
+    for q in range(1, t.size // 2 + 1):
+        if blocks_with_insertions(t, q, max_insert, idle):
+            return q
     return None
+
+
+def blocks_with_insertions(template: Sequence[int] | np.ndarray, q: int, max_insert: int,
+                           idle: Sequence[float] | np.ndarray | None = None) -> bool:
+    """True when ``template`` (one exact period, any rotation) reads as repeats of one
+    block of ``q`` calls with runs of at most ``max_insert`` inserted calls between them
+    (:func:`inner_period`'s test for one ``q``; ``idle`` as there). An exact multiple of
+    the block (no insertion) is False: the period search chose it on purpose (gaps)."""
+    t = np.asarray(template)
+    n = t.size
+    if not 1 <= q <= n // 2:
+        return False
+    match = t == np.roll(t, -q)  # cyclic: t[i] == t[i + q]
+    if n % q == 0 and match.all():
+        return False
+    run, start = _longest_cyclic_run(match)
+    if run < q:  # no two blocks in a row
+        return False
+    rot = np.roll(t, -start)
+    blocks = _parse_blocks(rot, q, max_insert)
+    if blocks is None:
+        return False
+    return idle is None or _every_block_pauses(np.roll(np.asarray(idle, dtype=float), -start), blocks, q)
+
+
+#: fewest blocks between two runs of inserted calls (cyclically): insertions are rarer
+#: than iterations (a --log-interval of 3 or more); a run after every block or two is
+#: the iteration's own calls, and a one-call block between them is not an iteration
+MIN_BLOCKS_BETWEEN_INSERTIONS = 3
+#: most of a period that inserted calls may be: a one-call "block" between the calls of
+#: a pipeline stage's micro-batches leaves a third of them over, an all-gather every
+#: 10 iterations of 2 calls 5%
+MAX_INSERTED_SHARE = 0.2
+
+
+def _parse_blocks(rot: np.ndarray, q: int, max_run: int) -> list[int] | None:
+    """Where the blocks of ``rot`` begin, reading it as repeats of its first ``q`` calls with
+    runs of at most ``max_run`` other calls between them, at least
+    :data:`MIN_BLOCKS_BETWEEN_INSERTIONS` blocks apart (the last run may close the circle)
+    and at most :data:`MAX_INSERTED_SHARE` of the calls; None when it does not read so or
+    has no inserted call."""
+    n = rot.size
+    block = rot[:q]
+    starts: list[int] = []
+    gaps: list[int] = []  # blocks before each run
+    since = cur = 0
+    i = 0
+    while i < n:
+        if i + q <= n and np.array_equal(rot[i : i + q], block):
+            starts.append(i)
+            since += 1
+            i += q
+            cur = 0
+            continue
+        if cur == 0:
+            gaps.append(since)
+            since = 0
+        cur += 1
+        if cur > max_run:
+            return None
+        i += 1
+    if not gaps:
+        return None
+    gaps[0] += since  # the blocks after the last run come before the first (a circle)
+    if min(gaps) < MIN_BLOCKS_BETWEEN_INSERTIONS or n - q * len(starts) > MAX_INSERTED_SHARE * n:
+        return None
+    return starts
+
+
+def _every_block_pauses(idle: np.ndarray, starts: list[int], q: int) -> bool:
+    """True when there are at least 3 blocks (at ``starts``, ``q`` calls each, in ``idle``'s
+    order) and each holds a pause at least half the step's pause.
+
+    The step's pause is read next to the inserted runs: the pause before each inserted
+    call and the one after the run (before the next block's first call), the longest of
+    each run, the median over the runs. A micro-batch unit taken for the iteration has
+    the step's own call or two as its one "inserted" run, and the optimizer step's
+    pause beside it, which the other units lack; an iteration with a log all-gather every
+    10 and an evaluation every 50 has runs whose pauses are mostly the step's (the
+    evaluation's longer one is one run of several). An inserted run's pauses count for
+    the blocks on both sides of it."""
+    n = idle.size
+    if len(starts) < 3:
+        return False
+    block_max = np.array([idle[s : s + q].max() for s in starts])
+    beside: list[float] = []
+    for j, s in enumerate(starts):
+        nxt = starts[j + 1] if j + 1 < len(starts) else n + starts[0]
+        end = s + q
+        if nxt > end:  # an inserted run between block j and the next (cyclic)
+            ins = float(np.take(idle, np.arange(end, nxt + 1) % n).max())  # with the next block's first
+            beside.append(ins)
+            k = (j + 1) % len(starts)
+            block_max[j] = max(block_max[j], ins)
+            block_max[k] = max(block_max[k], ins)
+    step = float(np.median(beside)) if beside else float(idle.max())
+    return bool(np.all(block_max >= 0.5 * step))
 
 
 def _longest_cyclic_run(flags: np.ndarray) -> tuple[int, int]:

@@ -244,6 +244,37 @@ def dp_only_spec(
     )
 
 
+def dist_opt_patterns(
+    calls: int = 3,
+    n_ranks: int = 4,
+    grad_bytes: int = 50_000_000,
+    forward_backward: float = 0.09,
+) -> dict[int, list[CallSpec]]:
+    """Data parallel with the distributed optimizer: the fewest calls per iteration a
+    Megatron-LM job makes. In order: the gradients' reduce-scatter after the backward
+    pass, the updated parameters' all-gather, the loss all-reduce, the gradient norm's
+    all-reduce; ``calls`` (2 to 4) keeps the first ones (2: the loss all-reduce and one
+    gradient all-reduce, a DDP job with one bucket)."""
+    if not 2 <= calls <= 4:
+        raise ValueError(f"calls must be 2, 3 or 4, got {calls}")
+    if calls == 2:
+        pattern = [CallSpec("all_reduce", "dp", 4, forward_backward), CallSpec("all_reduce", "dp", grad_bytes, 0.01)]
+    else:
+        pattern = [
+            CallSpec("reduce_scatter", "dp", grad_bytes, forward_backward),
+            CallSpec("all_gather", "dp", grad_bytes, 0.01),
+            CallSpec("all_reduce", "dp", 4, 0.001),
+            CallSpec("all_reduce", "mp", 8, 0.001),
+        ][:calls]
+    return {r: list(pattern) for r in range(n_ranks)}
+
+
+def dist_opt_spec(iterations: int = 60, calls: int = 3, n_ranks: int = 4, **spec: object) -> CallLogSpec:
+    """A data-parallel job with the distributed optimizer, ``calls`` per iteration
+    (:func:`dist_opt_patterns`); ``spec`` sets any other CallLogSpec field."""
+    return CallLogSpec(patterns=dist_opt_patterns(calls, n_ranks), iterations=iterations, **spec)  # type: ignore[arg-type]
+
+
 def pipeline_patterns(
     tp: int = 2,
     pp: int = 4,
