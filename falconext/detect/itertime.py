@@ -68,7 +68,6 @@ import numpy as np
 from falconext.config import FalconConfig
 from falconext.detect.period import (
     SymbolTable,
-    blocks_with_insertions,
     chance_match,
     coarse_symbol_of,
     gap_spacing,
@@ -451,25 +450,6 @@ class IterationTracker:
         inner = inner_period(codes[start : start + q], self.config.max_inserted_calls, idle=idle)
         return q if inner is None else inner
 
-    def _template_with_insertions(self, first_seq: int, codes: np.ndarray, longer: int) -> bool:
-        """Whether the exact period of ``longer`` calls in ``codes`` (the window of calls
-        from ``first_seq`` on) is the followed template's blocks with runs of inserted
-        calls between them, each block holding the step's pause
-        (:func:`blocks_with_insertions`)."""
-        if codes.size < 2 * longer or self.config.max_inserted_calls <= 0:
-            return False
-        start, run = _longest_run(codes[longer:] == codes[:-longer])
-        if first_seq + start < 1:  # the stream's first call has no idle before it
-            start, run = start + 1, run - 1
-        if run < longer:
-            return False
-        lo = first_seq + start
-        rows = (run + longer) // longer
-        idle = self._window_times(lo, lo + rows * longer) - self._window_ready(lo - 1, lo + rows * longer - 1)
-        idle = np.median(idle.reshape(rows, longer), axis=0)
-        return blocks_with_insertions(codes[start : start + longer], len(self._template),
-                                      self.config.max_inserted_calls, idle=idle)
-
     def _adopt(
         self, codes: np.ndarray, times: np.ndarray, q: int, ready: np.ndarray, window_seq: int
     ) -> int | None:
@@ -523,15 +503,27 @@ class IterationTracker:
         self._checked_held = held
         cfg = self.config
         q = len(self._template)
-        codes = self._window_codes(seq + 1 - held, seq + 1)
-        longer = sharpen_period(codes, q, cfg.acf_min_repeats, cfg.max_period_calls)
-        if longer <= q or self._template_with_insertions(seq + 1 - held, codes, longer):
-            # no longer period, or one that is this template N times plus a few calls
-            # inserted every N iterations: the break was such an insertion (LOST resyncs)
+        # the whole history, then its newer half: the job's first iteration often issues
+        # a few calls more (set-up), which shifts every pair across it, and insertions
+        # every N iterations break the longer period once per N; the newer half drops
+        # the first and, early on, holds no insertion yet
+        for lo in (seq + 1 - held, seq + 1 - held // 2):
+            codes = self._window_codes(lo, seq + 1)
+            longer = sharpen_period(codes, q, cfg.acf_min_repeats, cfg.max_period_calls)
+            if longer > q:
+                break
+        else:
             return False
-        times = self._window_times(seq + 1 - held, seq + 1)
-        longer = refine_period(longer, times, cfg)
-        if self._adopt(codes, times, longer, self._window_ready(seq + 1 - held, seq + 1), seq + 1 - held) is None:
+        inner = self._without_insertions(lo, codes, longer)
+        if inner == q:
+            # this template N times plus a few calls inserted every N iterations: the
+            # break was such an insertion (LOST resyncs)
+            return False
+        times = self._window_times(lo, seq + 1)
+        # the iteration inside a super-period (a unit's template found it), or the
+        # longer exact period, refined by its gaps
+        longer = inner if inner < longer else refine_period(longer, times, cfg)
+        if self._adopt(codes, times, longer, self._window_ready(lo, seq + 1), lo) is None:
             return False
         self.relocks += 1
         return True

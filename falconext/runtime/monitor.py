@@ -121,6 +121,11 @@ class RankMonitor:
         self.records = 0
         self.errors = 0
         self._period: int | None = None
+        #: with loop hooks: a period two of whose spans fell in one loop iteration (a
+        #: micro-batch or a layer, not an iteration); its spans are neither estimates nor
+        #: watched until the tracker moves to another period
+        self._sub_iteration: int | None = None
+        self._last_mapped: tuple[int, int] | None = None  # (period, loop iteration) of the latest span
         self._reported: set[int] = set()
         self._ids: dict[tuple[int, int], int] = {}  # (detector generation, its event id) -> reported id
         self.on_event = on_event
@@ -265,6 +270,8 @@ class RankMonitor:
                     n = self._tracker_iteration(it.seq_end + seq_offset, it.period)
                 else:
                     n = self._loop_iteration(it.t_begin, it.t_end)
+                    if n is not None and self._shorter_than_the_loop(it.period, n):
+                        continue
                 if n is None:
                     continue
                 self.tracked = max(self.tracked, n)
@@ -289,7 +296,30 @@ class RankMonitor:
                 self._period = self.tracking.period
                 self.events.emit("period", rank=self.rank, period=self._period)
             for ev in update.events:
-                self._report(ev)
+                if self._sub_iteration is None or self._sub_iteration != self.tracking.period:
+                    self._report(ev)
+
+    def _shorter_than_the_loop(self, period: int, n: int) -> bool:
+        """Whether spans of ``period`` calls are shorter than the loop's iterations: true
+        once two of them fell in one loop iteration (``n`` after the previous span's), and
+        then until the tracker follows another period. At that moment what was estimated
+        under the period is withdrawn: a unit inside the iteration (a micro-batch, which
+        the tracker follows until its history shows the iteration) is neither an
+        iteration time nor a series to watch."""
+        if self._sub_iteration is not None and period != self._sub_iteration:
+            self._sub_iteration = None
+        if self._sub_iteration == period:
+            return True
+        previous, self._last_mapped = self._last_mapped, (period, n)
+        if previous != (period, n):
+            return False
+        self._sub_iteration = period
+        self.events.emit("period_below_iteration", rank=self.rank, period=period, iteration=n)
+        self.estimates.clear()
+        self.splits.clear()
+        self._recent_its.clear()
+        self.score_sample = None
+        return True
 
     def profile_snapshot(self, window_s: float, limit: int = 1500) -> dict[str, Any]:
         """This rank's collective calls of the last ``window_s`` seconds, the newest

@@ -4,9 +4,10 @@ Skipped unless ``MEGATRON_LM_PATH`` names a core_v0.16.1 checkout (the megatron-
 project installs); CI has none. Tiny GPT, ``--mock-data``, 2 ranks on gloo, CPU mode with
 the emulated device. What is asserted is the issue's acceptance list:
 
-- a 2x compute fault on rank 1 from iteration 60 (``--log-interval 10``): ``fail_slow``
-  with onset within 5 iterations, detected within 15, localized to rank 1, an S2
-  mitigation, ``slowdown_removed`` in summary.json;
+- a 2x compute fault on rank 1 from iteration 60 (16 micro-batches per replica,
+  ``--log-interval 10``): ``fail_slow`` from the detector with onset within 5 iterations,
+  detected within 15, localized to rank 1, an S2 mitigation, ``slowdown_removed`` >= 0.4
+  in summary.json, and nothing reported before the fault;
 - ``--falcon-force-microbatches 3,5`` against the run without ``--falcon``: Megatron's
   logged ``lm loss`` equal at every iteration (relative difference <= 1e-5);
 - an S4 forced at iteration K resumes at K + 1 from Megatron's checkpoint and continues
@@ -80,10 +81,15 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     faults = tmp_path / "fault.json"
     faults.write_text(json.dumps([{"kind": "compute", "rank": 1, "factor": 2.0, "start": 60}]))
     out = tmp_path / "out"
-    launch(script, [*TINY_GPT, "--global-batch-size", "16", "--train-iters", "200", "--log-interval", "10",
+    # 16 micro-batches per replica: 201 calls per iteration (12 per micro-batch, the data
+    # broadcasts on one-rank TP groups included), and --log-interval 10's two timer calls
+    # every 10 iterations; the tracker first follows the micro-batch, then the iteration
+    launch(script, [*TINY_GPT, "--global-batch-size", "32", "--train-iters", "200", "--log-interval", "10",
                     "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
                     "--falcon-device-gflops", "4"])
     evs = events(out)
+    assert {e["period"] for e in evs if e["type"] == "period" and e["rank"] == 0} >= {201}
+    # the detector itself (not the controller's score trigger) reports it
     first = min((e for e in evs if e["type"] == "fail_slow"), key=lambda e: e["detected_at"])
     assert abs(first["onset"] - 60) <= 5, first
     assert first["detected_at"] - 60 <= 15, first
@@ -92,7 +98,9 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     s2 = [e for e in evs if e["type"] == "mitigation" and e.get("strategy") == "S2"]
     assert s2, [e["type"] for e in evs]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["slowdown_removed"] is not None and summary["slowdown_removed"] > 0.5, summary
+    assert summary["slowdown_removed"] is not None and summary["slowdown_removed"] >= 0.4, summary
+    # nothing was reported before the fault: the micro-batch spans were never watched
+    assert not [e for e in evs if e["type"] in ("fail_slow", "straggler_suspected") and (e.get("onset") or 0) < 55]
 
 
 #: what a healthy one-node job must not raise: tests/jobs.py's QUIET, and no suspension
