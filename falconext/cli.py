@@ -169,7 +169,7 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 
 def _cmd_period(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    from falconext.detect.itertime import iteration_times_by_rank
+    from falconext.detect.itertime import iteration_numbers, iteration_times_by_rank
     from falconext.trace.logfile import read_call_log_lines
 
     records, lines = read_call_log_lines(args.log)
@@ -185,7 +185,10 @@ def _cmd_period(args: argparse.Namespace) -> int:
                          f"on this line; a period needs at least {need} (2 x acf_min_repeats)")
     result = {}
     for rank, (period, its) in iteration_times_by_rank(records, cfg).items():
-        entry: dict = {"period": period, "iter_times": [round(it.duration, 9) for it in its]}
+        # the iteration each estimate measures, counted from the calls (iterations that
+        # held an insertion, and the warm-up, are absent from both lists)
+        entry: dict = {"period": period, "iterations": iteration_numbers(its),
+                       "iter_times": [round(it.duration, 9) for it in its]}
         changes = [(k, it.period) for k, it in enumerate(its) if k == 0 or it.period != its[k - 1].period]
         if len(changes) > 1:  # the call pattern changed (e.g. re-planned micro-batches)
             entry["periods"] = [{"from": k, "period": p} for k, p in changes]

@@ -321,7 +321,10 @@ def test_period_recovers_period_and_iteration_times(tmp_path: Path, capsys, spec
     periods = {}
     for key, entry in result.items():
         rank = int(key)
-        assert set(entry) == {"period", "iter_times"}
+        assert set(entry) == {"period", "iterations", "iter_times"}
+        # each estimate numbered with the iteration it measures, one apart (no insertions)
+        numbers = entry["iterations"]
+        assert len(numbers) == len(entry["iter_times"]) and numbers == list(range(numbers[0], numbers[0] + len(numbers)))
         # ground truth: calls one rank issues in one training iteration
         assert entry["period"] == len(spec.patterns[rank]), rank
         periods[rank] = entry["period"]

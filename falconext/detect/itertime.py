@@ -61,7 +61,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -114,6 +114,10 @@ class IterationTime:
     period: int
     #: index, in the rank's call stream as fed (0-based), of the anchor call that ended it
     seq_end: int
+    #: the iteration it measures, counted from the stream's start (0-based): by the
+    #: template's marker calls, so that calls inserted every N iterations, evaluations and
+    #: iterations left out (one that held an insertion) keep the count true
+    iteration: int = -1
 
 
 class TrackerState(Enum):
@@ -183,6 +187,13 @@ class IterationTracker:
         self.fallbacks = 0  # template given up, back to SEARCHING
         self.relocks = 0  # template replaced by a longer exact one at a break
         self.dropped = 0  # anchors not after the previous one (clock steps)
+
+        # the iteration count: the template's marker (the code of its symbol least
+        # inflated by insertions, and how often one period holds it) and the latest
+        # (anchor seq, iteration number) emitted
+        self._marker = 0
+        self._marker_per_period = 1
+        self._known: tuple[int, int] | None = None
 
         self._checked_at = 0
         self._checked_held = 0
@@ -480,6 +491,7 @@ class IterationTracker:
             idle = (times[first:stop] - ready[first - 1 : stop - 1]).reshape(rows, q)
             anchor = (int(np.argmax(np.median(idle, axis=0))) - 1) % q
         self.locks += 1
+        self._pick_marker(template, codes)
         self._template = [int(c) for c in template]
         self._anchor = anchor
         self._rotated = np.roll(template, -anchor)
@@ -529,7 +541,33 @@ class IterationTracker:
         return True
 
     # --- helpers ------------------------------------------------------------------
+    def _pick_marker(self, template: np.ndarray, window: np.ndarray) -> None:
+        """Count iterations by the template's symbol whose share of ``window`` (the calls
+        the template was found in) is lowest against its share of the template: a call
+        that insertions and evaluations do not issue, such as a gradient reduction."""
+        symbols, per_period = np.unique(template, return_counts=True)
+        in_window = np.array([np.count_nonzero(window == c) for c in symbols])
+        best = int(np.lexsort((per_period, in_window / per_period))[0])
+        self._marker = int(symbols[best])
+        self._marker_per_period = int(per_period[best])
+
+    def _iteration_at(self, seq: int) -> int:
+        """The number of the iteration whose anchor is the call at ``seq``: the previous
+        number plus the marker calls since its anchor, in periods (half a period's worth
+        more rounds down: an evaluation's few marker calls are not an iteration); counted
+        from the stream's start for the first; by calls where the ring no longer holds
+        the gap."""
+        known_seq, known_n = self._known if self._known is not None else (-1, -1)
+        q = len(self._template)
+        if seq - known_seq > self._history(seq):  # the ring dropped part of the gap
+            return known_n + max(1, (seq - known_seq) // q)
+        m = self._marker_per_period
+        markers = int(np.count_nonzero(self._window_codes(known_seq + 1, seq + 1) == self._marker))
+        return known_n + max(1, (markers + (m - 1) // 2) // m)
+
     def _emit(self, t_begin: float, t_end: float, seq: int) -> None:
+        n = self._iteration_at(seq)
+        self._known = (seq, n)
         self._out.append(
             IterationTime(
                 index=self.emitted,
@@ -538,6 +576,7 @@ class IterationTracker:
                 duration=t_end - t_begin,
                 period=len(self._template),
                 seq_end=seq,
+                iteration=n,
             )
         )
         self.emitted += 1
@@ -668,6 +707,13 @@ def _boundary_side(its: list[IterationTime], issued: np.ndarray, share: float) -
                    for it, b, e, h in zip(run, begins, ends, have) if h and issued[e] > issued[b]]
         out.extend(run)
     return out
+
+
+def iteration_numbers(its: Sequence[IterationTime], first: int = 0) -> list[int]:
+    """The iteration each of ``its`` measures (``first`` is the stream's first iteration):
+    what ``falconext period`` prints beside the times, and what a job without loop hooks
+    numbers its estimates, onsets and detections with."""
+    return [first + it.iteration for it in its]
 
 
 def iteration_times_by_rank(

@@ -34,6 +34,7 @@ from falconext.config import FalconConfig
 from falconext.control.eventlog import EventLog
 from falconext.detect.events import FailSlowEvent
 from falconext.detect.scores import BusyClock, RankSample, recent_sample, split_iteration
+from falconext.detect.itertime import IterationTime
 from falconext.detect.tracking import RankTracking
 from falconext.profile.window import RecentCollectives
 
@@ -203,15 +204,12 @@ class RankMonitor:
                 return self.first_iteration + i + 1
         return self.first_iteration + i
 
-    def _tracker_iteration(self, seq_end: int, period: int) -> int:
-        """The number of the iteration whose last call has tracer seq ``seq_end``, counted
-        from the stream's start in periods; always after the previous number."""
-        if self.clock is None:
-            n = self.first_iteration + round((seq_end + 1) / period) - 1
-        else:
-            n0, s0, _ = self.clock
-            n = n0 + max(1, round((seq_end - s0) / period))
-        n = max(n, self.tracked + 1)
+    def _tracker_iteration(self, it: IterationTime, seq_end: int) -> int:
+        """The number of the iteration ``it`` measures (its last call has tracer seq
+        ``seq_end``), as the tracker counts them from the stream's start; always after
+        the previous number."""
+        period = it.period
+        n = max(self.first_iteration + it.iteration, self.tracked + 1)
         self.clock = (n, seq_end, period)
         return n
 
@@ -267,7 +265,7 @@ class RankMonitor:
                 self.clock = None
             for k, it in update.iterations:
                 if self.loop_starts is None:
-                    n = self._tracker_iteration(it.seq_end + seq_offset, it.period)
+                    n = self._tracker_iteration(it, it.seq_end + seq_offset)
                 else:
                     n = self._loop_iteration(it.t_begin, it.t_end)
                     if n is not None and self._shorter_than_the_loop(it.period, n):
