@@ -158,6 +158,18 @@ class FalconConfig:
     score_trigger_ratio: float = 1.25
     score_trigger_readings: int = 2
 
+    # --- the rank side's own cost (runtime/, control/client.py) ------------------------------
+    #: with loop hooks the monitor reads the calls once per loop iteration, woken by the
+    #: loop; this is its longest sleep (a stalled loop's calls are still read)
+    monitor_idle_s: float = 1.0
+    #: without loop hooks the monitor has no loop to wake it and reads the calls this often
+    monitor_poll_s: float = 0.05
+    #: the control client waits for commands this long at a time while nothing is going
+    #: on (less when a heartbeat is due sooner), and 0.1 s for control_busy_s after a
+    #: command or a message of its own
+    control_idle_s: float = 1.0
+    control_busy_s: float = 2.0
+
     # --- control plane (control/) ----------------------------------------------------------
     #: run the control plane (Redis bus, agents, controller) when tracking is on
     control_plane: bool = True
@@ -384,6 +396,8 @@ class FalconConfig:
         _check(self.link_baseline_iteration >= 0, "link_baseline_iteration must be >= 0")
         _check(self.p2p_concurrency >= 0, "p2p_concurrency must be >= 0")
         _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
+        _check(self.monitor_idle_s > 0 and self.monitor_poll_s > 0, "monitor_idle_s and monitor_poll_s must be > 0")
+        _check(self.control_idle_s >= 0.1 and self.control_busy_s >= 0, "control_idle_s must be >= 0.1 and control_busy_s >= 0")
         _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
         _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
         _check(self.suspend_margin_s >= 0.0, "suspend_margin_s must be >= 0")

@@ -348,9 +348,10 @@ class Bus:
     def _blocking_client(self, block_ms: int) -> redis.Redis:
         """A client whose socket timeout covers the block: redis-py does not stretch
         the timeout for XREAD BLOCK, so a shared one would time out every long wait.
-        Kept per requested ``block_ms`` (a consumer polls with one value) so that its
-        connection is reused, not rebuilt every read."""
-        if self._blocking is None or self._blocking[0] != block_ms:
+        Kept for the longest ``block_ms`` asked so far (its timeout covers any shorter
+        block), so that a consumer that waits briefly while busy and longer while idle
+        reuses one connection rather than rebuilding it at every change."""
+        if self._blocking is None or self._blocking[0] < block_ms:
             if self._blocking is not None:
                 self._blocking[1].close()
             self._blocking = (block_ms, self._make_client(self.socket_timeout_s + block_ms / 1000))

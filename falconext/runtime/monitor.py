@@ -70,7 +70,8 @@ class CallLog:
 
 
 class RankMonitor:
-    """One rank's analysis thread: drains the tracer's records every ``interval_s``, writes
+    """One rank's analysis thread: drains the tracer's records once per loop iteration (or
+    every ``interval_s`` without loop hooks), writes
     the call log, estimates iteration times from the calls alone, runs detection on them
     and keeps the rank's recent compute/wait sample for the straggler scores. Fail-slow
     events go to ``events`` and ``on_event``; nothing it does blocks the training thread."""
@@ -83,7 +84,7 @@ class RankMonitor:
         loop_starts: list[float] | None,
         events: EventLog,
         call_log_path: str | None,
-        interval_s: float = 0.05,
+        interval_s: float | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         first_iteration: int = 0,
         spill: Callable[[list[tuple[int, float, tuple[float, float] | None]]], None] | None = None,
@@ -105,7 +106,11 @@ class RankMonitor:
         #: iteration) of the latest estimate, replaced whole; None until one is numbered
         self.clock: tuple[int, int, int] | None = None
         self.events = events
-        self.interval = interval_s
+        #: the longest sleep between two reads of the calls: with loop hooks the loop wakes
+        #: the thread once per iteration (:meth:`wake`), without them it polls
+        self.interval = interval_s if interval_s is not None else (
+            config.monitor_idle_s if loop_starts is not None else config.monitor_poll_s)
+        self._wake = threading.Event()
         self.estimates: dict[int, float] = {}  # loop iteration -> estimated seconds
         #: loop iteration -> (compute, waiting) seconds of the estimated iteration
         self.splits: dict[int, tuple[float, float]] = {}
@@ -144,6 +149,7 @@ class RankMonitor:
     def stop(self) -> None:
         """Stop the thread after a final drain (called once training has ended)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=30)
         cpu0 = time.thread_time()
         self._round()
@@ -164,9 +170,19 @@ class RankMonitor:
         plus the final drain's."""
         return self._thread_cpu_s + self._stop_cpu_s
 
+    def wake(self) -> None:
+        """Read the calls now (the training loop calls this once per iteration): the
+        thread sleeps between iterations instead of polling, so its cost follows the
+        work, not the wall clock."""
+        self._wake.set()
+
     def _run(self) -> None:
         try:
-            while not self._stop.wait(self.interval):
+            while not self._stop.is_set():
+                self._wake.wait(self.interval)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
                 if not self._paused:
                     self._round()
                 self._thread_cpu_s = time.thread_time()

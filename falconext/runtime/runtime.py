@@ -159,6 +159,7 @@ class FalconRuntime:
         """Arms a scheduled suspension; returns the action committed for this iteration."""
         self._iteration = it
         self.iterations_on += self._enabled
+        self.monitor.wake()  # the previous iteration's calls are in: read them
         action = None
         if self._action is not None and self._action[0] <= it:
             action, self._action = self._action[1], None

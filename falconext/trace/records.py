@@ -8,7 +8,7 @@ a record with a missing or mistyped field is rejected with its field named, neve
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 
@@ -41,13 +41,20 @@ class CallRecord:
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-able values, fields that are None left out (what :func:`parse_record` reads
         back)."""
-        out = {k: v for k, v in asdict(self).items() if v is not None}
-        if self.group_ranks is not None:
-            out["group_ranks"] = list(self.group_ranks)  # JSON has no tuples
+        # field by field, not dataclasses.asdict (which deep-copies): every call of a job
+        # goes through here on its way to the call log
+        out: dict[str, Any] = {"rank": self.rank, "op": self.op, "group": self.group, "bytes": self.bytes,
+                               "t_issue": self.t_issue}
+        for name in _OPTIONAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = list(value) if name == "group_ranks" else value  # JSON has no tuples
         return out
 
 
 _REQUIRED = ("rank", "op", "group", "bytes", "t_issue")
+#: the fields after the required ones, in declaration order
+_OPTIONAL_FIELDS = ("t_start", "t_end", "seq", "group_ranks", "role", "peer")
 _OPTIONAL_TIMES = ("t_start", "t_end")
 
 
