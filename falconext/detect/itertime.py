@@ -194,6 +194,8 @@ class IterationTracker:
         self._marker = 0
         self._marker_per_period = 1
         self._known: tuple[int, int] | None = None
+        #: the template has matched every call since the latest emitted anchor
+        self._steady = False
 
         self._checked_at = 0
         self._checked_held = 0
@@ -328,6 +330,7 @@ class IterationTracker:
     def _break(self, seq: int) -> None:
         """The call at ``seq`` does not fit the template."""
         self.breaks += 1
+        self._steady = False
         self._state = TrackerState.LOST
         # A template that breaks again right after every resync is a fragment of a new,
         # longer pattern (more micro-batches after re-planning): the fragment is found
@@ -491,6 +494,7 @@ class IterationTracker:
             idle = (times[first:stop] - ready[first - 1 : stop - 1]).reshape(rows, q)
             anchor = (int(np.argmax(np.median(idle, axis=0))) - 1) % q
         self.locks += 1
+        self._steady = False
         self._pick_marker(template, codes)
         self._template = [int(c) for c in template]
         self._anchor = anchor
@@ -559,6 +563,8 @@ class IterationTracker:
         the gap."""
         known_seq, known_n = self._known if self._known is not None else (-1, -1)
         q = len(self._template)
+        if self._known is not None and seq - known_seq == q and self._steady:
+            return known_n + 1  # the next anchor, one clean period on: nothing to count
         if seq - known_seq > self._history(seq):  # the ring dropped part of the gap
             return known_n + max(1, (seq - known_seq) // q)
         m = self._marker_per_period
@@ -568,6 +574,7 @@ class IterationTracker:
     def _emit(self, t_begin: float, t_end: float, seq: int) -> None:
         n = self._iteration_at(seq)
         self._known = (seq, n)
+        self._steady = True
         self._out.append(
             IterationTime(
                 index=self.emitted,

@@ -69,6 +69,10 @@ class CallLog:
         self._f.close()
 
 
+#: spans of a new period that tell whether it is shorter than the loop's iterations
+BELOW_LOOP_SPANS = 6
+
+
 class RankMonitor:
     """One rank's analysis thread: drains the tracer's records once per loop iteration (or
     every ``interval_s`` without loop hooks), writes
@@ -127,11 +131,9 @@ class RankMonitor:
         self.records = 0
         self.errors = 0
         self._period: int | None = None
-        #: with loop hooks: a period two of whose spans fell in one loop iteration (a
-        #: micro-batch or a layer, not an iteration); its spans are neither estimates nor
-        #: watched until the tracker moves to another period
-        self._sub_iteration: int | None = None
-        self._last_mapped: tuple[int, int] | None = None  # (period, loop iteration) of the latest span
+        #: with loop hooks: whether the followed period's spans are shorter than the loop's
+        #: iterations (a micro-batch or a layer): see _shorter_than_the_loop
+        self._below_loop: tuple[int, list[int] | bool] | None = None  # (period, its spans' loop iterations or the verdict)
         self._reported: set[int] = set()
         self._ids: dict[tuple[int, int], int] = {}  # (detector generation, its event id) -> reported id
         self.on_event = on_event
@@ -309,25 +311,35 @@ class RankMonitor:
             if self.tracking.period != self._period and self.tracking.period is not None:
                 self._period = self.tracking.period
                 self.events.emit("period", rank=self.rank, period=self._period)
+            below = self._below_loop is not None and self._below_loop == (self.tracking.period, True)
             for ev in update.events:
-                if self._sub_iteration is None or self._sub_iteration != self.tracking.period:
+                if not below:
                     self._report(ev)
 
     def _shorter_than_the_loop(self, period: int, n: int) -> bool:
-        """Whether spans of ``period`` calls are shorter than the loop's iterations: true
-        once two of them fell in one loop iteration (``n`` after the previous span's), and
-        then until the tracker follows another period. At that moment what was estimated
-        under the period is withdrawn: a unit inside the iteration (a micro-batch, which
-        the tracker follows until its history shows the iteration) is neither an
-        iteration time nor a series to watch."""
-        if self._sub_iteration is not None and period != self._sub_iteration:
-            self._sub_iteration = None
-        if self._sub_iteration == period:
+        """Whether spans of ``period`` calls are shorter than the loop's iterations. Judged
+        over a period's first :data:`BELOW_LOOP_SPANS` spans (``n``: the loop iteration
+        each fell in): when they fall in fewer than two thirds as many loop iterations,
+        the period is a unit inside the iteration (a micro-batch, which the tracker
+        follows until its history shows the iteration), and from then until the tracker
+        follows another period its spans are neither estimates nor watched; what was
+        estimated under it is withdrawn. A plan change can put two spans in one loop
+        iteration once, which one look would take for a unit."""
+        judged = self._below_loop
+        if judged is None or judged[0] != period:
+            judged = self._below_loop = (period, [])
+        seen = judged[1]
+        if seen is True:
             return True
-        previous, self._last_mapped = self._last_mapped, (period, n)
-        if previous != (period, n):
+        if seen is False:
             return False
-        self._sub_iteration = period
+        seen.append(n)
+        if len(seen) < BELOW_LOOP_SPANS:
+            return False
+        below = 3 * len(set(seen)) < 2 * len(seen)
+        self._below_loop = (period, below)
+        if not below:
+            return False
         self.events.emit("period_below_iteration", rank=self.rank, period=period, iteration=n)
         self.estimates.clear()
         self.splits.clear()
