@@ -448,6 +448,12 @@ def test_record_optional_fields_round_trip() -> None:
     plain = CallRecord(0, "all_reduce", "g", 4, 2.0)
     assert set(plain.to_dict()) == {"rank", "op", "group", "bytes", "t_issue"}
     assert parse_record(plain.to_dict()) == plain
+    # the call log's line, written by hand, is json.dumps's to the byte (escapes included)
+    odd = CallRecord(2, "all_reduce", 'tp:"0"\u00e9', 8, 2.000000001, None, 3.25, 9, None, "tp", None)
+    for r in (rec, plain, odd):
+        assert r.to_json() == json.dumps(r.to_dict(), separators=(",", ":"))
+    with pytest.raises(RecordError, match="finite"):
+        CallRecord(0, "all_reduce", "g", 4, float("nan")).to_json()
     for bad in ({"group_ranks": "0,1"}, {"group_ranks": [0, 0]}, {"role": ""}, {"peer": -1}):
         with pytest.raises(RecordError):
             parse_record({**plain.to_dict(), **bad})

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import json
 import os
 import threading
 import time
@@ -36,6 +35,7 @@ from falconext.detect.events import FailSlowEvent
 from falconext.detect.scores import BusyClock, RankSample, recent_sample, split_iteration
 from falconext.detect.itertime import IterationTime
 from falconext.detect.tracking import RankTracking
+from falconext.trace.records import RecordError
 from falconext.profile.window import RecentCollectives
 
 
@@ -48,13 +48,19 @@ class CallLog:
         self.path = path
         self.max_bytes = max_bytes
         self.rotations = 0
+        #: records left out for a time JSON cannot write (NaN, infinity)
+        self.skipped = 0
         self._f = open(path, "w")
         self._size = 0
 
     def write(self, rec: Any) -> None:
         """Append ``rec`` (a CallRecord) as one JSON line, rotating first when the line would
         take the file past ``max_bytes`` (a single oversized line is still written whole)."""
-        line = json.dumps(rec.to_dict(), separators=(",", ":")) + "\n"
+        try:
+            line = rec.to_json() + "\n"
+        except RecordError:  # a non-finite time: JSON has no form for it; left out
+            self.skipped += 1
+            return
         if self.max_bytes and self._size + len(line) > self.max_bytes and self._size:
             self._f.close()
             os.replace(self.path, self.path + ".1")
@@ -63,6 +69,23 @@ class CallLog:
             self.rotations += 1
         self._f.write(line)
         self._size += len(line)
+
+    def write_many(self, recs: list[Any]) -> None:
+        """:meth:`write` each of ``recs``, in one write to the file when they fit under the
+        cap (the monitor logs a round's calls at once)."""
+        lines = []
+        for rec in recs:
+            try:
+                lines.append(rec.to_json() + "\n")
+            except RecordError:  # a non-finite time: JSON has no form for it; left out
+                self.skipped += 1
+        size = sum(len(line) for line in lines)
+        if self.max_bytes and self._size + size > self.max_bytes:
+            for rec in recs:
+                self.write(rec)
+            return
+        self._f.write("".join(lines))
+        self._size += size
 
     def close(self) -> None:
         """Close the file; a later :meth:`write` raises ValueError."""
@@ -262,10 +285,10 @@ class RankMonitor:
         with self._recent_lock:
             for rec in records:
                 self._recent.feed(rec)
+        if self._calls and records:
+            self._calls.write_many(records)
         for rec in records:
             self.records += 1
-            if self._calls:
-                self._calls.write(rec)
             self._busy.feed(rec.t_issue, rec.t_end)
             seq_offset = 0 if rec.seq is None else rec.seq - self.tracking.tracker.calls
             try:
