@@ -117,7 +117,7 @@ class RankClient:
 
     def _run(self) -> None:
         bus = Bus(self._url, self._job, on_state=lambda ok, why: self._state("redis", ok, why))
-        self._next = [0.0, 0.0]  # next heartbeat, next controller check (monotonic)
+        self._next_beat = 0.0  # next heartbeat and controller check (monotonic)
         self._since = time.monotonic()  # the controller's absence counts from here
         self._busy_until = 0.0  # wait briefly for commands until then (monotonic)
         self._seen_controller = False
@@ -139,19 +139,16 @@ class RankClient:
         """One pass: heartbeat and controller check when due, queued posts, commands."""
         stream = node_stream(self.node)
         now = time.monotonic()
-        next_beat, next_check = self._next
-        if now >= next_beat:
+        if now >= self._next_beat:
             it, iter_s = self.runtime.iteration(), self.runtime.iter_s()
             # every heartbeat_s, or once per iteration where iterations are longer, but at
             # least three times per controller_timeout_s: each beat is a Redis round trip,
             # and a wake-up of this thread costs more than the message (issue 29)
-            self._next[0] = now + min(max(self.cfg.heartbeat_s, iter_s), self.cfg.controller_timeout_s / 3)
+            self._next_beat = now + min(max(self.cfg.heartbeat_s, iter_s), self.cfg.controller_timeout_s / 3)
             if it >= 0 and iter_s > 0:
                 self.post(Heartbeat(self.rank, self.node, it, iter_s, time.time(), **self.runtime.beat_fields()))
-        if now >= next_check:
-            # with the heartbeat (one wake-up for both), at least three looks per
-            # controller_timeout_s: a lost controller is told in time
-            self._next[1] = self._next[0]
+            # the controller is looked at in the same round (one wake-up for both): at
+            # least three looks per controller_timeout_s tell a lost one in time
             alive = bus.alive(CONTROLLER_KEY)
             self._seen_controller = self._seen_controller or bool(alive)
             # None: Redis itself is down, logged as such. A controller not seen yet is not
@@ -180,7 +177,7 @@ class RankClient:
         # rank posted more than its heartbeat), else up to control_idle_s, so that an idle
         # rank's client wakes a few times per second rather than ten
         busy = now < self._busy_until
-        idle_ms = int(1000 * max(0.1, min(self.cfg.control_idle_s, min(self._next) - time.monotonic())))
+        idle_ms = int(1000 * max(0.1, min(self.cfg.control_idle_s, self._next_beat - time.monotonic())))
         for _, cmd in bus.read([CMD_STREAM], block_ms=100 if busy else idle_ms, accept={"Command"}):
             self._busy_until = time.monotonic() + self.cfg.control_busy_s
             self._command(cmd)

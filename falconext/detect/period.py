@@ -377,10 +377,11 @@ def inner_period(template: Sequence[int] | np.ndarray, max_insert: int,
                  idle: Sequence[float] | np.ndarray | None = None) -> int | None:
     """The iteration inside a super-period: the shortest ``q`` such that one period
     ``template`` (any rotation) is ``N >= 2`` exact repeats of a block of ``q`` calls with
-    runs of inserted calls between blocks, each run of ``1 <= k <= max_insert`` calls,
-    runs at least :data:`MIN_BLOCKS_BETWEEN_INSERTIONS` blocks apart; None when there is none (or ``max_insert`` is 0). A block
-    may be a single call: a data-parallel job with the distributed optimizer issues two to
-    four calls per iteration.
+    runs of inserted calls between blocks (:func:`blocks_with_insertions`: each run of
+    ``1 <= k <= max_insert`` calls, runs at least :data:`MIN_BLOCKS_BETWEEN_INSERTIONS`
+    blocks apart, at most :data:`MAX_INSERTED_SHARE` of the calls); None when there is
+    none (or ``max_insert`` is 0). A block may be a single call: a data-parallel job with
+    the distributed optimizer issues two to four calls per iteration.
 
     ``idle`` (optional, aligned with ``template``): the host's idle time before each call.
     A block that is an iteration holds the step's longest pause (optimizer step, next

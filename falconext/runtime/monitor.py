@@ -35,8 +35,8 @@ from falconext.detect.events import FailSlowEvent
 from falconext.detect.scores import BusyClock, RankSample, recent_sample, split_iteration
 from falconext.detect.itertime import IterationTime
 from falconext.detect.tracking import RankTracking
-from falconext.trace.records import RecordError
 from falconext.profile.window import RecentCollectives
+from falconext.trace.records import RecordError
 
 
 class CallLog:
@@ -56,11 +56,27 @@ class CallLog:
     def write(self, rec: Any) -> None:
         """Append ``rec`` (a CallRecord) as one JSON line, rotating first when the line would
         take the file past ``max_bytes`` (a single oversized line is still written whole)."""
-        try:
-            line = rec.to_json() + "\n"
-        except RecordError:  # a non-finite time: JSON has no form for it; left out
-            self.skipped += 1
+        self.write_many([rec])
+
+    def write_many(self, recs: list[Any]) -> None:
+        """:meth:`write` each of ``recs``, in one write to the file when they fit under the
+        cap (the monitor logs a round's calls at once). A record with a time JSON has no
+        form for (NaN, infinity) is left out and counted in :attr:`skipped`."""
+        lines = []
+        for rec in recs:
+            try:
+                lines.append(rec.to_json() + "\n")
+            except RecordError:
+                self.skipped += 1
+        size = sum(len(line) for line in lines)
+        if self.max_bytes and self._size + size > self.max_bytes:
+            for line in lines:  # rotate where a line would pass the cap
+                self._write_line(line)
             return
+        self._f.write("".join(lines))
+        self._size += size
+
+    def _write_line(self, line: str) -> None:
         if self.max_bytes and self._size + len(line) > self.max_bytes and self._size:
             self._f.close()
             os.replace(self.path, self.path + ".1")
@@ -69,23 +85,6 @@ class CallLog:
             self.rotations += 1
         self._f.write(line)
         self._size += len(line)
-
-    def write_many(self, recs: list[Any]) -> None:
-        """:meth:`write` each of ``recs``, in one write to the file when they fit under the
-        cap (the monitor logs a round's calls at once)."""
-        lines = []
-        for rec in recs:
-            try:
-                lines.append(rec.to_json() + "\n")
-            except RecordError:  # a non-finite time: JSON has no form for it; left out
-                self.skipped += 1
-        size = sum(len(line) for line in lines)
-        if self.max_bytes and self._size + size > self.max_bytes:
-            for rec in recs:
-                self.write(rec)
-            return
-        self._f.write("".join(lines))
-        self._size += size
 
     def close(self) -> None:
         """Close the file; a later :meth:`write` raises ValueError."""

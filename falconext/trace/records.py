@@ -8,8 +8,8 @@ a record with a missing or mistyped field is rejected with its field named, neve
 from __future__ import annotations
 
 import math
-from json.encoder import encode_basestring_ascii as _json_str
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any, Mapping
 
 
