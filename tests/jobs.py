@@ -330,14 +330,20 @@ CALLS_ONLY_SLOW_RANK, CALLS_ONLY_ONSET = 2, 35
 
 #: not run ahead (conftest.py): read from the calls alone, its detection and scores move
 #: with the host's speed, and beside the unit tests (2026-11-26) its onset came 2-4
-#: iterations late and the slow rank's compute ratio read 1.15 for a 1.5x fault
+#: iterations late and the slow rank's compute ratio read 1.15 for a 1.5x fault.
+#: A 1 GFLOP/s device: at the default 2 its four ranks' CPU work overran the device by
+#: 18-20% even alone, healthy iterations spread 4-8% (bursts to 1.3x on every rank), and
+#: the 1.5x fault (1.25x on the iteration) sat at the edge of three healthy spreads: one
+#: run in five confirmed it 2-3 iterations late on two ranks (2026-11-27, replayed from
+#: the run's calls); at 1 GFLOP/s the overrun is 7.6% and the spread 0.5-1.3%
 def calls_only_job(jobs: JobCache) -> Path:
-    """Emulated DP4, 4 micro-batches per replica, rank 2 1.5x slow from 35, and
-    --falcon-loop-hooks false: the trainer never calls falconext, which has only the calls
-    (mitigation is off without the loop). test_nohook's detection, localization and
-    suspension without loop hooks, and test_scores' per-rank scores, read it."""
+    """Emulated DP4 on 1 GFLOP/s devices, 4 micro-batches per replica, rank 2 1.5x slow
+    from 35, and --falcon-loop-hooks false: the trainer never calls falconext, which has
+    only the calls (mitigation is off without the loop). test_nohook's detection,
+    localization and suspension without loop hooks, and test_scores' per-rank scores,
+    read it."""
     return jobs.train("--iters", "75", "--global-batch-size", "16", "--micro-batch-size", "1",
-                      "--falcon-loop-hooks", "false", "--falcon-score-interval-s", "3",
+                      "--device-gflops", "1", "--falcon-loop-hooks", "false", "--falcon-score-interval-s", "3",
                       faults=[{"kind": "compute", "rank": CALLS_ONLY_SLOW_RANK, "factor": 1.5,
                                "start": CALLS_ONLY_ONSET}],
                       device="emulated")

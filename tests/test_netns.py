@@ -364,7 +364,10 @@ def congested(tmp_path_factory) -> tuple[list[dict], dict]:
     return events, json.loads((out / "summary.json").read_text())
 
 
+#: the congested job (a minute over real links, with the job lane held) runs in the long
+#: leg of .ci/run (python3 -m pytest -q -m long), not in the README's main suite
 @real
+@pytest.mark.long
 def test_a_congested_node_link_is_localized_and_s3_moves_the_pipeline_off_it(congested) -> None:
     """A two-node job has no peer link to judge its one link against, so the controller
     measured it healthy early on (the link baseline); the P2P passes must name it against
@@ -387,6 +390,7 @@ def test_a_congested_node_link_is_localized_and_s3_moves_the_pipeline_off_it(con
 
 
 @real
+@pytest.mark.long
 def test_s3_over_real_links_is_held_to_its_model(congested) -> None:
     """The model that chose S3's layout predicts both layouts' iterations within 15% of
     what the job then measured over real TCP links, and the job gets faster by at least
