@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=int, default=10, help="iterations a detected onset may precede the label")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    p.add_argument("--sweep", action="store_true",
+                   help="sweep each method's sensitivity and write delay against false alarms to --out "
+                   "(sweep.csv, curves.csv, sweep.png; methods: bocd+v and persistence unless --method)")
+    p.add_argument("--out", default=None, help="folder for the sweep's files (with --sweep)")
     add_config_arguments(p)
 
     p = sub.add_parser("train", help="train a small megatron-core GPT on this machine (torchrun)")
@@ -211,6 +215,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     unlabelled = [s.id for s in data.series if s.labels is None]
     if unlabelled:
         raise InputError(f"{args.traces}: every line needs 'events' labels (missing on id {unlabelled[0]!r})")
+    if args.sweep:
+        return _sweep(args, data.series, cfg)
+    if args.out is not None:
+        raise InputError("--out names the sweep's folder: give it with --sweep")
     methods = args.method or list(METHODS)
     groups = sorted({s.kind for s in data.series if s.kind})
     report: dict[str, dict] = {}
@@ -228,6 +236,63 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(_table(report, len(data.series)))
+    return 0
+
+
+def _sweep(args: argparse.Namespace, series: list, cfg: "FalconConfig") -> int:  # noqa: F821
+    """``eval-detect --sweep``: every setting of each method's sensitivity scored on the
+    set, the curves and the operating point printed, the files written to ``--out``."""
+    from falconext.detect import sweep
+    from falconext.detect.sweep_report import write_all
+
+    if args.out is None:
+        raise InputError("--sweep needs --out DIR (the folder for sweep.csv, curves.csv and sweep.png)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise InputError(f"--out {args.out}: exists and is not a folder")
+    healthy = sum(1 for s in series if not s.labels)
+    if healthy == 0 or healthy == len(series):
+        what = "healthy traces (no events) to count false alarms on" if healthy == 0 else \
+            "traces with fail-slows to measure a delay on"
+        raise InputError(f"{args.traces}: the sweep needs {what} (gen-traces --kinds mixed writes both)")
+    methods = args.method or ["bocd+v", "persistence"]
+    try:
+        grid = [st for m in dict.fromkeys(methods) for st in sweep.settings(m)]
+        configs = [st.config(cfg) for st in grid]
+    except (ValueError, ConfigError) as exc:
+        raise InputError(f"sweep: {exc}") from None
+    jobs = [(s.iter_times, st.method, c, s.labels or [], args.tolerance) for st, c in zip(grid, configs) for s in series]
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        scores = list(pool.map(_score_one, jobs, chunksize=8))
+    n = len(series)
+    points = [sweep.point(st, scores[k * n:(k + 1) * n], cfg) for k, st in enumerate(grid)]
+    curves = {m: sweep.curve([p for p in points if p.setting.method == m]) for m in dict.fromkeys(methods)}
+    paths = write_all(args.out, points, curves, f"{args.traces}: {n} traces, {healthy} healthy")
+    best = sweep.operating_point([p for p in points if p.setting.method == "bocd+v"])
+    default = [p for p in points if p.default and p.setting.method == "bocd+v"]
+    summary = {
+        "traces": n, "healthy": healthy, "files": paths,
+        "curves": {m: [{"fpr_pct": c.fpr_pct, "median_delay": c.median_delay,
+                        "setting": c.setting.label() if c.setting else None} for c in cps] for m, cps in curves.items()},
+        "bocd+v_worse_than_persistence_at_fpr_pct": sweep.worse_at(curves["bocd+v"], curves["persistence"])
+        if {"bocd+v", "persistence"} <= set(curves) else None,
+        "bocd+v_at_fpr_0": None if best is None else {"setting": best.setting.label(), "median_delay": best.median_delay,
+                                                      "fnr_pct": round(best.fnr_pct, 2)},
+        "bocd+v_default": None if not default else {"setting": default[0].setting.label(), "fpr_pct": round(default[0].fpr_pct, 2),
+                                                   "median_delay": default[0].median_delay, "fnr_pct": round(default[0].fnr_pct, 2)},
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    rates = [c.fpr_pct for c in next(iter(curves.values()))]
+    lines = [f"{n} traces ({healthy} healthy): median delay (iterations, a miss counts as never) at each false-positive rate",
+             f"{'method':<13}" + "".join(f"{f'FPR <= {r:g}%':>14}" for r in rates)]
+    for m, cps in curves.items():
+        lines.append(f"{m:<13}" + "".join(f"{'-' if c.median_delay is None else f'{c.median_delay:g}':>14}" for c in cps))
+    if summary["bocd+v_default"]:
+        d = summary["bocd+v_default"]
+        lines.append(f"bocd+v as configured ({d['setting']}): FPR {d['fpr_pct']:g}%, median delay {d['median_delay']}, FNR {d['fnr_pct']:g}%")
+    lines.append("wrote " + ", ".join(paths))
+    print("\n".join(lines))
     return 0
 
 
