@@ -547,3 +547,48 @@ def test_long_iterations_suspend_one_iteration_ahead():
     for r in NODES:
         outs += ctl.handle(profile(r, ctl.session, 1), 100.0)
     assert commands(outs, "suspend")[0].iteration == 50 + CFG.suspend_margin_iterations
+
+
+def test_results_lost_on_the_bus_are_validated_again_not_judged_as_nothing_found():
+    """Under chaos three of four ValidationResults were dropped at once: rank 1's slow GEMM
+    alone, with no peer to judge it against, named nothing. The controller validates again
+    in a new session (the held ranks released first), and names the GPU once the results
+    come; after suspend_tries suspensions it gives the verdict with what came."""
+    ctl = Controller(CFG, world=4)
+    to_profiling(ctl)
+    first = ctl.session
+    for r in NODES:
+        ctl.handle(SessionAck(r, first, "held", ctl._iteration, 102.0), 102.0)
+    ctl.handle(ValidationResult(1, first, 5e9, []), 102.5)
+    outs = ctl._deadline_passed(110.0)
+    (inc,) = events(outs, "validation_incomplete")
+    assert inc["missing"] == [0, 2, 3] and inc["session"] == first
+    assert not events(outs, "localized") and ctl.state is State.VALIDATING
+    assert [c.args["session"] for c in commands(outs, "resume")] == [first]  # the held ranks go on
+    (sus,) = commands(outs, "suspend")
+    assert sus.args["session"] == ctl.session == first + 1
+    outs = []
+    for r in NODES:
+        outs += ctl.handle(SessionAck(r, ctl.session, "held", sus.iteration, 111.0), 111.0)
+    assert ctl.handle(ValidationResult(0, first, 1e10, []), 111.2) == []  # the old session's: ignored
+    for r in NODES:
+        outs += ctl.handle(ValidationResult(r, ctl.session, 5e9 if r == 1 else 1e10, []), 111.5)
+    (loc,) = events(outs, "localized")
+    assert loc["gpus"] == [1] and loc["evidence"]["missing"] == []
+
+
+def test_after_the_last_try_the_verdict_is_given_with_what_came():
+    ctl = Controller(CFG, world=4)
+    to_profiling(ctl)
+    t = 110.0
+    for k in range(CFG.suspend_tries):
+        for r in NODES:
+            ctl.handle(SessionAck(r, ctl.session, "held", ctl._iteration, t), t)
+        ctl.handle(ValidationResult(1, ctl.session, 5e9, []), t + 0.5)
+        outs = ctl._deadline_passed(t + 5.0)
+        t += 10.0
+        if k < CFG.suspend_tries - 1:
+            assert events(outs, "validation_incomplete") and not events(outs, "localized")
+    (loc,) = events(outs, "localized")
+    assert loc["gpus"] == [] and loc["evidence"]["missing"] == [0, 2, 3]
+    assert not events(outs, "validation_incomplete")
