@@ -136,6 +136,10 @@ class EmulatedDevice:
         self._saved: dict[str, Any] = {}
         self._aliases: list = []
         self._coalesced: dict[Any, list[tuple[str, int, Any]]] = {}
+        #: told each compute window's kind ("forward", "backward") and device seconds, as a
+        #: GPU's kernel timer would see them (the NVRx comparison's stand-in for CUPTI);
+        #: None: nobody listens
+        self.on_window: Callable[[str, float], None] | None = None
 
     # --- bookkeeping -------------------------------------------------------------------
 
@@ -148,10 +152,12 @@ class EmulatedDevice:
     def _link(self, seconds: float) -> None:
         self._rec()[LINK_S] += seconds
 
-    def _window(self, seconds: float) -> float:
+    def _window(self, seconds: float, kind: str = "forward") -> float:
         rec = self._rec()
         rec[COMPUTE_S] += seconds
         rec[WINDOWS] += 1
+        if self.on_window is not None:
+            self.on_window(kind, seconds)
         return seconds
 
     def _closed(self, late_s: float) -> None:
@@ -204,7 +210,7 @@ class EmulatedDevice:
 
     def _open_backward(self) -> None:
         seconds = self.model.compute_s(self.forward_flops * BACKWARD_PER_FORWARD, self.factor())
-        self._bwd_deadline = time.perf_counter() + self._window(seconds)
+        self._bwd_deadline = time.perf_counter() + self._window(seconds, "backward")
 
     def _close_backward(self) -> None:
         self._closed(sleep_until(self._bwd_deadline))

@@ -61,6 +61,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--attempt", type=int, default=0, help="restart count of this job (set by the launcher)")
     p.add_argument("--bench-falcon-toggle", type=int, default=None, metavar="N",
                    help="benchmark: falconext off for N iterations, on for N, and so on (examples/bench_overhead.py)")
+    p.add_argument("--nvrx-report-s", type=float, default=None, metavar="S",
+                   help="benchmark: run NVIDIA nvidia-resiliency-ext's straggler detection beside falconext, a report "
+                   "every S seconds, written to nvrx.jsonl (the nvrx extra; examples/compare_nvrx.py)")
     add_config_arguments(p)
 
 
@@ -126,6 +129,9 @@ def check_train_arguments(args: argparse.Namespace, world: int) -> None:
 
         roles = check_roles(topo[1], world, "--falcon-force-topology roles")
         check_tp_in_nodes(roles, args.tp, args.ranks_per_node, "--falcon-force-topology")
+    nvrx = getattr(args, "nvrx_report_s", None)
+    if nvrx is not None and not (math.isfinite(nvrx) and nvrx > 0):
+        raise ValueError(f"--nvrx-report-s must be a finite number > 0, got {nvrx!r}")
     for name in ("device_gflops", "link_bandwidth"):
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and value > 0):
