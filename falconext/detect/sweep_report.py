@@ -40,7 +40,9 @@ def write_curves(path: str, curves: Mapping[str, Sequence[CurvePoint]]) -> None:
 
 def draw(path: str, points: Sequence[Point], curves: Mapping[str, Sequence[CurvePoint]], title: str) -> None:
     """Median delay (iterations) against the false-positive rate: each method's settings as
-    dots, its curve as a step line, its default setting ringed."""
+    dots, its lower envelope over all of them as a step line (the curve at the rates of
+    ``curves`` is that line read there), its default setting ringed, and the rates the
+    curves are read at shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,13 +53,20 @@ def draw(path: str, points: Sequence[Point], curves: Mapping[str, Sequence[Curve
         color = f"C{k}"
         mine = [p for p in points if p.setting.method == method and p.median_delay is not None]
         ax.scatter([p.fpr_pct for p in mine], [p.median_delay for p in mine], s=12, color=color, alpha=0.35)
-        xs = [c.fpr_pct for c in cps if c.median_delay is not None]
-        ys = [c.median_delay for c in cps if c.median_delay is not None]
+        xs, ys, best = [], [], float("inf")
+        for p in sorted(mine, key=lambda p: (p.fpr_pct, p.median_delay)):
+            if p.median_delay < best:
+                best = p.median_delay
+                xs.append(p.fpr_pct)
+                ys.append(best)
         if xs:
-            ax.step(xs, ys, where="post", color=color, linewidth=2, label=method)
+            ax.step(xs + [100.0], ys + ys[-1:], where="post", color=color, linewidth=2, label=method)
         for p in mine:
             if p.default:
                 ax.scatter([p.fpr_pct], [p.median_delay], s=90, facecolors="none", edgecolors=color, linewidths=1.5)
+    rates = [c.fpr_pct for cps in curves.values() for c in cps]
+    if rates:
+        ax.axvspan(min(rates), max(rates), color="0.85", zorder=0, label=f"read at {min(rates):g}-{max(rates):g}%")
     ax.set_xlabel("false-positive rate (% of healthy traces with an alarm)")
     ax.set_ylabel("median detection delay (iterations; a miss counts as never)")
     ax.set_title(title, fontsize=10)
