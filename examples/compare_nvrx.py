@@ -171,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.iters <= ONSET + 20:
         print(f"compare_nvrx: --iters must be more than {ONSET + 20} (the faults start at {ONSET})", file=sys.stderr)
         return 2
-    try:
-        from falconext.testbed.nvrx import check_available
+    from falconext.inputs import InputError
+    from falconext.testbed.nvrx import check_available
 
+    try:
         check_available()
-    except Exception as exc:  # InputError: the extra is missing
+    except InputError as exc:  # the extra is missing
         print(f"compare_nvrx: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)

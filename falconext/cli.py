@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections import Counter
@@ -365,12 +364,6 @@ def _cmd_launch(argv: list[str]) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from falconext.testbed.launch import launch_training
 
-    if args.nvrx_report_s is not None:  # before anything starts: a usable interval, and the extra is there
-        from falconext.testbed.nvrx import check_available
-
-        if not (math.isfinite(args.nvrx_report_s) and args.nvrx_report_s > 0):
-            raise InputError(f"--nvrx-report-s must be a finite number > 0, got {args.nvrx_report_s!r}")
-        check_available()
     return launch_training(args)
 
 

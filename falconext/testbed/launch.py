@@ -116,6 +116,10 @@ def launch_training(args: argparse.Namespace) -> int:
         check_train_arguments(args, args.nproc)
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    if getattr(args, "nvrx_report_s", None) is not None:  # the benchmark extra is there, before anything starts
+        from falconext.testbed.nvrx import check_available
+
+        check_available()
     if args.inject:
         args.inject = _copy_faults(args.inject, args.out)
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message

@@ -59,8 +59,8 @@ class NvrxBeside:
     """NVRx's straggler detection in one rank of a test-bed job (module docstring)."""
 
     def __init__(self, out: str, rank: int, node: int, report_s: float) -> None:
-        if not report_s > 0:
-            raise InputError(f"--nvrx-report-s must be > 0, got {report_s!r}")
+        """``report_s``: the report interval, checked > 0 with the job's arguments
+        (testbed/options.py)."""
         generator, self._stat = _nvrx()
         self.out, self.rank, self.report_s = out, rank, report_s
         self._gen = generator(scores_to_compute=list(SCORES), gather_on_rank0=True, node_name=f"node{node}")
