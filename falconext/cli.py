@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a small megatron-core GPT on this machine (torchrun)")
     add_train_arguments(p, launcher=True)
 
+    p = sub.add_parser("nodes", help="run a command once per emulated node (network namespaces, shaped links)")
+    p.add_argument("--count", type=int, required=True, help="how many nodes")
+    p.add_argument("--link-mbps", type=float, default=None,
+                   help="each link between two nodes, megabits/s (default: the emulated network's 400)")
+    p.add_argument("--out", default=None, help="keep each node's output in OUT/node<k>.log and OUT/nodes.json")
+    p.add_argument("--timeout", type=float, default=None, help="stop every node after this many seconds")
+    p.add_argument("cmd", nargs=argparse.REMAINDER,
+                   help="-- CMD ...: {node}, {addr} and {head} are replaced per node")
     p = sub.add_parser("gen-traces", help="write a labelled trace set (JSONL) to stdout")
     p.add_argument("--count", type=int, default=300)
     p.add_argument("--kinds", default="compute,comm,healthy", help="comma-separated, drawn in turn")
@@ -361,6 +369,15 @@ def _cmd_launch(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
 
 
+def _cmd_nodes(args: argparse.Namespace) -> int:
+    from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
+    from falconext.testbed.nodes import mbps_to_bytes, run_nodes
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    rate = DEFAULT_INTER_BANDWIDTH if args.link_mbps is None else mbps_to_bytes(args.link_mbps)
+    return run_nodes(args.count, cmd, rate, args.out, args.timeout)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from falconext.testbed.launch import launch_training
 
@@ -475,6 +492,7 @@ def _cmd_megatron_patch(args: argparse.Namespace) -> int:
 
 _COMMANDS = {
     "train": _cmd_train,
+    "nodes": _cmd_nodes,
     "detect": _cmd_detect,
     "period": _cmd_period,
     "eval-detect": _cmd_eval,
