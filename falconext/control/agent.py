@@ -27,7 +27,7 @@ from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_
 from falconext.control.messages import MAX_MESSAGE_BYTES, Command, Heartbeat, NodeHeartbeats, NodeHealth, pack_heartbeats
 
 #: what a rank may post to its node stream
-RANK_MESSAGES = {"Heartbeat", "FailSlowReport", "ProfileData", "SessionAck", "ValidationResult"}
+RANK_MESSAGES = {"Heartbeat", "FailSlowReport", "ProfileData", "SessionAck", "ValidationResult", "RankEvent"}
 
 
 class HeartbeatAggregator:

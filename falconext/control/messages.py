@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -99,6 +100,11 @@ class ProfileData:
     ``spans[group] = [first, step, count]``: a DP group of 4096 ranks is then 20 bytes,
     not 25 KB in every member's profile (:meth:`compact` makes them). Read both with
     :meth:`group_members`.
+
+    ``fabric`` (the torch.distributed backend its collectives run on, e.g. ``nccl`` or
+    ``gloo``; empty: unknown) and ``nccl_algo`` (its ``NCCL_ALGO``; None: unset) say
+    whether its collectives may run as NCCL's trees, which the validation plan then
+    covers (:func:`falconext.validate.plan.trees_apply`).
     """
 
     rank: int
@@ -107,6 +113,8 @@ class ProfileData:
     members: dict[str, list[int]]
     calls: dict[str, list[list[float]]]
     spans: dict[str, list[int]] = field(default_factory=dict)
+    fabric: str = ""
+    nccl_algo: str | None = None
 
     def check(self) -> None:
         """Each call row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0;
@@ -130,7 +138,7 @@ class ProfileData:
 
     @classmethod
     def compact(cls, rank: int, session: int, roles: dict[str, str], members: dict[str, list[int]],
-                calls: dict[str, list[list[float]]]) -> ProfileData:
+                calls: dict[str, list[list[float]]], fabric: str = "", nccl_algo: str | None = None) -> ProfileData:
         """The profile with every group of three or more evenly spaced, ascending ranks as a span."""
         spans: dict[str, list[int]] = {}
         rest: dict[str, list[int]] = {}
@@ -141,7 +149,7 @@ class ProfileData:
                 spans[gid] = [r[0], step, len(r)]
             else:
                 rest[gid] = r
-        return cls(rank, session, roles, rest, calls, spans)
+        return cls(rank, session, roles, rest, calls, spans, fabric, nccl_algo)
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,40 @@ class ValidationResult:
         for i, row in enumerate(self.links):
             if len(row) != 3 or not (_is_rank(row[0]) and _is_rank(row[1])) or row[2] < 0:
                 raise MessageError(f"ValidationResult.links[{i}]: expected [src, dst, seconds], got {row!r}")
+
+
+#: what a RankEvent's type may be: a lower-case name, as the event log's own types are
+_EVENT_TYPE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+
+
+@dataclass(frozen=True)
+class RankEvent:
+    """Rank -> controller: one record of the rank's events, for the job's events.jsonl,
+    which in a job of several launchers the controller alone writes. ``fields``: the
+    record's JSON fields other than ``time`` and ``type``."""
+
+    rank: int
+    type: str
+    time: float
+    fields: dict[str, Any]
+
+    def check(self) -> None:
+        """A lower-case event type, and fields that do not override time or type."""
+        if not _EVENT_TYPE.match(self.type):
+            raise MessageError(f"RankEvent.type: expected a lower-case event name, got {self.type[:60]!r}")
+        clash = sorted({"time", "type"} & set(self.fields))
+        if clash:
+            raise MessageError(f"RankEvent.fields: may not carry {', '.join(clash)}")
+
+    def record(self) -> dict[str, Any]:
+        """The events.jsonl record: the rank's time, type and fields."""
+        return {"time": self.time, "type": self.type, **self.fields}
+
+    @classmethod
+    def of(cls, rank: int, record: dict[str, Any]) -> "RankEvent":
+        """The message for a rank's event-log ``record``."""
+        fields = {k: v for k, v in record.items() if k not in ("time", "type")}
+        return cls(rank, str(record.get("type", "")), float(record.get("time", 0.0)), fields)
 
 
 #: a Heartbeat's fields as NodeHeartbeats columns (its node is the message's)
@@ -546,7 +588,7 @@ class StatusSnapshot:
 
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (FailSlowReport, Heartbeat, NodeHeartbeats, ProfileData, SessionAck, ValidationResult, NodeHealth,
+    for cls in (FailSlowReport, Heartbeat, NodeHeartbeats, ProfileData, SessionAck, ValidationResult, RankEvent, NodeHealth,
                 Localized, Command, CommandReply, StatusSnapshot)
 }
 

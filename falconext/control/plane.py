@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from falconext.control.redis_server import RedisServer, start_redis
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
@@ -48,6 +48,17 @@ def write_private_json(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+#: the control plane's processes (:mod:`falconext.control.service`)
+SERVICE = [sys.executable, "-m", "falconext.control.service"]
+
+
+def agent_argv(job: str, node: int, ranks: "Iterable[int]", falcon_argv: list[str]) -> list[str]:
+    """The command line of node ``node``'s agent, forwarding for ``ranks`` (the falcon flags
+    too: it combines heartbeats over ``--falcon-heartbeat-s``)."""
+    return [*SERVICE, "agent", "--job", job, "--node", str(node), *falcon_argv,
+            "--ranks", ",".join(str(r) for r in ranks)]
+
+
 class ControlPlane:
     """The control plane of one job, owned by its launcher: a private Redis (unless
     ``redis_url`` names one), the controller and one agent per node as child processes,
@@ -62,6 +73,8 @@ class ControlPlane:
         redis_url: str | None = None,
         job: str | None = None,
         redis_bind: str = "127.0.0.1",
+        agents: bool = True,
+        access: dict[str, Any] | None = None,
     ) -> None:
         self.out = out
         self.world = world
@@ -71,6 +84,10 @@ class ControlPlane:
         self.redis: RedisServer | None = None
         self.url = redis_url
         self.redis_bind = redis_bind
+        #: start the nodes' agents here (False: each node's launcher runs its own)
+        self.agents = agents
+        #: more for access.json (a job of several launchers: its rendezvous id, flags digest)
+        self.access = dict(access or {})
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
         self._stop = threading.Event()
@@ -90,7 +107,7 @@ class ControlPlane:
             self.redis = start_redis(bind=self.redis_bind)
             self.url = self.redis.url
         self._spawn("controller")
-        for n in range(self.nodes):
+        for n in range(self.nodes if self.agents else 0):
             self._spawn(f"agent{n}")
         self._write()
         self._write_access(ended=None)
@@ -100,21 +117,19 @@ class ControlPlane:
     def _write_access(self, ended: float | None) -> None:
         """``access.json``: what ``falconext ctl`` needs (the URL only while running)."""
         info: dict[str, Any] = {"job": self.job, "world": self.world, "nodes": self.nodes,
-                                "launcher_pid": os.getpid(), "started": self._started, "ended": ended}
+                                "launcher_pid": os.getpid(), "started": self._started, "ended": ended,
+                                **self.access}
         if ended is None:
             info["url"] = self.url
         write_private_json(os.path.join(self.out, ACCESS_FILE), info)
 
     def _argv(self, name: str) -> list[str]:
-        base = [sys.executable, "-m", "falconext.control.service"]
         if name == "controller":
-            return base + ["controller", "--job", self.job, "--world", str(self.world),
-                           "--events", os.path.join(self.out, "events.jsonl"), *self.falcon_argv]
+            return [*SERVICE, "controller", "--job", self.job, "--world", str(self.world),
+                    "--events", os.path.join(self.out, "events.jsonl"), *self.falcon_argv]
         node = int(name[len("agent"):])
         per_node = self.world // self.nodes if self.nodes else self.world
-        ranks = ",".join(str(r) for r in range(node * per_node, (node + 1) * per_node))
-        # the falcon flags too: the agent combines heartbeats over --falcon-heartbeat-s
-        return base + ["agent", "--job", self.job, "--node", str(node), *self.falcon_argv, "--ranks", ranks]
+        return agent_argv(self.job, node, range(node * per_node, (node + 1) * per_node), self.falcon_argv)
 
     def _spawn(self, name: str) -> None:
         env = dict(os.environ, **self.env(), FALCONEXT_PARENT_PID=str(os.getpid()))  # service.PARENT_ENV

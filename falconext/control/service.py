@@ -30,7 +30,7 @@ from falconext.control.client import (
 )
 from falconext.control.controller import Controller
 from falconext.control.eventlog import EventLog
-from falconext.control.messages import MessageError, encode
+from falconext.control.messages import MessageError, RankEvent, encode
 
 #: an operator's reply stays this long in Redis (``falconext ctl`` waits less)
 REPLY_TTL_S = 60.0
@@ -126,6 +126,12 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             beats = False
             for stream, msg in got:
                 beats = beats or stream == BEATS_STREAM
+                if isinstance(msg, RankEvent):  # a rank's own event (several launchers): logged as it is
+                    record = msg.record()
+                    events.write(record)
+                    if metrics is not None:
+                        metrics.on_event(record)
+                    continue
                 outputs += step(ctl.handle, msg, time.time())
             if beats:
                 bus.trim_read(BEATS_STREAM)  # the controller is its only reader

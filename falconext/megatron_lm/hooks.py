@@ -145,8 +145,9 @@ class Session:
     def __init__(self, cfg: FalconConfig, flags: argparse.Namespace, margs: argparse.Namespace) -> None:
         import torch
 
-        from falconext.control.eventlog import EventLog
+        from falconext.control.eventlog import EventLog, ForwardingEventLog
         from falconext.megatron_lm import contract
+        from falconext.testbed.nodes import node_name
 
         self.cfg = cfg
         self.flags = flags
@@ -164,7 +165,14 @@ class Session:
         self.suffix = f"-r{self.attempt}" if self.attempt else ""
         os.makedirs(os.path.join(self.out, "ranks"), exist_ok=True)
         os.makedirs(os.path.join(self.out, "calls"), exist_ok=True)
-        self.events = EventLog(os.path.join(self.out, "events.jsonl"))
+        #: one of several launchers (one per node): the controller alone writes events.jsonl
+        self.multi_node = os.environ.get(MULTI_NODE_ENV) == "1"
+        self.node_name = node_name()
+        if self.multi_node:
+            self.events: EventLog = ForwardingEventLog(os.path.join(self.out, "nodes", self.node_name, "events.jsonl"))
+        else:
+            self.events = EventLog(os.path.join(self.out, "events.jsonl"))
+        self._agent: Any = None
         from falconext.testbed.report import EstimatesFile
 
         self.estimates_file = EstimatesFile(self.out, self.process, self.suffix)
@@ -209,11 +217,24 @@ class Session:
     # --- set-up --------------------------------------------------------------------------
 
     def _faults(self) -> list:
+        self.job_faults: list = []
         if not self.flags.falcon_inject:
             return []
-        from falconext.testbed.faults import read_faults
+        from falconext.testbed.faults import on_hardware, read_faults
 
-        return read_faults(self.flags.falcon_inject, self.world, self.ranks_per_node)
+        faults = read_faults(self.flags.falcon_inject, self.world, self.ranks_per_node)
+        self.job_faults = faults
+        hardware = self._hardware()
+        if hardware is not None:  # an emulated node of falconext nodes: faults follow the hardware
+            faults = on_hardware(faults, self.process, *hardware)
+        return faults
+
+    def _hardware(self) -> tuple[int, int] | None:
+        """(emulated node, local rank) this process runs on under ``falconext nodes``, else None."""
+        from falconext.testbed.netns import ENV_NODE
+
+        hardware = os.environ.get(ENV_NODE, "")
+        return (int(hardware), int(os.environ.get("LOCAL_RANK", "0"))) if hardware.isdigit() else None
 
     def _device_kind(self) -> str:
         import torch
@@ -241,6 +262,7 @@ class Session:
             self.events.emit("control_error", rank=self.process,
                              error="--falcon-inject needs the emulated device (--falcon-device emulated); ignored")
         topology = self._topology()
+        self._agree_on_plane(topology["ranks"])
         if self.rank == 0:
             self._write_run(topology)
         self.runtime = FalconRuntime(
@@ -251,6 +273,14 @@ class Session:
             first_iteration=iteration, spill_estimates=self.estimates_file.write,
         )
         self.runtime.set_role(self.rank, self.stage, self.tp, self.pp, *self._traffic())
+        client = self.runtime.client
+        if self.multi_node and client is not None:
+            from falconext.control.messages import RankEvent
+
+            process = self.process
+            self.events.forward_to(lambda record: client.post(RankEvent.of(process, record)))  # type: ignore[attr-defined]
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                self._agent = NodeAgentProcess(self, topology["ranks"]).start()
         from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
         launched = float(os.environ.get(LAUNCH_TIME_ENV, 0) or 0)
@@ -266,8 +296,12 @@ class Session:
     def _topology(self) -> dict[str, Any]:
         import torch
 
+        from falconext.control.client import REDIS_URL_ENV
+
         mine = {"rank": self.rank, "process": self.process, "tp_rank": 0, "pp_rank": self.stage,
-                "dp_rank": self.replica, "node": self.process // self.ranks_per_node}
+                "dp_rank": self.replica, "node": self.process // self.ranks_per_node, "host": self.node_name,
+                "plane": bool(os.environ.get(REDIS_URL_ENV)), "flags": flags_digest(os.environ.get(FLAGS_ENV, "[]")),
+                "hardware": self._hardware()}
         from megatron.core import parallel_state as ps
 
         mine["tp_rank"] = ps.get_tensor_model_parallel_rank()
@@ -275,6 +309,22 @@ class Session:
         torch.distributed.all_gather_object(gathered, mine)
         return {"world": self.world, "tp": self.tp, "pp": self.pp, "dp": self.dp,
                 "ranks_per_node": self.ranks_per_node, "roles": self.roles, "ranks": gathered}
+
+    def _agree_on_plane(self, ranks: list[dict[str, Any]]) -> None:
+        """Every rank runs with the control plane, or none does (its collectives and
+        agreements need every rank): when a node has no route to the plane, or its
+        launcher's ``--falcon*`` flags differ from the others', the job trains on with
+        falconext's control off on every rank (rank 0 says why, once). Same on all ranks:
+        decided from the all-gathered topology."""
+        import dataclasses
+
+        why = plane_refusal(ranks)
+        if why is None or not self.cfg.control_plane:
+            return
+        self.cfg = dataclasses.replace(self.cfg, control_plane=False)
+        if self.rank == 0:
+            print(f"falconext: {why}; the job trains on without falconext's control plane", flush=True)
+            self.events.emit("control_error", rank=0, error=f"control plane off: {why}")
 
     def _write_run(self, topology: dict[str, Any]) -> None:
         path = os.path.join(self.out, f"run{self.suffix}.json")
@@ -284,13 +334,20 @@ class Session:
             "framework": "megatron-lm",
             "args": {k: getattr(self.margs, k, None) for k in keep},
             "falcon_config": self.cfg.to_dict(),
-            "faults": [f.to_dict() for f in self.faults],
+            "faults": [f.to_dict() for f in self._placed_faults(topology["ranks"])],
             "versions": versions(),
             "topology": topology,
             "clock": {"perf_counter": time.perf_counter(), "time": time.time()},
         }
         with open(path, "w") as f:
             json.dump(info, f, indent=2)
+
+    def _placed_faults(self, ranks: list[dict[str, Any]]) -> list:
+        """The job's faults, each named by hardware given the process running there."""
+        from falconext.testbed.faults import placed
+
+        where = {tuple(r["hardware"]): int(r["process"]) for r in ranks if r.get("hardware") is not None}
+        return placed(self.job_faults, where) if where else self.faults
 
     def _traffic(self) -> tuple[int, int]:
         a = self.margs
@@ -321,6 +378,8 @@ class Session:
         self._t_start = now
         self.iteration = iteration
         self.loop_starts.append(now)
+        if self._agent is not None:
+            self._agent.check()
         if self.device is not None:
             self.device.iteration = iteration
         action = self.runtime.before_iteration(iteration) if self.cfg.loop_hooks else None
@@ -478,6 +537,8 @@ class Session:
 
         if self.runtime is not None:
             self.runtime.close()
+        if self._agent is not None:
+            self._agent.stop()
         if self.device is not None:
             self.device.uninstall()
             with open(os.path.join(self.out, "ranks", f"device{self.suffix}-rank{self.process}.json"), "w") as f:
@@ -497,6 +558,86 @@ class Session:
                 extra=r["extra"]))
         self.events.close()
         sys.stdout.flush()
+
+
+def flags_digest(flags_json: str) -> str:
+    """A short digest of a launcher's ``--falcon*`` flags (the JSON list in FLAGS_ENV), to
+    compare nodes' launchers without sending the flags around."""
+    import hashlib
+
+    return hashlib.sha256(flags_json.encode()).hexdigest()[:16]
+
+
+def plane_refusal(ranks: list[dict[str, Any]]) -> str | None:
+    """Why the job cannot use the control plane, from every rank's topology entry
+    (``host``, ``plane``: it has the plane's address, ``flags``: its launcher's flags
+    digest); None when every rank has the plane and every launcher the same flags. Pure."""
+    cut = [r.get("host", "?") for r in ranks if not r.get("plane", True)]
+    if cut:
+        return f"node(s) {', '.join(sorted(set(map(str, cut))))} cannot reach the control plane"
+    digests: dict[str, list[str]] = {}
+    for r in ranks:
+        digests.setdefault(str(r.get("flags")), []).append(str(r.get("host", "?")))
+    if len(digests) > 1:
+        groups = sorted((sorted(set(hosts)) for hosts in digests.values()), key=lambda h: (-len(h), h))
+        odd = ", ".join(h for g in groups[1:] for h in g)
+        return f"the --falcon* flags of node(s) {odd} differ from those of {', '.join(groups[0])}"
+    return None
+
+
+class NodeAgentProcess:
+    """This node's agent (:mod:`falconext.control.agent`) in a job of several launchers,
+    started by the node's local rank 0 once the rendezvous has given the node its ranks
+    (they change from round to round), watched from the rank's loop (restarted up to
+    ``plane.MAX_RESTARTS`` times if it dies) and stopped with the rank. Its output goes to
+    ``nodes/<host>/agent.log``."""
+
+    def __init__(self, session: "Session", ranks: list[dict[str, Any]]) -> None:
+        from falconext.control.plane import agent_argv
+        from falconext.testbed.launch import falcon_argv
+
+        node = session.process // session.ranks_per_node
+        mine = sorted(int(r["process"]) for r in ranks if r.get("host") == session.node_name)
+        from falconext.control.client import JOB_ENV
+
+        cfg = argparse.Namespace(**{"falcon_" + k: v for k, v in session.cfg.to_dict().items()})
+        job = os.environ.get(JOB_ENV, "falcon")
+        self.argv = agent_argv(job, node, mine, falcon_argv(cfg))
+        self.log = os.path.join(session.out, "nodes", session.node_name, "agent.log")
+        self.proc: Any = None
+        self.restarts = 0
+
+    def start(self) -> "NodeAgentProcess":
+        """Start the agent process (its parent: this rank, which it outlives by at most a
+        parent-watch period); returns self."""
+        import subprocess
+
+        from falconext.control.service import PARENT_ENV
+
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self
+
+    def check(self) -> None:
+        """Start it again if it died (a bounded number of times)."""
+        from falconext.control.plane import MAX_RESTARTS
+
+        if self.proc is not None and self.proc.poll() is not None and self.restarts < MAX_RESTARTS:
+            self.restarts += 1
+            self.start()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s."""
+        import subprocess
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def versions() -> dict[str, str]:
@@ -519,3 +660,5 @@ def versions() -> dict[str, str]:
 
 #: the launcher's attempt number (0: the first run; n: after the n-th S4 restart)
 ATTEMPT_ENV = "FALCONEXT_ATTEMPT"
+#: set to "1" by a launcher that is one of several (one per node): see Session.multi_node
+MULTI_NODE_ENV = "FALCONEXT_MULTI_NODE"

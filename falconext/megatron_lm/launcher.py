@@ -190,13 +190,20 @@ def launch(argv: list[str]) -> int:
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     from falconext.megatron_lm.hooks import ATTEMPT_ENV, FLAGS_ENV
 
+    from falconext.elastic import rendezvous
+
+    rdzv = rendezvous.parse(plan.torchrun)
+    node = _NodeRole.of(rdzv, plan.torchrun)
+    plan.torchrun += node.torchrun_additions
     if not plan.falcon:
         if plan.falcon_args:
             raise InputError(f"{plan.falcon_args[0]} needs --falcon")
         env[FLAGS_ENV] = "[]"
         return subprocess.run(_torchrun(plan), env=env).returncode
-    job = _prepare(plan)
+    job = _prepare(plan, rdzv, node.hosts_plane)
     env[FLAGS_ENV] = json.dumps(job.flags)
+    if rdzv.multi_node:
+        return _launch_node(plan, job, rdzv, node, env)
     plane = _start_plane(job, env)
     from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
@@ -232,6 +239,80 @@ def launch(argv: list[str]) -> int:
 
 
 @dataclass
+class _NodeRole:
+    """This launcher's part in the job: whether it hosts the rendezvous (and with it the
+    control plane), the address it reaches the others from, and what torchrun needs to
+    know of that (:func:`falconext.elastic.rendezvous.torchrun_additions`)."""
+
+    hosts_plane: bool
+    address: str | None
+    torchrun_additions: list[str]
+
+    @classmethod
+    def of(cls, rdzv, opts: list[str]) -> "_NodeRole":
+        from falconext.elastic import rendezvous
+
+        if not rdzv.multi_node:
+            return cls(True, None, [])
+        local = bool(rdzv.endpoint_host) and rendezvous.is_local_address(rdzv.endpoint_host)
+        address = rendezvous.address_toward(rdzv.endpoint_host, rdzv.endpoint_port) if rdzv.endpoint_host else None
+        return cls(rendezvous.hosts_plane(rdzv, local), address,
+                   rendezvous.torchrun_additions(rdzv, opts, local, address))
+
+
+#: how long a node's launcher waits for the control plane another node starts, seconds
+PLANE_WAIT_S = 60.0
+
+
+def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict[str, str]) -> int:
+    """One node's launcher in a job of several: the node that hosts the rendezvous starts
+    the control plane (Redis bound to its cluster address and loopback, the controller),
+    the others find it through the shared run directory; every node runs torchrun; the
+    node that started the plane writes the summary once the job is over."""
+    from falconext.control.client import JOB_ENV, REDIS_URL_ENV
+    from falconext.elastic.join import find_plane
+    from falconext.megatron_lm.hooks import FLAGS_ENV, MULTI_NODE_ENV, flags_digest
+    from falconext.testbed.nodes import node_name
+
+    env[MULTI_NODE_ENV] = "1"
+    name = node_name()
+    plane = None
+    if node.hosts_plane:
+        bind = "127.0.0.1" if node.address in (None, "127.0.0.1", "::1") else f"{node.address} 127.0.0.1"
+        plane = _start_plane(job, env, redis_bind=bind, agents=False,
+                             access={"rdzv_id": rdzv.rdzv_id, "flags": flags_digest(env[FLAGS_ENV]), "host": name})
+        if plane is None:
+            env[REDIS_URL_ENV] = ""
+    elif _config(job).control_plane:
+        found = find_plane(job.out, rdzv.rdzv_id, PLANE_WAIT_S)
+        if isinstance(found, str):
+            print(f"falconext: node {name}: {found}; this node trains without falconext's control plane", flush=True)
+            env[REDIS_URL_ENV] = ""
+        else:
+            env[REDIS_URL_ENV], env[JOB_ENV] = found.url, found.job
+    from falconext.mitigate.restart import LAUNCH_TIME_ENV
+
+    env[LAUNCH_TIME_ENV] = repr(time.time())
+    try:
+        code = subprocess.run(_torchrun(plan), env=env).returncode
+    finally:
+        if plane is not None:
+            plane.stop()
+    if code != 0:
+        raise InputError(f"training failed on node {name} (torchrun exit status {code}); see the messages above")
+    if node.hosts_plane:
+        _finalize(job.out)
+    return 0
+
+
+def _config(job: "_Job"):
+    """The job's FalconConfig."""
+    from falconext.config import FalconConfig
+
+    return FalconConfig(**job.config)
+
+
+@dataclass
 class _Job:
     out: str
     flags: list[str]
@@ -240,8 +321,9 @@ class _Job:
     config: dict
 
 
-def _prepare(plan: LaunchPlan) -> _Job:
-    """Check the ``--falcon*`` flags and complete the script's arguments for S2 and S4."""
+def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
+    """Check the ``--falcon*`` flags and complete the script's arguments for S2 and S4.
+    ``hosts``: this launcher owns the run directory's job-wide files (one per job)."""
     from falconext.config import ConfigError, FalconConfig, config_from_args, parse_topology
     from falconext.megatron_lm import contract
     from falconext.megatron_lm.hooks import FlagError, parse_flags
@@ -253,11 +335,11 @@ def _prepare(plan: LaunchPlan) -> _Job:
         raise InputError(str(exc)) from None
     out = os.path.abspath(flags.falcon_out or "falcon-out")
     os.makedirs(out, exist_ok=True)
-    for stale in ("events.jsonl", "restart.json", "summary.json"):
-        if os.path.exists(os.path.join(out, stale)):
+    for stale in ("events.jsonl", "restart.json", "summary.json"):  # the node that owns them clears them
+        if hosts and os.path.exists(os.path.join(out, stale)):
             os.remove(os.path.join(out, stale))
-    nproc = int(option(plan.torchrun, "--nproc-per-node") or 1)
-    nnodes = int(str(option(plan.torchrun, "--nnodes") or "1").split(":")[-1])
+    nproc = rdzv.nproc_per_node
+    nnodes = rdzv.max_nodes
     world = nproc * nnodes
     rpn = flags.falcon_ranks_per_node or nproc
     extra: list[str] = ["--falcon-out", out]
@@ -280,7 +362,8 @@ def _prepare(plan: LaunchPlan) -> _Job:
         if nnodes > 1:
             raise InputError("--falcon-force-topology: a restart with new roles needs one launcher holding every rank")
     if flags.falcon_mitigation_strategies is None:
-        strategies = [s for s in ("S2", "S4") if not (s == "S2" and why)]
+        # several launchers: restarts need every node's launcher to act (not yet): S2 only
+        strategies = [s for s in ("S2", "S4") if not (s == "S2" and why) and not (s == "S4" and nnodes > 1)]
         extra += ["--falcon-mitigation-strategies", ",".join(strategies) or "S4"]
         if why:
             print(f"falconext: {why}; S2 is off for this job", flush=True)
@@ -374,19 +457,17 @@ def _torchrun(plan: LaunchPlan) -> list[str]:
             plan.script, *plan.script_args]
 
 
-def _start_plane(job: _Job, env: dict[str, str]):
-    """The control plane (node 0 only), its variables in ``env``; None when off."""
-    from falconext.config import FalconConfig
-
-    cfg = FalconConfig(**job.config)
-    if not cfg.control_plane:
+def _start_plane(job: _Job, env: dict[str, str], redis_bind: str = "127.0.0.1", agents: bool = True,
+                 access: dict | None = None):
+    """The control plane (one per job), its variables in ``env``; None when off."""
+    if not _config(job).control_plane:
         return None
     from falconext.testbed.launch import _start_plane as start
 
     ns = argparse.Namespace(falcon=True, out=job.out, nproc=job.world, ranks_per_node=job.ranks_per_node,
                             falcon_redis_url=None,
                             **{"falcon_" + k: v for k, v in job.config.items()})
-    return start(ns, env)
+    return start(ns, env, redis_bind=redis_bind, agents=agents, access=access)
 
 
 def _take_restart_request(out: str):

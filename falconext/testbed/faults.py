@@ -15,6 +15,12 @@ The paper injected fail-slows with GPU clock locking and side-channel traffic; h
   (f - 1) times the bytes the link carries over a nominal bandwidth, on the rank that
   sends over the link, before the transfer starts.
 
+A compute fault may name the hardware instead of the rank: ``"node": n, "local_rank": l``
+(the emulated node ``n`` of ``falconext nodes``, its local rank ``l``). Its ``rank`` is then
+``n * ranks_per_node + l`` until the process knows which hardware it runs on
+(:func:`on_hardware`): after a restart that renumbers ranks, or on a spare node, the fault
+stays with the node that has it.
+
 ``end`` may be omitted (the fault lasts to the end of the run). This module is an
 experiment tool: nothing in detect/, profile/, validate/ or mitigate/ imports it, and its
 settings reach nobody but the process that injects them. It wraps torch.distributed
@@ -51,6 +57,9 @@ class Fault:
     end: int | None
     rank: int | None = None
     nodes: tuple[int, int] | None = None
+    #: a compute fault named by its hardware: emulated node and local rank
+    node: int | None = None
+    local_rank: int | None = None
 
     def active(self, iteration: int) -> bool:
         """True when the fault is in force at ``iteration``."""
@@ -59,8 +68,10 @@ class Fault:
     def to_dict(self) -> dict[str, Any]:
         """The fault in the JSON form :func:`parse_faults` reads (``rank`` or ``nodes`` only where set)."""
         d: dict[str, Any] = {"kind": self.kind, "factor": self.factor, "start": self.start, "end": self.end}
-        if self.rank is not None:
+        if self.rank is not None and self.rank >= 0:
             d["rank"] = self.rank
+        if self.node is not None:
+            d["node"], d["local_rank"] = self.node, self.local_rank
         if self.nodes is not None:
             d["nodes"] = list(self.nodes)
         return d
@@ -88,11 +99,19 @@ def parse_faults(obj: Any, world_size: int, ranks_per_node: int, where: str = "i
             raise InputError(f"{w}: start must be an iteration >= 0, got {start!r}")
         if end is not None and (isinstance(end, bool) or not isinstance(end, int) or end <= start):
             raise InputError(f"{w}: end must be null or an iteration > start, got {end!r}")
-        known = {"kind", "factor", "start", "end", "rank", "nodes"}
+        known = {"kind", "factor", "start", "end", "rank", "nodes", "node", "local_rank"}
         extra = sorted(set(f) - known)
         if extra:
             raise InputError(f"{w}: unknown field(s) {', '.join(extra)}")
-        if kind == "compute":
+        if kind == "compute" and ("node" in f or "local_rank" in f):
+            node, local = f.get("node"), f.get("local_rank", 0)
+            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < n_nodes:
+                raise InputError(f"{w}: node must be in [0, {n_nodes}), got {node!r}")
+            if isinstance(local, bool) or not isinstance(local, int) or not 0 <= local < ranks_per_node:
+                raise InputError(f"{w}: local_rank must be in [0, {ranks_per_node}), got {local!r}")
+            faults.append(Fault("compute", float(factor), start, end, rank=node * ranks_per_node + local,
+                                node=node, local_rank=local))
+        elif kind == "compute":
             rank = f.get("rank")
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
                 raise InputError(f"{w}: rank must be in [0, {world_size}), got {rank!r}")
@@ -114,6 +133,38 @@ def read_faults(path: str, world_size: int, ranks_per_node: int) -> list[Fault]:
     """The faults of the JSON file ``path``, checked against the job's size (see
     :func:`parse_faults`). Raises InputError naming the file, the fault and the field."""
     return parse_faults(loads_strict(read_text(path), path), world_size, ranks_per_node, path)
+
+
+def on_hardware(faults: list[Fault], process: int, node: int, local_rank: int) -> list[Fault]:
+    """``faults`` as process ``process`` sees them when it runs on emulated node ``node`` as
+    local rank ``local_rank``: a fault named by hardware is this process's when it names
+    this node and local rank, and no process's otherwise (pure)."""
+    import dataclasses
+
+    out = []
+    for f in faults:
+        if f.node is None:
+            out.append(f)
+        elif (f.node, f.local_rank) == (node, local_rank):
+            out.append(dataclasses.replace(f, rank=process))
+        else:
+            out.append(dataclasses.replace(f, rank=-1))
+    return out
+
+
+def placed(faults: list[Fault], hardware: dict[tuple[int, int], int]) -> list[Fault]:
+    """``faults`` with each one named by hardware given the process that runs there
+    (``hardware``: (emulated node, local rank) -> process); one whose hardware runs no
+    process of the job (a node that left, or a spare not in it) is left out (pure)."""
+    import dataclasses
+
+    out = []
+    for f in faults:
+        if f.node is None:
+            out.append(f)
+        elif (f.node, f.local_rank) in hardware:
+            out.append(dataclasses.replace(f, rank=hardware[(f.node, f.local_rank or 0)]))
+    return out
 
 
 # -- factors in force (pure) ---------------------------------------------------------------

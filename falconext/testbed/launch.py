@@ -179,7 +179,8 @@ def _run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
     return subprocess.run(cmd, env=env).returncode if code is None else code
 
 
-def _start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str = "127.0.0.1"):
+def _start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str = "127.0.0.1",
+                 agents: bool = True, access: dict | None = None):
     """Start the control plane when the job runs falconext with one (its variables go into
     ``env``); None otherwise. ``redis_bind``: the private Redis's addresses, first in the URL."""
     plane = None
@@ -193,7 +194,8 @@ def _start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str 
             os.remove(events)
         nodes = -(-args.nproc // args.ranks_per_node)
         plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args),
-                             redis_url=args.falcon_redis_url or env.get(REDIS_URL_ENV), redis_bind=redis_bind)
+                             redis_url=args.falcon_redis_url or env.get(REDIS_URL_ENV), redis_bind=redis_bind,
+                             agents=agents, access=access)
         try:
             plane.start()
         except RedisUnavailable as exc:
@@ -231,9 +233,11 @@ def _copy_faults(path: str, out: str) -> str:
         raise InputError(f"--inject {path}: cannot read it ({exc.strerror or exc})") from None
     os.makedirs(out, exist_ok=True)
     copy = os.path.join(out, "faults.json")
-    if os.path.abspath(path) != os.path.abspath(copy):
-        with open(copy, "w") as f:
+    if os.path.abspath(path) != os.path.abspath(copy):  # whole or not at all: other nodes' launchers read it
+        tmp = f"{copy}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             f.write(text)
+        os.replace(tmp, copy)
     return copy
 
 
