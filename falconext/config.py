@@ -270,6 +270,13 @@ class FalconConfig:
     #: validates every link (one short suspension) and keeps their times as the link's
     #: healthy reference; 0: never
     link_baseline_iteration: int = 10
+    #: validate the edges of NCCL's double binary trees over a group's nodes as well as its
+    #: ring, for groups that span nodes (validate/plan.py trees_apply): across nodes NCCL
+    #: runs small and medium all-reduces as trees, so a congested link may carry tree
+    #: traffic only. "auto": where the ranks' collectives run on NCCL and their NCCL_ALGO
+    #: is unset or lets all-reduces use Tree/NVLSTree; "on": always (the CPU test bed, whose
+    #: gloo runs rings, tests tree validation so); "off": rings only
+    validation_trees: str = "auto"
 
     # --- mitigation (mitigate/) -------------------------------------------------------------
     #: mitigate automatically once a fail-slow is localized (the ski-rental planner)
@@ -394,6 +401,8 @@ class FalconConfig:
         _check(self.gemm_concurrency >= 0, "gemm_concurrency must be >= 0")
         _check(self.validation_sweeps >= 1, "validation_sweeps must be >= 1")
         _check(self.link_baseline_iteration >= 0, "link_baseline_iteration must be >= 0")
+        _check(self.validation_trees in ("auto", "on", "off"),
+               f"validation_trees must be auto, on or off, got {self.validation_trees!r}")
         _check(self.p2p_concurrency >= 0, "p2p_concurrency must be >= 0")
         _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
         _check(self.monitor_idle_s > 0 and self.monitor_poll_s > 0, "monitor_idle_s and monitor_poll_s must be > 0")

@@ -211,7 +211,8 @@ class RankClient:
         limit = 1500
         while True:
             snap = self.runtime.profile(window_s, limit)
-            msg = ProfileData.compact(self.rank, session, snap["roles"], snap["members"], snap["calls"])
+            msg = ProfileData.compact(self.rank, session, snap["roles"], snap["members"], snap["calls"],
+                                      snap.get("fabric", ""), snap.get("nccl_algo"))
             if limit <= 1 or len(encode(msg).encode("utf-8")) <= MAX_MESSAGE_BYTES:
                 return msg
             limit //= 2

@@ -101,7 +101,7 @@ from falconext.mitigate.planner import Decision, Planner, slowdown_removed
 from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
 from falconext.sim.itertime import check_roles
-from falconext.validate.plan import split_plan, validation_plan
+from falconext.validate.plan import nccl_allows_trees, on_nccl, split_plan, validation_plan
 from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
 
@@ -121,7 +121,7 @@ RUNTIME_SETTABLE = frozenset({
     "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
     "score_trigger_ratio", "score_trigger_readings",
     "suspend_margin_s", "status_max_share", "controller_read_batch", "mitigation_recovered_beats",
-    "suspend_verdict_wait_s",
+    "suspend_verdict_wait_s", "validation_trees",
 })
 
 
@@ -630,6 +630,8 @@ class Controller:
                 p2p_bytes=self.cfg.p2p_bytes,
                 p2p_repeats=self.cfg.p2p_repeats,
                 node_of={r: b.node for r, b in self.beats.items()},
+                trees=self.cfg.validation_trees,
+                **self._tree_inputs(),
             )
         except ValueError as exc:
             return self._abort(now, f"no validation plan: {exc}")
@@ -637,6 +639,17 @@ class Controller:
             self._plan["gemm"] = []  # links only: the baseline is of the network
         out = [_event("profiled", session=self.session, ranks=sorted(self._profiles), **findings.evidence())]
         return out + self._suspend(now)
+
+    def _tree_inputs(self) -> dict[str, Any]:
+        """The fabric and ``NCCL_ALGO`` the ranks reported with their profiles, for the
+        plan's tree decision: those of the first rank (by rank) whose collectives may run as
+        NCCL's trees, else the first rank's. NCCL needs every rank of a communicator to
+        pick alike, and a tree validated in vain costs a few passes, a tree missed a
+        congested link."""
+        reported = [(p.fabric, p.nccl_algo) for _, p in sorted(self._profiles.items())]
+        pick = next((x for x in reported if on_nccl(x[0]) and nccl_allows_trees(x[1])),
+                    reported[0] if reported else ("", None))
+        return {"fabric": pick[0], "nccl_algo": pick[1]}
 
     def _suspend(self, now: float, state: State = State.VALIDATING) -> list[Output]:
         """Pick an iteration every rank has yet to start, and tell everyone to stop there."""
@@ -786,6 +799,7 @@ class Controller:
             "session": self.session,
             "trigger": ("relocalize" if ep.relocalizing is not None else ep.trigger) if ep else "unknown",
             "scope": (self._plan or {}).get("scope"),
+            "tree_groups": len((self._plan or {}).get("trees", [])),  # groups whose trees were validated
             "profile": self._findings.evidence() if self._findings else {},
             "gemm_gflops": {str(r): round(f / 1e9, 3) for r, f in sorted(flops.items())},
             "links": link_evidence,

@@ -390,8 +390,24 @@ class FalconRuntime:
         return statistics.median(b - a for a, b in zip(starts, starts[1:]))
 
     def profile(self, window_s: float, limit: int = 1500) -> dict[str, Any]:
-        """ProfileData's fields: at most ``limit`` of the calls of the last ``window_s``."""
-        return self.monitor.profile_snapshot(window_s, limit)
+        """ProfileData's fields: at most ``limit`` of the calls of the last ``window_s``, and
+        what says whether its collectives may run as NCCL's trees: the backend they run on
+        and this process's ``NCCL_ALGO`` (the validation plan decides with them)."""
+        snap = dict(self.monitor.profile_snapshot(window_s, limit))
+        snap["fabric"] = self._fabric()
+        snap["nccl_algo"] = os.environ.get("NCCL_ALGO")
+        return snap
+
+    def _fabric(self) -> str:
+        """The default group's torch.distributed backend (``nccl``, ``gloo``, or e.g.
+        ``cpu:gloo,cuda:nccl``); the device where there is none (between a topology
+        switch's groups, or none initialised)."""
+        try:
+            if torch.distributed.is_initialized():
+                return str(torch.distributed.get_backend())
+        except (RuntimeError, ValueError):
+            pass
+        return str(self._device)
 
     def share(self, session: int, share: ValidationShare) -> None:
         """Keep this rank's share of session ``session``'s validation plan for its suspend

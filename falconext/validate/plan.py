@@ -8,6 +8,16 @@ compute suspect every rank runs the GEMM, with no suspicious group every role's 
 are tested (a link inside the only group of its kind has nothing to be compared with
 during profiling). Either way a constant number of passes per role. Pure.
 
+Across nodes NCCL runs all-reduces of small and medium messages as double binary trees
+over the nodes, so a congested network link may carry tree traffic only, between nodes
+that are not neighbours in any group's ring. Where :func:`trees_apply` says so (the
+``validation_trees`` setting; the job's fabric and ``NCCL_ALGO`` as its ranks report
+them; the group spanning nodes) a group's passes cover the edges of NCCL's two trees over
+its nodes as well as its ring: over the first rank of the group on each node, nodes in
+the order of their first rank in the group, as NCCL numbers them
+(:func:`falconext.validate.passes.double_tree_passes`, at most 6 passes more; an edge
+the ring already measures is not measured twice).
+
 On the bus (:func:`split_plan`) the plan is cut in two, so that no message grows with the
 world: a :class:`ValidationPlan` every rank needs alike (sizes, round counts) goes with
 the suspend command, and each rank's own work (its GEMM round, its P2P pairs by round)
@@ -22,10 +32,76 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from falconext.control.messages import MAX_MESSAGE_BYTES, Command, ValidationPlan, ValidationShare, encode
-from falconext.validate.passes import merge_passes, one_per_link, ring_passes, split_rounds
+from falconext.validate.passes import double_tree_passes, merge_passes, one_per_link, ring_passes, split_rounds, without
 
 #: roles whose groups partition the ranks: their rings carry the job's traffic
 LINK_ROLES = ("tp", "cp", "ep", "dp", "pp")
+#: values of FalconConfig.validation_trees
+TREE_SETTINGS = ("auto", "on", "off")
+#: NCCL algorithms whose traffic between nodes follows the double binary tree
+TREE_ALGORITHMS = frozenset({"tree", "nvlstree"})
+
+
+def nccl_allows_trees(nccl_algo: str | None) -> bool:
+    """Whether NCCL may run all-reduces as trees under ``NCCL_ALGO`` = ``nccl_algo``
+    (None or blank: unset, NCCL picks, trees included).
+
+    NCCL reads a comma list of algorithms, case-insensitive (``Tree,Ring``), a list that
+    starts with ``^`` naming the ones to leave out (``^Ring``: trees stay), and since 2.24
+    ``;``-separated lists for one function each (``ring;allreduce:tree,ring``: the list
+    without a function applies to the functions not named). Trees serve all-reduces, so
+    the list that applies to ``allreduce`` decides: trees may run when it includes Tree or
+    NVLSTree (NVLink SHARP inside a node, the tree between nodes), or leaves one of them in
+    (``^tree`` leaves NVLSTree, which runs where the nodes have NVSwitch SHARP; ``^tree,
+    nvlstree`` rules trees out)."""
+    if nccl_algo is None or not nccl_algo.strip():
+        return True
+    applies: str | None = None
+    for entry in nccl_algo.split(";"):
+        function, sep, algos = entry.rpartition(":")
+        function = function.strip().lower()
+        if not sep or function == "allreduce":
+            if function or applies is None:
+                applies = algos
+    if applies is None:  # only other functions named: all-reduces keep the default
+        return True
+    listed = applies.strip()
+    leave_out = listed.startswith("^")
+    names = {a.strip().lower() for a in listed.lstrip("^").split(",") if a.strip()}
+    return not TREE_ALGORITHMS <= names if leave_out else bool(TREE_ALGORITHMS & names)
+
+
+def on_nccl(fabric: str) -> bool:
+    """Whether ``fabric`` (the job's torch.distributed backend, e.g. ``nccl``, ``gloo`` or
+    ``cpu:gloo,cuda:nccl``, or its device, ``cuda``) runs collectives on NCCL."""
+    words = fabric.lower().replace(",", " ").replace(":", " ").split()
+    return "nccl" in words or "cuda" in words
+
+
+def trees_apply(setting: str, fabric: str, nccl_algo: str | None, nodes: int) -> bool:
+    """Whether a group on ``nodes`` nodes gets its tree edges validated: never within one
+    node (NCCL's trees join nodes; inside a node it chains ranks, which the ring measures);
+    ``on`` always across nodes (the CPU test bed, whose gloo runs rings, tests trees so);
+    ``off`` never; ``auto`` when the collectives run on NCCL (``fabric``) and ``NCCL_ALGO``
+    lets all-reduces run as trees (:func:`nccl_allows_trees`). Pure: the caller reads the
+    environment."""
+    if setting not in TREE_SETTINGS:
+        raise ValueError(f"validation_trees must be one of {', '.join(TREE_SETTINGS)}, got {setting!r}")
+    if nodes < 2 or setting == "off":
+        return False
+    return setting == "on" or (on_nccl(fabric) and nccl_allows_trees(nccl_algo))
+
+
+def node_heads(members: Sequence[int], node_of: Mapping[int, int]) -> list[int]:
+    """The first of ``members`` (in group order) on each node, nodes in the order of their
+    first member: the ranks NCCL's trees over the group's nodes join (ranks without a
+    node are left out)."""
+    heads: dict[int, int] = {}
+    for r in members:
+        node = node_of.get(r)
+        if node is not None and node not in heads:
+            heads[node] = r
+    return list(heads.values())
 
 
 def validation_plan(
@@ -42,12 +118,17 @@ def validation_plan(
     p2p_bytes: int = 262144,
     p2p_repeats: int = 5,
     node_of: Mapping[int, int] | None = None,
+    trees: str = "off",
+    fabric: str = "",
+    nccl_algo: str | None = None,
 ) -> dict[str, Any]:
     """The plan sent to every rank with the suspend command (plain JSON data).
 
     ``groups`` maps group id -> (role, members in group order). With ``node_of`` (rank ->
     node), no two transfers of a pass share an inter-node link the same way
-    (:func:`falconext.validate.passes.one_per_link`).
+    (:func:`falconext.validate.passes.one_per_link`), and a group whose members span nodes
+    gets its double binary trees' edges validated after its ring's where
+    ``trees_apply(trees, fabric, nccl_algo, nodes)`` (``plan["trees"]``: those groups).
     """
     unknown = [g for g in suspicious if g not in groups]
     if unknown:
@@ -68,9 +149,20 @@ def validation_plan(
     roles = sorted(sus_roles) if sus_roles else sorted({role for role, _ in linked.values()})
     scope = "suspects" if compute_suspects or sus_roles else "all"
     passes: list[list[list[int]]] = []
+    treed: list[str] = []
     for role in roles:
-        rings = [ring_passes(m) for g, (r, m) in sorted(linked.items()) if r == role]
-        merged = merge_passes(rings)
+        schedules = []
+        for g, (r, m) in sorted(linked.items()):
+            if r != role:
+                continue
+            schedule = ring_passes(m)
+            heads = node_heads(m, node_of) if node_of is not None else []
+            if trees_apply(trees, fabric, nccl_algo, len(heads)):
+                ring = [pair for p in schedule for pair in p]
+                schedule = schedule + without(double_tree_passes(heads), ring)
+                treed.append(g)
+            schedules.append(schedule)
+        merged = merge_passes(schedules)
         if node_of is not None:
             merged = one_per_link(merged, node_of)
         passes.extend([[list(p) for p in pas] for pas in merged])
@@ -83,6 +175,7 @@ def validation_plan(
         "validation_sweeps": validation_sweeps,
         "passes": passes,
         "roles": roles,
+        "trees": treed,
         "nbytes": p2p_bytes,
         "repeats": p2p_repeats,
         "p2p_concurrency": p2p_concurrency,
