@@ -75,6 +75,7 @@ class Bus:
         socket_timeout_s: float = 0.5,
         on_state: Callable[[bool, str], None] | None = None,
         maxlen: int = 10000,
+        since_ms: int | None = None,
     ) -> None:
         if not job or ":" in job or any(ch.isspace() for ch in job):
             raise ValueError(f"job name {job!r} must be non-empty, without ':' or whitespace (it namespaces the keys)")
@@ -92,7 +93,9 @@ class Bus:
         self.dropped = 0
         self.errors: deque[str] = deque(maxlen=ERRORS_KEPT)
         self._positions: dict[str, StreamId] = {}  # per stream name: the last id delivered
-        self._start: StreamId | None = None  # for streams without a position; from the server clock
+        # for streams without a position: from the server clock, or ``since_ms`` (entries
+        # posted from that time on, milliseconds since the epoch)
+        self._start: StreamId | None = None if since_ms is None else (max(0, int(since_ms)), 0)
         self._run_id: str | None = None
         self._new_connection = True  # set by every (re)connect; the server may have changed
         self._backoff_s = 0.0

@@ -52,11 +52,14 @@ def write_private_json(path: str, data: dict[str, Any]) -> None:
 SERVICE = [sys.executable, "-m", "falconext.control.service"]
 
 
-def agent_argv(job: str, node: int, ranks: "Iterable[int]", falcon_argv: list[str]) -> list[str]:
+def agent_argv(job: str, node: int, ranks: "Iterable[int]", falcon_argv: list[str],
+               since_ms: int | None = None) -> list[str]:
     """The command line of node ``node``'s agent, forwarding for ``ranks`` (the falcon flags
-    too: it combines heartbeats over ``--falcon-heartbeat-s``)."""
+    too: it combines heartbeats over ``--falcon-heartbeat-s``) what they post from
+    ``since_ms`` on (None: from the agent's start)."""
     return [*SERVICE, "agent", "--job", job, "--node", str(node), *falcon_argv,
-            "--ranks", ",".join(str(r) for r in ranks)]
+            "--ranks", ",".join(str(r) for r in ranks),
+            *(["--since-ms", str(since_ms)] if since_ms is not None else [])]
 
 
 class ControlPlane:

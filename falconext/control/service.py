@@ -202,16 +202,18 @@ def guarded(events):
 
 
 def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] | None = None,
-              cfg: FalconConfig | None = None) -> None:
+              cfg: FalconConfig | None = None, since_ms: int | None = None) -> None:
     """Run node ``node``'s agent on the bus at ``url`` until ``stop[0]`` turns True,
     printing each change of its dropped and refused counts. ``ranks``: the ranks of this
     node (None: accept every rank); ``cfg``: the heartbeat period it combines heartbeats
-    over, and the streams' length."""
+    over, and the streams' length; ``since_ms``: forward what the ranks posted from that
+    time on (an agent started after its ranks), else from now."""
     from falconext.control.agent import NodeAgent
     from falconext.validate.health import gpu_health
 
     cfg = cfg or FalconConfig()
-    agent = NodeAgent(Bus(url, job, maxlen=cfg.stream_maxlen), node, gpu_health, ranks, cfg.heartbeat_s)
+    agent = NodeAgent(Bus(url, job, maxlen=cfg.stream_maxlen, since_ms=since_ms), node, gpu_health, ranks,
+                      cfg.heartbeat_s)
     said = (0, 0)
     while not stop[0]:
         agent.step()
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", default=None, help="events.jsonl to append to (controller)")
     p.add_argument("--node", type=int, default=0, help="this agent's node")
     p.add_argument("--ranks", default=None, help="the ranks on this agent's node, comma-separated (agent)")
+    p.add_argument("--since-ms", type=int, default=None,
+                   help="forward what the ranks posted from this time on, ms since the epoch (agent; default: now)")
     add_config_arguments(p)
     args = p.parse_args(argv)
     url = os.environ.get(REDIS_URL_ENV)
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             print(f"falconext.control.service: error: --ranks {args.ranks!r} is not a list of ranks", file=sys.stderr)
             return 2
-        run_agent(url, args.job, args.node, stop, ranks, config_from_args(args))
+        run_agent(url, args.job, args.node, stop, ranks, config_from_args(args), args.since_ms)
     return 0
 
 

@@ -152,6 +152,7 @@ class Session:
         self.cfg = cfg
         self.flags = flags
         self.margs = margs
+        self.created = time.time()
         from falconext.trace import groups
 
         self.rank = torch.distributed.get_rank()
@@ -411,9 +412,9 @@ class Session:
             except PlanError as exc:  # agreed but impossible: every rank refuses alike
                 self.events.emit("control_error", rank=self.process, error=f"plan not applied: {exc}")
                 return
-            if self.rank == 0:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line per node: every node applies it
                 self.events.emit("plan_applied", iteration=start, plan=self.schedule.plan_at(start),
-                                 strategy=action.strategy, committed_at=iteration)
+                                 strategy=action.strategy, committed_at=iteration, host=self.node_name)
         elif isinstance(action, (Restart, TopologyChange)):
             self._request_restart(action, iteration)
         else:
@@ -585,6 +586,10 @@ def plane_refusal(ranks: list[dict[str, Any]]) -> str | None:
     return None
 
 
+#: seconds before a session's start from which its node's agent forwards what the ranks posted
+SINCE_MARGIN_S = 2.0
+
+
 class NodeAgentProcess:
     """This node's agent (:mod:`falconext.control.agent`) in a job of several launchers,
     started by the node's local rank 0 once the rendezvous has given the node its ranks
@@ -603,6 +608,9 @@ class NodeAgentProcess:
         cfg = argparse.Namespace(**{"falcon_" + k: v for k, v in session.cfg.to_dict().items()})
         job = os.environ.get(JOB_ENV, "falcon")
         self.argv = agent_argv(job, node, mine, falcon_argv(cfg))
+        #: the first start forwards what the ranks posted since the session began (less a
+        #: margin for the clocks of this node and of Redis's); a restart, from its start
+        self.since_ms = int((session.created - SINCE_MARGIN_S) * 1000)
         self.log = os.path.join(session.out, "nodes", session.node_name, "agent.log")
         self.proc: Any = None
         self.restarts = 0
@@ -614,8 +622,9 @@ class NodeAgentProcess:
 
         from falconext.control.service import PARENT_ENV
 
+        argv = self.argv + (["--since-ms", str(self.since_ms)] if self.restarts == 0 else [])
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
+            self.proc = subprocess.Popen(argv, env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self
 

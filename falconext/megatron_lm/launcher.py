@@ -381,6 +381,15 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
         from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
 
         knobs = dict(EMULATED_TESTBED, falcon_p2p_bytes=max(4096, int(DEFAULT_INTER_BANDWIDTH * MESSAGE_S)))
+        if flags.falcon_device_gflops is None:  # the device speed this host keeps up with
+            from falconext.testbed.device import host_gflops
+            from falconext.testbed.nodes import NODES_ON_HOST_ENV
+
+            sharing = int(os.environ.get(NODES_ON_HOST_ENV, "1") or 1)
+            cores = len(os.sched_getaffinity(0))
+            knobs["falcon_device_gflops"] = round(host_gflops(cores, nproc * sharing), 4)
+            print(f"falconext: emulated device at {knobs['falcon_device_gflops']:g} GFLOP/s "
+                  f"({nproc * sharing} ranks on this host's {cores} cores)", flush=True)
         for knob, value in knobs.items():
             if getattr(flags, knob, None) is None:
                 extra += ["--" + knob.replace("_", "-"), str(value)]

@@ -78,12 +78,14 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
     windows = overruns = closed = 0
     overrun_s = compute_s = 0.0
     worst: tuple[float, int] = (0.0, -1)
+    gflops: set[float] = set()
     for r in range(world):
         path = os.path.join(out, "ranks", f"device-rank{r}.json")
         if not os.path.exists(path):
             return None
         with open(path) as f:
             rec = json.load(f)
+        gflops.add(float(rec.get("model", {}).get("gflops", 0.0)))
         windows += int(rec["windows"])
         overruns += int(rec["overruns"])
         closed += int(rec.get("closed", rec["windows"]))
@@ -93,6 +95,8 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
         share = float(rec["overrun_s"]) / rank_compute if rank_compute > 0 else 0.0
         worst = max(worst, (share, r))
     return {
+        #: the emulated device's speed (one value when every rank ran the same)
+        "gflops": sorted(gflops)[0] if len(gflops) == 1 else sorted(gflops),
         "windows": windows,
         "overruns": overruns,
         #: device windows no rank waited out (device time the job never spent)

@@ -32,6 +32,9 @@ from falconext.inputs import InputError
 
 #: the environment variable naming a node (falconext's node name: the host name otherwise)
 NODE_NAME_ENV = "FALCONEXT_NODE_NAME"
+#: the number of emulated nodes sharing this machine (set by the bed: launchers pick the
+#: emulated device's speed from the ranks all of them run on this host's cores)
+NODES_ON_HOST_ENV = "FALCONEXT_NODES_ON_HOST"
 #: once every node's command has been asked to stop, how long before SIGKILL, seconds
 STOP_GRACE_S = 15.0
 
@@ -120,7 +123,7 @@ def run_nodes(count: int, cmd: Sequence[str], rate: float, out: str | None = Non
             for k in range(count):
                 name = f"node{k}"
                 argv = network.exec_argv(k, substitute(cmd, k, layout.node_ip(k), head))
-                env = dict(os.environ, **layout.node_env(k, rate), **{NODE_NAME_ENV: name})
+                env = dict(os.environ, **layout.node_env(k, rate), **{NODE_NAME_ENV: name, NODES_ON_HOST_ENV: str(count)})
                 env.setdefault("PYTHONUNBUFFERED", "1")
                 proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)

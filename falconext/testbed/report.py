@@ -524,7 +524,8 @@ def format_summary(s: dict[str, Any]) -> str:
                      + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in troubles.items()))
     dev = s.get("device")
     if dev:
-        lines.append(f"emulated device: {dev['windows']} device windows, {dev['overruns']} overran "
+        lines.append(f"emulated device{' at ' + str(dev['gflops']) + ' GFLOP/s' if 'gflops' in dev else ''}: "
+                     f"{dev['windows']} device windows, {dev['overruns']} overran "
                      f"({100 * dev['overrun_share']:.2f}% of device time)")
         if dev.get("unclosed"):
             lines.append(f"WARNING: {dev['unclosed']} device windows were never waited out: the emulated "

@@ -1,0 +1,88 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` as a multi-node job: one ``falconext launch`` per
+emulated node (``falconext nodes``: a network namespace each, shaped links), meeting through
+torch's c10d rendezvous, as ``srun`` would start them on a cluster.
+
+Skipped unless ``MEGATRON_LM_PATH`` names a core_v0.16.1 checkout and this machine can make
+network namespaces (root). What is asserted is issue 30's first acceptance item: a 2x
+compute fault on node 1's local rank 0 from iteration 60; one controller for the job;
+``fail_slow`` with onset within 5 of 60 and detected within 15; localized to global rank 2;
+S2 applied on both nodes; ``slowdown_removed`` in summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MLM = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM core_v0.16.1 checkout)")
+
+from test_pretrain_gpt import TINY_GPT, events  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def script() -> str:
+    from falconext.megatron_lm.patching import megatron_version
+    from falconext.testbed import netns
+
+    assert MLM is not None
+    version = megatron_version(MLM)
+    if version != "core_v0.16.1":
+        pytest.skip(f"these runs need core_v0.16.1 (the installed megatron-core), {MLM} is {version}")
+    if os.geteuid() != 0:
+        pytest.skip("falconext nodes needs root (network namespaces)")
+    why = netns.available()
+    if why is not None:
+        pytest.skip(f"network namespaces are not available here: {why}")
+    return os.path.join(MLM, "pretrain_gpt.py")
+
+
+def nodes(count: int, launch_args: list[str], bed_out: Path, timeout: float = 600) -> str:
+    """``falconext nodes --count COUNT -- falconext launch LAUNCH_ARGS``; its output (it must succeed)."""
+    cmd = [sys.executable, "-m", "falconext.cli", "nodes", "--count", str(count), "--out", str(bed_out), "--",
+           sys.executable, "-m", "falconext.cli", "launch", *launch_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def test_two_nodes_one_job_detect_localize_and_rebalance(script: str, tmp_path: Path) -> None:
+    faults = tmp_path / "fault.json"
+    faults.write_text(json.dumps([{"kind": "compute", "node": 1, "local_rank": 0, "factor": 2.0, "start": 60}]))
+    out = tmp_path / "out"
+    output = nodes(2, ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", "{head}:29400", "--rdzv-id", "t1", script, *TINY_GPT,
+                       "--global-batch-size", "32", "--train-iters", "200", "--log-interval", "10",
+                       "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults)], tmp_path / "bed")
+    evs = events(out)
+    # one control plane: one controller, and only the node hosting the rendezvous started one
+    assert [e["type"] for e in evs].count("controller_started") == 1
+    assert not (out / "nodes" / "node1" / "controller.log").exists()
+    # the device speed was picked for 4 ranks on this host and said once per node
+    assert output.count("falconext: emulated device at") == 2, output[-3000:]
+    first = min((e for e in evs if e["type"] == "fail_slow"), key=lambda e: e["detected_at"])
+    assert abs(first["onset"] - 60) <= 5, first
+    assert first["detected_at"] - 60 <= 15, first
+    localized = [e for e in evs if e["type"] == "localized"]
+    assert localized and localized[0]["gpus"] == [2], localized
+    applied = [e for e in evs if e["type"] == "plan_applied"]
+    assert {e["host"] for e in applied} == {"node0", "node1"}, applied
+    plan = applied[0]["plan"]
+    assert all(e["plan"] == plan for e in applied) and plan[2] < min(plan[0], plan[1], plan[3]), applied
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["slowdown_removed"] is not None and summary["slowdown_removed"] > 0, summary
+    # the fault is named where it was: node 1's local rank 0 ran as global rank 2
+    run = json.loads((out / "run.json").read_text())
+    assert run["faults"] == [{"kind": "compute", "factor": 2.0, "start": 60, "end": None, "rank": 2, "node": 1,
+                              "local_rank": 0}]
+    # each node kept its own log of its ranks' events; the controller's has them all
+    for host in ("node0", "node1"):
+        node_log = [json.loads(x) for x in (out / "nodes" / host / "events.jsonl").read_text().splitlines()]
+        assert any(e["type"] == "tracking_started" for e in node_log)
+    assert {e["rank"] for e in evs if e["type"] == "tracking_started"} == {0, 1, 2, 3}
