@@ -173,6 +173,14 @@ class FalconConfig:
     # --- control plane (control/) ----------------------------------------------------------
     #: run the control plane (Redis bus, agents, controller) when tracking is on
     control_plane: bool = True
+    #: a job of several launchers: the fewest nodes it can train on with its global batch
+    #: unchanged (set by the launcher); an exclusion that no spare fills and that would
+    #: take the job below it is refused. 0: one launcher, which replaces nodes itself
+    restart_floor_nodes: int = 0
+    #: how long a node's launcher waits for the control plane another node starts, seconds
+    plane_wait_s: float = 60.0
+    #: how long an excluded node's --falcon-on-exclude command may run, seconds
+    on_exclude_timeout_s: float = 60.0
     #: a rank tells the controller its loop iteration this often
     heartbeat_s: float = 0.5
     #: the controller counts as gone when its liveness key is this old
@@ -359,6 +367,9 @@ class FalconConfig:
         _check(0.0 < self.wait_causer_share <= 1.0, "wait_causer_share must be in (0, 1]")
         _check(self.wait_causer_dominance >= 1.0, "wait_causer_dominance must be >= 1")
         _check(self.control_slack_s >= 0.0, "control_slack_s must be >= 0")
+        _check(self.restart_floor_nodes >= 0, "restart_floor_nodes must be >= 0")
+        _check(self.plane_wait_s >= 0.0, "plane_wait_s must be >= 0")
+        _check(self.on_exclude_timeout_s > 0.0, "on_exclude_timeout_s must be > 0")
         _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")
         _check(1 <= self.beat_iter_window <= 1000, "beat_iter_window must be in [1, 1000]")
         _check(1 <= self.beat_compute_window <= 1000, "beat_compute_window must be in [1, 1000]")

@@ -227,6 +227,21 @@ class Bus:
         found = self._call(f"alive {name}", lambda: self._client.exists(key), None)
         return None if found is None else bool(found)
 
+    def names(self, prefix: str, most: int = 1000) -> list[str] | None:
+        """The names (without the job's namespace) of the live keys that start with
+        ``prefix`` (for example ``spare:``), at most ``most``; None when Redis cannot say."""
+        pattern = self.key(prefix) + "*"
+
+        def scan() -> list[str]:
+            found = []
+            for key in self._client.scan_iter(match=pattern, count=100):
+                found.append(_text(key)[len(self.prefix):])
+                if len(found) >= most:
+                    break
+            return found
+
+        return self._call(f"names {prefix}", scan, None)
+
     def close(self) -> None:
         """Close both connections (the shared and the blocking one); never raises, safe to call twice."""
         for client in (self._client, self._blocking[1] if self._blocking else None):

@@ -132,8 +132,26 @@ class RankClient:
                     self._stop.wait(0.1)
                 self._cpu_s = time.thread_time()
         finally:
+            self._flush(bus)
             bus.close()
             self._cpu_s = time.thread_time()
+
+    def _flush(self, bus: Bus, most: int = 200) -> None:
+        """Post what is still queued when the client stops (a rank's last events: it is
+        leaving), at most ``most`` messages, heartbeats left out; never raises."""
+        stream = node_stream(self.node)
+        for _ in range(most):
+            try:
+                msg = self._out.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, Heartbeat):
+                continue
+            try:
+                if not self._post(bus, stream, msg):
+                    return
+            except Exception:  # noqa: BLE001 - best effort at exit
+                return
 
     def _round(self, bus: Bus) -> None:
         """One pass: heartbeat and controller check when due, queued posts, commands."""

@@ -64,6 +64,7 @@ from enum import Enum
 from typing import Any
 
 from falconext.config import ConfigError, FalconConfig, field_value
+from falconext.elastic.restart import RestartRoom
 from falconext.control.messages import (
     MAX_MESSAGE_BYTES,
     Command,
@@ -181,6 +182,12 @@ class Controller:
         self.world = world
         self.state = State.TRACKING
         self.session = first_session
+        #: a job of several launchers (fed by the I/O loop): each node's host name, the
+        #: host that runs the control plane and the rendezvous store, spare nodes waiting
+        self.node_hosts: dict[int, str] = {}
+        self.plane_host: str | None = None
+        self.spares = 0
+        self._round = 0
         self.beats: dict[int, Heartbeat] = {}
         #: recent heartbeats per rank: S3 reads each process's compute before the onset
         self.history: dict[int, collections.deque[Heartbeat]] = {}
@@ -1047,13 +1054,35 @@ class Controller:
         if self.state is not State.TRACKING:
             return out + self._action_failed(mit, d, f"controller busy ({self.state.value})")
         t0 = time.perf_counter()
-        action = action_for(mit, d, self.beats, self.cfg.max_microbatches_per_replica or None)
+        action = action_for(mit, d, self.beats, self.cfg.max_microbatches_per_replica or None, self.restart_room())
         if isinstance(action, str):
             return out + self._action_failed(mit, d, action)
         if d.strategy == "S2" and d.action == "apply":
             mit.solve_s = time.perf_counter() - t0
         mit.in_flight = d
         return out + self._start_action(action, now)
+
+    def new_round(self, attempt: int, world: int) -> bool:
+        """A job of several launchers formed round ``attempt`` (after a restart) with
+        ``world`` ranks: forget the nodes' hosts and the ranks it no longer has (a job that
+        shrank). True when the round is newer than the last one seen."""
+        if attempt <= self._round:
+            return False
+        self._round = attempt
+        self.node_hosts.clear()
+        if self.world is not None and world != self.world:
+            for r in [r for r in self.beats if r >= world]:
+                del self.beats[r]
+                self.history.pop(r, None)
+            self.world = world
+        return True
+
+    def restart_room(self) -> RestartRoom:
+        """What the job can absorb when nodes leave (see RestartRoom), from the heartbeats'
+        nodes, the launcher's floor, the spares waiting and the plane's host."""
+        nodes = {b.node for b in self.beats.values()}
+        fixed = tuple(sorted(n for n, h in self.node_hosts.items() if h == self.plane_host))
+        return RestartRoom(len(nodes), self.cfg.restart_floor_nodes, self.spares, fixed)
 
     def _action_failed(self, mit: Mitigation | None, d: Decision, reason: str) -> list[Output]:
         if mit is not None and d.action == "apply" and mit.planner.pending() == d.strategy:

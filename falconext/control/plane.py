@@ -128,8 +128,10 @@ class ControlPlane:
 
     def _argv(self, name: str) -> list[str]:
         if name == "controller":
+            host = self.access.get("host")
             return [*SERVICE, "controller", "--job", self.job, "--world", str(self.world),
-                    "--events", os.path.join(self.out, "events.jsonl"), *self.falcon_argv]
+                    "--events", os.path.join(self.out, "events.jsonl"), *self.falcon_argv,
+                    *(["--plane-host", str(host)] if host else [])]
         node = int(name[len("agent"):])
         per_node = self.world // self.nodes if self.nodes else self.world
         return agent_argv(self.job, node, range(node * per_node, (node + 1) * per_node), self.falcon_argv)

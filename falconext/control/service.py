@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args
 from falconext.control.bus import Bus
@@ -47,7 +48,26 @@ CTL_READ_MAX = 1000
 MAX_DEADLINE_DEFER_S = 30.0
 
 
-def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool]) -> None:
+#: a spare node's launcher keeps a key ``spare:<host>`` alive while it waits
+SPARE_PREFIX = "spare:"
+
+
+def take_node(ctl: Controller, fields: dict) -> None:
+    """Note a ``node_joined`` event's node index and host name, and a new round of the
+    rendezvous (its attempt and world size) first (ignored when malformed)."""
+    node, host, attempt, world = (fields.get(k) for k in ("node", "host", "attempt", "world"))
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if count(attempt) and count(world) and world > 0:
+        ctl.new_round(attempt, world)
+    if count(node) and isinstance(host, str) and host:
+        ctl.node_hosts[node] = host
+
+
+def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool],
+                   plane_host: str | None = None) -> None:
     """The controller's loop: read the ctl stream, then a batch of at most
     ``controller_read_batch`` node heartbeat messages from the beats stream (which it
     trims as it reads), step the Controller, post its commands, write its events, answer
@@ -95,6 +115,7 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
     bus = Bus(url, job, on_state=on_state)
     # sessions of a restarted controller must not be taken for its predecessor's
     ctl = Controller(cfg, world, first_session=10_000 * (1 + int(time.time()) % 100_000))
+    ctl.plane_host = plane_host
     step = guarded(emit)
     emit("controller_started", pid=os.getpid(), world=world,
          **({"metrics": f"{cfg.metrics_host}:{cfg.metrics_port}"} if server is not None else {}))
@@ -117,6 +138,10 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             if time.monotonic() >= next_beat:
                 bus.beat(CONTROLLER_KEY, c.controller_timeout_s)
                 next_beat = time.monotonic() + c.heartbeat_s
+                if plane_host is not None:  # a job of several launchers: the spare nodes waiting
+                    spares = bus.names(SPARE_PREFIX)
+                    if spares is not None:
+                        ctl.spares = len(spares)
             outputs = []
             before = bus.dropped
             first = bus.read([CTL_STREAM], count=CTL_READ_MAX)
@@ -128,6 +153,8 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                 beats = beats or stream == BEATS_STREAM
                 if isinstance(msg, RankEvent):  # a rank's own event (several launchers): logged as it is
                     record = msg.record()
+                    if msg.type == "node_joined":  # which host each node of this round is
+                        take_node(ctl, msg.fields)
                     events.write(record)
                     if metrics is not None:
                         metrics.on_event(record)
@@ -263,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", default=None, help="events.jsonl to append to (controller)")
     p.add_argument("--node", type=int, default=0, help="this agent's node")
     p.add_argument("--ranks", default=None, help="the ranks on this agent's node, comma-separated (agent)")
+    p.add_argument("--plane-host", default=None,
+                   help="a job of several launchers: the host this plane (and the rendezvous store) runs on (controller)")
     p.add_argument("--since-ms", type=int, default=None,
                    help="forward what the ranks posted from this time on, ms since the epoch (agent; default: now)")
     add_config_arguments(p)
@@ -283,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.events:
             print("falconext.control.service: error: the controller needs --events", file=sys.stderr)
             return 2
-        run_controller(url, args.job, args.world, args.events, config_from_args(args), stop)
+        run_controller(url, args.job, args.world, args.events, config_from_args(args), stop, args.plane_host)
     else:
         try:
             ranks = None if args.ranks is None else {int(r) for r in args.ranks.split(",") if r.strip()}

@@ -58,6 +58,9 @@ def add_falcon_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="the emulated device's throughput (default: the test bed's)")
     group.add_argument("--falcon-ranks-per-node", type=int, default=None,
                        help="ranks per (virtual) node (default: --nproc-per-node)")
+    group.add_argument("--falcon-on-exclude", default=None, metavar="CMD",
+                       help="a job of several launchers: the excluded node's launcher runs CMD in a shell as it "
+                       "leaves, {host} replaced by its host name (e.g. scontrol update nodename={host} state=drain)")
     group.add_argument("--falcon-force-restart", type=int, default=None,
                        help="operator override: S4 at this iteration (checkpoint with Megatron's exit path, relaunch)")
     add_config_arguments(parser)
@@ -187,6 +190,7 @@ class Session:
         self._micro = 0
         self._model_seen = False
         self._restart: dict[str, Any] | None = None
+        self._leaving = False
         self._closed = False
         #: the training data loader draws from the planned sampler (S2 can run)
         self.sampler_planned = False
@@ -282,6 +286,13 @@ class Session:
             self.events.forward_to(lambda record: client.post(RankEvent.of(process, record)))  # type: ignore[attr-defined]
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 self._agent = NodeAgentProcess(self, topology["ranks"]).start()
+        if self.multi_node and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            from falconext.elastic.restart import mark_joined
+
+            mark_joined(self.out, self.node_name)  # a spare that joined is one no longer
+            self.events.emit("node_joined", node=self.process // self.ranks_per_node, host=self.node_name,
+                             attempt=self.attempt, world=self.world, ranks=sorted(int(r["process"]) for r in topology["ranks"]
+                                                                if r.get("host") == self.node_name))
         from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
         launched = float(os.environ.get(LAUNCH_TIME_ENV, 0) or 0)
@@ -445,12 +456,14 @@ class Session:
                 roles = list(check_roles(action.roles if isinstance(action, TopologyChange) else [], self.world))
             except ValueError as exc:
                 why = str(exc)
-            if why is None and int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) != self.world:
+            if why is None and self.multi_node:
                 why = "a restart with new roles needs one launcher holding every rank (this job has several nodes)"
         if why is not None:
             self.events.emit("control_error", rank=self.process, error=f"{strategy} not applied: {why}")
             return
         nodes = action.exclude_nodes if isinstance(action, Restart) else []
+        #: this node leaves the job (a job of several launchers: its launcher exits)
+        self._leaving = self.multi_node and (self.process // self.ranks_per_node) in {int(n) for n in nodes}
         self._restart = {"iteration": iteration + 1, "exclude_nodes": [int(n) for n in nodes],
                          "session": action.session, "reason": action.reason or "",
                          "requested_at": time.time(), "checkpoint": a.save,
@@ -460,6 +473,14 @@ class Session:
             self.events.emit("restart_requested", iteration=iteration, resume_at=iteration + 1,
                              exclude_nodes=self._restart["exclude_nodes"], strategy=strategy,
                              forced=action.reason == "forced", **fields)
+        if self.rank == 0:  # now, before any rank exits: the next round's ranks read it at start
+            from falconext.mitigate import restart
+
+            r = self._restart
+            restart.write_request(self.out, restart.RestartRequest(
+                iteration=r["iteration"], exclude_nodes=r["exclude_nodes"], checkpoint=r["checkpoint"],
+                session=r["session"], requested_at=r["requested_at"], attempt=self.attempt + 1, reason=r["reason"],
+                extra=r["extra"]))
         sig = getattr(a, "exit_signal", signal.SIGTERM)
         signal.raise_signal(sig)
 
@@ -536,6 +557,15 @@ class Session:
             self.measured.append((self.iteration, time.perf_counter() - self._t_start, None))
         from falconext.testbed import report
 
+        if self._restart is not None and self._leaving and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            from falconext.elastic.restart import NodeLeave, write_leave
+
+            leave = NodeLeave(self.node_name, self.process // self.ranks_per_node, self._restart["iteration"] - 1,
+                              f"S4 without node {self.process // self.ranks_per_node}: {self._restart['reason']}",
+                              time.time())
+            self.events.emit("excluded", host=leave.host, node=leave.node, iteration=leave.iteration,
+                             reason=leave.reason)
+            write_leave(self.out, leave)
         if self.runtime is not None:
             self.runtime.close()
         if self._agent is not None:
@@ -549,16 +579,21 @@ class Session:
                                 overhead=self.runtime.overhead() if self.runtime else None,
                                 splits=self.runtime.monitor.splits if self.runtime else None,
                                 estimates_file=self.estimates_file)
-        if self.rank == 0 and self._restart is not None:
-            from falconext.mitigate import restart
-
-            r = self._restart
-            restart.write_request(self.out, restart.RestartRequest(
-                iteration=r["iteration"], exclude_nodes=r["exclude_nodes"], checkpoint=r["checkpoint"],
-                session=r["session"], requested_at=r["requested_at"], attempt=self.attempt + 1, reason=r["reason"],
-                extra=r["extra"]))
         self.events.close()
         sys.stdout.flush()
+
+
+def exit_status(code: int) -> int:
+    """The rank's exit status once the script returned ``code``: in a job of several
+    launchers, a rank that stopped for a restart and stays in the job exits with
+    RESTART_EXIT, so its TorchElastic agent restarts the node's workers in a new round (a
+    leaving node's ranks exit 0; their launcher stops the agent)."""
+    from falconext.elastic.restart import RESTART_EXIT
+
+    s = _session
+    if code == 0 and s is not None and s.multi_node and s._restart is not None and not s._leaving:
+        return RESTART_EXIT
+    return code
 
 
 def flags_digest(flags_json: str) -> str:

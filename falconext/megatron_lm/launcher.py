@@ -195,6 +195,8 @@ def launch(argv: list[str]) -> int:
     rdzv = rendezvous.parse(plan.torchrun)
     node = _NodeRole.of(rdzv, plan.torchrun)
     plan.torchrun += node.torchrun_additions
+    if rdzv.multi_node and plan.falcon:
+        plan.torchrun = elastic_options(plan.torchrun, rdzv, shrink_floor_of(plan.script_args, rdzv))
     if not plan.falcon:
         if plan.falcon_args:
             raise InputError(f"{plan.falcon_args[0]} needs --falcon")
@@ -260,22 +262,23 @@ class _NodeRole:
                    rendezvous.torchrun_additions(rdzv, opts, local, address))
 
 
-#: how long a node's launcher waits for the control plane another node starts, seconds
-PLANE_WAIT_S = 60.0
 
 
 def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict[str, str]) -> int:
-    """One node's launcher in a job of several: the node that hosts the rendezvous starts
-    the control plane (Redis bound to its cluster address and loopback, the controller),
-    the others find it through the shared run directory; every node runs torchrun; the
-    node that started the plane writes the summary once the job is over."""
+    """One node's launcher in a job of several (:mod:`falconext.elastic.node`): the node that
+    hosts the rendezvous starts the control plane (Redis bound to its cluster address and
+    loopback, the controller), the others find it through the shared run directory; every
+    node runs its TorchElastic agent, which restarts the node's workers itself; the node
+    that started the plane writes the summary once the job is over."""
     from falconext.control.client import JOB_ENV, REDIS_URL_ENV
     from falconext.elastic.join import find_plane
+    from falconext.elastic.node import NodeRun, run_node
     from falconext.megatron_lm.hooks import FLAGS_ENV, MULTI_NODE_ENV, flags_digest
     from falconext.testbed.nodes import node_name
 
     env[MULTI_NODE_ENV] = "1"
     name = node_name()
+    cfg = _config(job)
     plane = None
     if node.hosts_plane:
         bind = "127.0.0.1" if node.address in (None, "127.0.0.1", "::1") else f"{node.address} 127.0.0.1"
@@ -283,8 +286,8 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
                              access={"rdzv_id": rdzv.rdzv_id, "flags": flags_digest(env[FLAGS_ENV]), "host": name})
         if plane is None:
             env[REDIS_URL_ENV] = ""
-    elif _config(job).control_plane:
-        found = find_plane(job.out, rdzv.rdzv_id, PLANE_WAIT_S)
+    elif cfg.control_plane:
+        found = find_plane(job.out, rdzv.rdzv_id, cfg.plane_wait_s)
         if isinstance(found, str):
             print(f"falconext: node {name}: {found}; this node trains without falconext's control plane", flush=True)
             env[REDIS_URL_ENV] = ""
@@ -293,16 +296,61 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
     from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
     env[LAUNCH_TIME_ENV] = repr(time.time())
+    spare = rdzv.node_rank is not None and rdzv.node_rank >= rdzv.min_nodes
+    on_exclude = option(job.flags, "--falcon-on-exclude")
     try:
-        code = subprocess.run(_torchrun(plan), env=env).returncode
+        code = run_node(NodeRun(name, job.out, _torchrun(plan), env, env.get(REDIS_URL_ENV) or None,
+                                env.get(JOB_ENV, "falcon"), spare, on_exclude, cfg.on_exclude_timeout_s))
     finally:
         if plane is not None:
             plane.stop()
-    if code != 0:
-        raise InputError(f"training failed on node {name} (torchrun exit status {code}); see the messages above")
-    if node.hosts_plane:
+    if plane is not None:
         _finalize(job.out)
-    return 0
+    return code
+
+
+def shrink_floor_of(script_args: list[str], rdzv) -> int:
+    """The fewest nodes this Megatron-LM job can train on with its global batch unchanged
+    (its node count when it names no --global-batch-size: Megatron's default scales with DP)."""
+    from falconext.elastic.restart import shrink_floor
+
+    gbs = option(script_args, "--global-batch-size")
+    if gbs is None or not gbs.isdigit():
+        return rdzv.min_nodes
+    ints = {k: option(script_args, k) for k in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                                 "--micro-batch-size")}
+    tp, pp, mbs = (int(v) if v and v.isdigit() else 1 for v in ints.values())
+    return shrink_floor(rdzv.min_nodes, rdzv.nproc_per_node, tp, pp, int(gbs), mbs)
+
+
+def elastic_options(opts: list[str], rdzv, floor: int) -> list[str]:
+    """torchrun's options for one node of a multi-node falconext job: the job trains on
+    ``--nnodes``' MIN nodes (more launchers are spares, which torch keeps out of a full
+    round), and may go on with as few as ``floor`` after an exclusion that no spare fills:
+    ``--nnodes FLOOR:MIN``; ``--max-restarts`` DEFAULT_MAX_RESTARTS unless given (pure)."""
+    from falconext.elastic.restart import DEFAULT_MAX_RESTARTS
+
+    out = set_torchrun_option(opts, "--nnodes", f"{min(floor, rdzv.min_nodes)}:{rdzv.min_nodes}")
+    if option(out, "--max-restarts") is None:
+        out += ["--max-restarts", str(DEFAULT_MAX_RESTARTS)]
+    return out
+
+
+def set_torchrun_option(opts: list[str], name: str, value: str) -> list[str]:
+    """``opts`` with torchrun option ``name`` set to ``value`` (any earlier one replaced)."""
+    out: list[str] = []
+    skip = False
+    for a in opts:
+        if skip:
+            skip = False
+            continue
+        if a == name:
+            skip = True
+            continue
+        if a.startswith(name + "="):
+            continue
+        out.append(a)
+    return out + [name, value]
 
 
 def _config(job: "_Job"):
@@ -339,7 +387,7 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
         if hosts and os.path.exists(os.path.join(out, stale)):
             os.remove(os.path.join(out, stale))
     nproc = rdzv.nproc_per_node
-    nnodes = rdzv.max_nodes
+    nnodes = rdzv.max_nodes  # spares included: a fault file may name a spare's hardware
     world = nproc * nnodes
     rpn = flags.falcon_ranks_per_node or nproc
     extra: list[str] = ["--falcon-out", out]
@@ -361,9 +409,10 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
         checked_roles(forced[1], world, "--falcon-force-topology")
         if nnodes > 1:
             raise InputError("--falcon-force-topology: a restart with new roles needs one launcher holding every rank")
+    if rdzv.multi_node:  # what an exclusion may leave: the controller refuses one the job cannot absorb
+        extra += ["--falcon-restart-floor-nodes", str(max(1, shrink_floor_of(plan.script_args, rdzv)))]
     if flags.falcon_mitigation_strategies is None:
-        # several launchers: restarts need every node's launcher to act (not yet): S2 only
-        strategies = [s for s in ("S2", "S4") if not (s == "S2" and why) and not (s == "S4" and nnodes > 1)]
+        strategies = [s for s in ("S2", "S4") if not (s == "S2" and why)]
         extra += ["--falcon-mitigation-strategies", ",".join(strategies) or "S4"]
         if why:
             print(f"falconext: {why}; S2 is off for this job", flush=True)

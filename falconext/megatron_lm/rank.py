@@ -69,13 +69,43 @@ def main(argv: list[str] | None = None) -> int:
 
         cpu.patch_training_modules()
     install(flags)
-    return _run(script, script_args)
+    if os.environ.get(hooks.MULTI_NODE_ENV) == "1":  # a TorchElastic round after a restart resumes
+        script_args = resumed_args(flags.falcon_out or "falcon-out", script_args, os.environ)
+    code = _run(script, script_args)
+    return hooks.exit_status(code)
+
+
+def resumed_args(out: str, script_args: list[str], environ: Any) -> list[str]:
+    """In a job of several launchers, the ranks of a round that follows a restart (the
+    job's ``restart.json`` names it) resume from its checkpoint: ``--load`` set, and the
+    attempt and the restart's request time in ``environ`` (S4's cost is measured from
+    it). Unchanged when the job has not restarted."""
+    from falconext.megatron_lm import hooks
+    from falconext.megatron_lm.launcher import set_option
+    from falconext.mitigate import restart
+
+    path = os.path.join(out, restart.RESTART_FILE)
+    if not os.path.exists(path):
+        return script_args
+    try:
+        req = restart.read_request(path)
+    except restart.CheckpointError as exc:
+        print(f"falconext: {exc}; this round starts without --load", file=sys.stderr)
+        return script_args
+    environ[hooks.ATTEMPT_ENV] = str(req.attempt)
+    environ[restart.LAUNCH_TIME_ENV] = repr(req.requested_at)
+    return set_option(script_args, "--load", req.checkpoint)
 
 
 def _run(script: str, script_args: list[str]) -> int:
     """The script as ``__main__`` with its arguments, as ``python SCRIPT ARGS`` runs it."""
     sys.argv = [script, *script_args]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:  # Megatron's own exit (sys.exit after its exit signal's checkpoint)
+        if exc.code is None or isinstance(exc.code, int):
+            return int(exc.code or 0)
+        raise
     return 0
 
 

@@ -329,7 +329,8 @@ def back_to_own_level(beats: Mapping[int, Any], refs: Mapping[int, tuple[int, fl
     return back
 
 
-def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None) -> MitigationAction | str:
+def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None,
+               room: Any = None) -> MitigationAction | str:
     """What every rank must do to apply the planner's decision ``d`` (the suspension's
     action), or why it cannot be done now."""
     if d.action == "revert":
@@ -367,7 +368,9 @@ def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replic
                               model_inputs=mit.model_inputs)
     if d.strategy == "S4":
         node_of = {r: b.node for r, b in beats.items()}
-        return Restart(exclude_nodes(mit.gpus, mit.links, node_of), reason=d.reason)
+        nodes = exclude_nodes(mit.gpus, mit.links, node_of)
+        why = room.refusal(nodes) if room is not None else None  # a multi-node job's room (elastic/restart.py)
+        return why if why is not None else Restart(nodes, reason=d.reason)
     return f"{d.strategy} is not available"
 
 

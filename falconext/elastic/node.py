@@ -1,0 +1,213 @@
+"""One node's ``falconext launch`` in a job of several launchers (one per node).
+
+Every node runs the same command. The node that hosts the rendezvous starts the job's
+control plane; the others find it (:mod:`falconext.elastic.join`). Each node then runs
+torchrun, whose elastic agent does what TorchElastic does for any job: it meets the other
+nodes' agents in a rendezvous round, starts the node's workers, and when they stop for a
+restart (:data:`~falconext.elastic.restart.RESTART_EXIT`) starts them again in a new round.
+This launcher adds three things around its agent, and no restart loop:
+
+- **a spare waits outside the job**: a launcher given ``--node-rank K`` with ``K`` at least
+  the job's node count is a spare. It waits until the job trains, then starts its agent,
+  which torch keeps in the rendezvous's redundancy list until a round has room; meanwhile
+  it keeps a ``spare:<host>`` key alive on the plane, so the controller knows a spare waits;
+- **a node that is excluded leaves**: when the node's ranks leave ``nodes/<host>/leave.json``
+  (an S4 without this node), the launcher stops its agent before it can join the next
+  round, runs ``--falcon-on-exclude`` with the host's name, and exits 0 with one line;
+- **the node that started the plane** stops it when its agent is done and writes the summary.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+from falconext.inputs import InputError
+
+#: how often the launcher looks for its node's leave file and refreshes its spare key, seconds
+POLL_S = 0.5
+#: a spare's key lives this long unless refreshed
+SPARE_TTL_S = 10.0
+#: once a node's leave file is there, how long its ranks get to exit before the agent is stopped
+LEAVE_GRACE_S = 5.0
+#: how long the agent gets to stop after SIGTERM before SIGKILL, seconds
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class NodeRun:
+    """What one node's launcher needs: its name, the run directory, torchrun's command
+    line and environment, the plane's URL and job (None: no plane), whether this node is
+    a spare, the job's node count, and the ``--falcon-on-exclude`` command (None: none)."""
+
+    name: str
+    out: str
+    cmd: list[str]
+    env: dict[str, str]
+    url: str | None
+    job: str
+    spare: bool
+    on_exclude: str | None = None
+    on_exclude_timeout_s: float = 60.0
+
+
+def run_node(run: NodeRun) -> int:
+    """Run this node's agent until the job is over for this node; returns 0 when the job
+    succeeded or this node left it (excluded, or a spare the job never needed), else
+    raises InputError with one line."""
+    from falconext.elastic import restart
+
+    if run.spare:
+        if not _wait_until_training(run):
+            print(f"falconext: spare node {run.name}: the job ended before it was needed", flush=True)
+            return 0
+        print(f"falconext: spare node {run.name} waits in the rendezvous", flush=True)
+    stop = threading.Event()
+    keeper = threading.Thread(target=_keep_spare_key, args=(run, stop), daemon=True) if run.spare else None
+    if keeper is not None:
+        keeper.start()
+    proc = subprocess.Popen(run.cmd, env=run.env, start_new_session=True)
+    leave = None
+    try:
+        while proc.poll() is None:
+            leave = leave or restart.read_leave(run.out, run.name)
+            if leave is not None:
+                _stop_agent(proc)
+                break
+            time.sleep(POLL_S)
+    except BaseException:
+        _stop_agent(proc)
+        raise
+    finally:
+        stop.set()
+    code = proc.wait()
+    leave = leave or restart.read_leave(run.out, run.name)
+    if leave is not None:
+        print(f"falconext: node {run.name} leaves the job at iteration {leave.iteration}: {leave.reason}", flush=True)
+        if run.on_exclude:
+            on_exclude(run, run.on_exclude.replace("{host}", shlex.quote(run.name)))
+        return 0
+    if code != 0:
+        if run.spare and _job_ended(run):
+            print(f"falconext: spare node {run.name}: the job ended before it was needed", flush=True)
+            return 0
+        raise InputError(f"training failed on node {run.name} (torchrun exit status {code}); see the messages above")
+    return 0
+
+
+def _stop_agent(proc: subprocess.Popen) -> None:
+    """Give the node's ranks LEAVE_GRACE_S to exit, then SIGTERM the agent's process group
+    (SIGKILL after STOP_GRACE_S)."""
+    import os
+    import signal
+
+    try:
+        proc.wait(timeout=LEAVE_GRACE_S)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except OSError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _job_ended(run: NodeRun) -> bool:
+    """Whether the job's plane says the job is over (access.json ended)."""
+    from falconext.elastic.join import read_access
+
+    data = read_access(run.out)
+    return data is not None and data.get("ended") is not None
+
+
+def _wait_until_training(run: NodeRun) -> bool:
+    """A spare waits until the job trains (its rank 0 wrote run.json after the plane
+    started) and returns True, or False when the job ended first. Waits without a
+    deadline, as a spare does: the job's own end releases it."""
+    import json
+    import os
+
+    from falconext.elastic.join import read_access
+
+    while True:
+        data = read_access(run.out)
+        if data is not None and data.get("ended") is not None:
+            return False
+        started = data.get("started") if data is not None else None
+        try:
+            with open(os.path.join(run.out, "run.json")) as f:
+                clock = json.load(f).get("clock", {}).get("time")
+        except (OSError, ValueError, AttributeError):
+            clock = None
+        if isinstance(started, (int, float)) and isinstance(clock, (int, float)) and clock >= started:
+            return True
+        time.sleep(POLL_S)
+
+
+def _keep_spare_key(run: NodeRun, stop: threading.Event) -> None:
+    """Keep ``spare:<host>`` alive on the plane until this node's ranks train (or stop)."""
+    from falconext.control.bus import Bus
+    from falconext.control.service import SPARE_PREFIX
+    from falconext.elastic.restart import joined
+
+    if not run.url:
+        return
+    try:
+        bus = Bus(run.url, run.job)
+    except Exception:  # noqa: BLE001 - no plane: nobody to tell
+        return
+    try:
+        while not stop.is_set() and not joined(run.out, run.name):
+            bus.put(SPARE_PREFIX + run.name, "waiting", SPARE_TTL_S)
+            stop.wait(SPARE_TTL_S / 3)
+        bus.put(SPARE_PREFIX + run.name, "joined", 0.001)
+    finally:
+        bus.close()
+
+
+def on_exclude(run: NodeRun, command: str) -> None:
+    """Run ``--falcon-on-exclude``'s ``command`` (the host already in it) in a shell, at
+    most ``on_exclude_timeout_s``; its status and output's tail go to the job's events
+    (through the plane) and one line here. Never raises."""
+    status: int | str
+    try:
+        done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=run.on_exclude_timeout_s)
+        status, output = done.returncode, (done.stdout + done.stderr)[-2000:]
+    except subprocess.TimeoutExpired as exc:
+        status = "timeout"
+        output = ((exc.stdout or b"") + (exc.stderr or b"")).decode(errors="replace")[-2000:] \
+            if isinstance(exc.stdout, bytes) else str(exc.stdout or "")[-2000:]
+    except OSError as exc:
+        status, output = "error", str(exc)
+    ok = status == 0
+    print(f"falconext: --falcon-on-exclude for {run.name}: "
+          + ("done" if ok else f"failed ({'timed out after %gs' % run.on_exclude_timeout_s if status == 'timeout' else f'status {status}'})"),
+          flush=True)
+    _tell_plane(run, "on_exclude", host=run.name, command=command, status=status, output=output)
+
+
+def _tell_plane(run: NodeRun, type_: str, **fields: object) -> None:
+    """Post one event for the job's events.jsonl to the controller (best effort)."""
+    from falconext.control.bus import Bus
+    from falconext.control.client import CTL_STREAM
+    from falconext.control.messages import RankEvent
+
+    if not run.url:
+        return
+    try:
+        bus = Bus(run.url, run.job)
+        try:
+            bus.post(CTL_STREAM, RankEvent(-1, type_, time.time(), dict(fields)))
+        finally:
+            bus.close()
+    except Exception:  # noqa: BLE001 - the event is also the line printed above
+        pass
