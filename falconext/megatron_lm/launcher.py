@@ -387,7 +387,7 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
         if hosts and os.path.exists(os.path.join(out, stale)):
             os.remove(os.path.join(out, stale))
     nproc = rdzv.nproc_per_node
-    nnodes = rdzv.max_nodes  # spares included: a fault file may name a spare's hardware
+    nnodes = rdzv.min_nodes  # the job's nodes; more launchers are spares
     world = nproc * nnodes
     rpn = flags.falcon_ranks_per_node or nproc
     extra: list[str] = ["--falcon-out", out]
@@ -397,7 +397,7 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
 
         path = _copy_faults(flags.falcon_inject, out)
         try:
-            read_faults(path, world, rpn)
+            read_faults(path, world, rpn, hardware_nodes=rdzv.max_nodes)  # a spare's hardware too
         except ValueError as exc:
             raise InputError(str(exc)) from None
         extra += ["--falcon-inject", path]
@@ -434,7 +434,8 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
             from falconext.testbed.device import host_gflops
             from falconext.testbed.nodes import NODES_ON_HOST_ENV
 
-            sharing = int(os.environ.get(NODES_ON_HOST_ENV, "1") or 1)
+            # the job's nodes on this host (a spare's ranks do not run until one leaves)
+            sharing = min(int(os.environ.get(NODES_ON_HOST_ENV, "1") or 1), rdzv.min_nodes)
             cores = len(os.sched_getaffinity(0))
             knobs["falcon_device_gflops"] = round(host_gflops(cores, nproc * sharing), 4)
             print(f"falconext: emulated device at {knobs['falcon_device_gflops']:g} GFLOP/s "

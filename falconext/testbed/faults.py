@@ -77,8 +77,11 @@ class Fault:
         return d
 
 
-def parse_faults(obj: Any, world_size: int, ranks_per_node: int, where: str = "inject") -> list[Fault]:
-    """Validate a decoded fault list; every problem names the fault and the field."""
+def parse_faults(obj: Any, world_size: int, ranks_per_node: int, where: str = "inject",
+                 hardware_nodes: int | None = None) -> list[Fault]:
+    """Validate a decoded fault list; every problem names the fault and the field. A fault
+    named by hardware may name any of ``hardware_nodes`` emulated nodes (spares included;
+    None: any node, as a rank sees it, which knows the job's nodes but not its spares)."""
     if not isinstance(obj, list):
         raise InputError(f"{where}: expected a JSON list of faults")
     n_nodes = math.ceil(world_size / ranks_per_node)
@@ -105,8 +108,9 @@ def parse_faults(obj: Any, world_size: int, ranks_per_node: int, where: str = "i
             raise InputError(f"{w}: unknown field(s) {', '.join(extra)}")
         if kind == "compute" and ("node" in f or "local_rank" in f):
             node, local = f.get("node"), f.get("local_rank", 0)
-            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < n_nodes:
-                raise InputError(f"{w}: node must be in [0, {n_nodes}), got {node!r}")
+            bound = hardware_nodes if hardware_nodes is not None else math.inf
+            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < bound:
+                raise InputError(f"{w}: node must be in [0, {bound}), got {node!r}")
             if isinstance(local, bool) or not isinstance(local, int) or not 0 <= local < ranks_per_node:
                 raise InputError(f"{w}: local_rank must be in [0, {ranks_per_node}), got {local!r}")
             faults.append(Fault("compute", float(factor), start, end, rank=node * ranks_per_node + local,
@@ -129,10 +133,10 @@ def parse_faults(obj: Any, world_size: int, ranks_per_node: int, where: str = "i
     return faults
 
 
-def read_faults(path: str, world_size: int, ranks_per_node: int) -> list[Fault]:
+def read_faults(path: str, world_size: int, ranks_per_node: int, hardware_nodes: int | None = None) -> list[Fault]:
     """The faults of the JSON file ``path``, checked against the job's size (see
     :func:`parse_faults`). Raises InputError naming the file, the fault and the field."""
-    return parse_faults(loads_strict(read_text(path), path), world_size, ranks_per_node, path)
+    return parse_faults(loads_strict(read_text(path), path), world_size, ranks_per_node, path, hardware_nodes)
 
 
 def on_hardware(faults: list[Fault], process: int, node: int, local_rank: int) -> list[Fault]:

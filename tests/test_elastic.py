@@ -1,0 +1,239 @@
+"""Multi-node jobs (issue 30): the pure rules behind one launcher per node, and the local
+multi-node bed (``falconext nodes``) where this machine can make network namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from falconext.control.eventlog import ForwardingEventLog
+from falconext.control.messages import MessageError, RankEvent, decode, encode
+from falconext.elastic import join, rendezvous
+from falconext.elastic.restart import NodeLeave, RestartRoom, read_leave, shrink_floor, write_leave
+from falconext.inputs import InputError
+from falconext.megatron_lm.hooks import plane_refusal
+from falconext.megatron_lm.launcher import elastic_options, shrink_floor_of
+from falconext.testbed.device import DEFAULT_GFLOPS, host_gflops
+from falconext.testbed.faults import on_hardware, parse_faults, placed
+from falconext.testbed.nodes import mbps_to_bytes, substitute
+
+
+# --- what torchrun's options say ---------------------------------------------------------
+
+def test_torchrun_options_give_the_nodes_and_the_rendezvous() -> None:
+    r = rendezvous.parse(["--nnodes", "2:3", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-id", "job7", "--node-rank", "2"])
+    assert (r.min_nodes, r.max_nodes, r.nproc_per_node, r.node_rank) == (2, 3, 4, 2)
+    assert (r.backend, r.endpoint_host, r.endpoint_port, r.rdzv_id) == ("c10d", "10.0.0.1", 29400, "job7")
+    assert r.multi_node and r.elastic
+    one = rendezvous.parse(["--nproc-per-node", "2"])
+    assert not one.multi_node and one.max_nodes == 1
+    static = rendezvous.parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "6000"])
+    assert (static.backend, static.endpoint_host, static.endpoint_port) == ("static", "h0", 6000)
+    assert rendezvous.split_endpoint("[fe80::1]:29400") == ("fe80::1", 29400)
+    assert rendezvous.split_endpoint("head") == ("head", None)
+
+
+@pytest.mark.parametrize("opts, problem", [
+    (["--nnodes", "3:2"], "--nnodes"), (["--nnodes", "x"], "--nnodes"), (["--nnodes", "0"], "--nnodes"),
+    (["--rdzv-conf", "is_host"], "--rdzv-conf"), (["--rdzv-endpoint", ":29400"], "--rdzv-endpoint"),
+    (["--rdzv-endpoint", "h:port"], "--rdzv-endpoint"), (["--node-rank", "one"], "--node-rank"),
+])
+def test_bad_torchrun_options_are_one_line_errors(opts: list[str], problem: str) -> None:
+    with pytest.raises(InputError, match=problem):
+        rendezvous.parse(opts)
+
+
+def test_exactly_one_node_hosts_the_plane() -> None:
+    elastic = rendezvous.parse(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29400"])
+    assert [rendezvous.hosts_plane(elastic, local) for local in (True, False)] == [True, False]
+    static = [rendezvous.parse(["--nnodes", "2", "--node-rank", str(k), "--master-addr", "h0"]) for k in (0, 1)]
+    assert [rendezvous.hosts_plane(r, local=False) for r in static] == [True, False]
+    assert rendezvous.hosts_plane(rendezvous.parse([]), local=False)  # one launcher: always
+
+
+def test_torchrun_is_told_which_node_hosts_the_store_and_from_which_address() -> None:
+    opts = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.0.10:29400", "--rdzv-conf", "timeout=60"]
+    r = rendezvous.parse(opts)
+    assert rendezvous.torchrun_additions(r, opts, True, "10.1.0.10") == [
+        "--rdzv-conf", "timeout=60,is_host=1", "--local-addr", "10.1.0.10"]
+    assert rendezvous.torchrun_additions(r, opts, False, "10.1.0.11")[:2] == ["--rdzv-conf", "timeout=60,is_host=0"]
+    given = opts[:-1] + ["is_host=0"] + ["--local-addr", "x"]
+    assert rendezvous.torchrun_additions(rendezvous.parse(given), given, True, "10.1.0.10") == []
+
+
+def test_this_machine_knows_its_own_addresses() -> None:
+    assert rendezvous.is_local_address("127.0.0.1")
+    assert not rendezvous.is_local_address("192.0.2.77")  # TEST-NET-1: nobody's
+    assert rendezvous.address_toward("127.0.0.1", 29400) == "127.0.0.1"
+
+
+# --- restarts: floor, room, leave files ----------------------------------------------------
+
+def test_a_job_shrinks_only_as_far_as_its_global_batch_and_layout_allow() -> None:
+    assert shrink_floor(2, 2, 1, 1, 32, 1) == 1  # DP4 -> DP2: 32 divides by 2
+    assert shrink_floor(2, 2, 1, 1, 12, 4) == 2  # DP2 would need 12 % 8 == 0
+    assert shrink_floor(4, 8, 4, 2, 384, 1) == 1  # TP4 x PP2 fills one node: DP1 runs 384
+    assert shrink_floor(4, 8, 2, 8, 64, 1) == 2  # 16-way model parallel needs two 8-GPU nodes
+    assert shrink_floor_of(["--global-batch-size", "32", "--micro-batch-size", "1"],
+                           rendezvous.parse(["--nnodes", "2", "--nproc-per-node", "2"])) == 1
+    # no --global-batch-size: Megatron's default grows with DP, so no shrink keeps it
+    assert shrink_floor_of(["--micro-batch-size", "1"], rendezvous.parse(["--nnodes", "2", "--nproc-per-node", "2"])) == 2
+
+
+def test_torchrun_gets_the_floor_and_restarts() -> None:
+    r = rendezvous.parse(["--nnodes", "2:3", "--nproc-per-node", "2"])
+    assert elastic_options(["--nnodes", "2:3", "--nproc-per-node", "2"], r, 1) == [
+        "--nproc-per-node", "2", "--nnodes", "1:2", "--max-restarts", "3"]
+    assert elastic_options(["--nnodes=2", "--max-restarts", "1"], rendezvous.parse(["--nnodes=2"]), 2) == [
+        "--max-restarts", "1", "--nnodes", "2:2"]
+
+
+def test_an_exclusion_the_job_cannot_absorb_is_refused_with_the_reason() -> None:
+    assert RestartRoom(2, floor=0).refusal([1]) is None  # one launcher: it replaces nodes itself
+    assert RestartRoom(2, floor=2, spares=1).refusal([1]) is None  # the spare fills in
+    assert RestartRoom(2, floor=1, spares=0).refusal([1]) is None  # shrinks to one node
+    why = RestartRoom(2, floor=2, spares=0).refusal([1])
+    assert why is not None and "no spare" in why and "below 2" in why
+    assert RestartRoom(3, floor=2, spares=1).refusal([1, 2]) is None  # one spare, one node fewer
+    assert RestartRoom(3, floor=3, spares=1).refusal([1, 2]) is not None
+    fixed = RestartRoom(2, floor=1, spares=1, fixed=(0,)).refusal([0])
+    assert fixed is not None and "rendezvous store" in fixed
+    assert RestartRoom(2, floor=2).refusal([]) is None
+
+
+def test_a_leave_file_round_trips_and_a_broken_one_reads_as_none(tmp_path: Path) -> None:
+    leave = NodeLeave("node1", 1, 57, "S4 without node 1: slow", 1.5)
+    write_leave(str(tmp_path), leave)
+    assert read_leave(str(tmp_path), "node1") == leave
+    assert read_leave(str(tmp_path), "node2") is None
+    (tmp_path / "nodes" / "node1" / "leave.json").write_text("{not json")
+    assert read_leave(str(tmp_path), "node1") is None
+
+
+# --- finding the plane, agreeing on it ------------------------------------------------------
+
+def test_access_json_is_taken_only_for_this_rendezvous_and_while_the_job_runs() -> None:
+    good = {"job": "j1", "url": "redis://:pw@10.0.0.1:7000/0", "rdzv_id": "t1", "ended": None, "flags": "ab"}
+    got = join.check_access(good, "t1")
+    assert isinstance(got, join.PlaneAccess) and (got.url, got.job, got.flags) == (good["url"], "j1", "ab")
+    assert "this launcher's --rdzv-id is 't2'" in str(join.check_access(good, "t2"))
+    assert "ended" in str(join.check_access(dict(good, ended=5.0), "t1"))
+    assert "no access.json" in str(join.check_access(None, "t1"))
+    assert "no job" in str(join.check_access(dict(good, job=""), "t1"))
+
+
+def test_a_plane_that_never_comes_is_a_reason_after_the_deadline(tmp_path: Path) -> None:
+    why = join.find_plane(str(tmp_path), "t1", deadline_s=0.3, poll_s=0.1)
+    assert isinstance(why, str) and "access.json" in why
+    (tmp_path / "access.json").write_text(json.dumps(
+        {"job": "j", "url": "redis://:pw@127.0.0.1:1/0", "rdzv_id": "t1", "ended": None}))
+    why = join.find_plane(str(tmp_path), "t1", deadline_s=0.3, poll_s=0.1)
+    assert isinstance(why, str) and "127.0.0.1:1 does not answer" in why
+
+
+def test_every_rank_uses_the_plane_or_none_does() -> None:
+    ranks = [{"host": "n0", "plane": True, "flags": "a"}, {"host": "n1", "plane": True, "flags": "a"}]
+    assert plane_refusal(ranks) is None
+    cut = plane_refusal([ranks[0], dict(ranks[1], plane=False)])
+    assert cut is not None and "n1 cannot reach" in cut
+    odd = plane_refusal([ranks[0], ranks[0], dict(ranks[1], flags="b")])
+    assert odd is not None and "node(s) n1 differ from those of n0" in odd
+
+
+# --- events from many nodes --------------------------------------------------------------------
+
+def test_a_rank_event_is_strictly_checked() -> None:
+    ev = RankEvent.of(3, {"time": 2.5, "type": "fail_slow", "rank": 3, "onset": 60})
+    assert decode(encode(ev)).record() == {"time": 2.5, "type": "fail_slow", "rank": 3, "onset": 60}
+    for bad in (RankEvent(0, "Bad Type", 1.0, {}), RankEvent(0, "x", 1.0, {"time": 3})):
+        with pytest.raises(MessageError):
+            decode(encode(bad))
+
+
+def test_a_forwarding_event_log_keeps_its_node_log_and_forwards_in_order(tmp_path: Path) -> None:
+    log = ForwardingEventLog(str(tmp_path / "nodes" / "n0" / "events.jsonl"))
+    log.emit("tracking_started", rank=0)
+    sent: list[dict] = []
+    log.forward_to(sent.append)
+    log.emit("fail_slow", rank=0, onset=60)
+    assert [r["type"] for r in sent] == ["tracking_started", "fail_slow"]
+    lines = [json.loads(x) for x in (tmp_path / "nodes" / "n0" / "events.jsonl").read_text().splitlines()]
+    assert [r["type"] for r in lines] == ["tracking_started", "fail_slow"]
+    log.close()
+
+
+# --- faults that follow the hardware -------------------------------------------------------------
+
+def test_a_fault_named_by_hardware_follows_it_across_renumbering() -> None:
+    faults = parse_faults([{"kind": "compute", "node": 1, "local_rank": 0, "factor": 2.0, "start": 60}], 4, 2)
+    assert faults[0].rank == 2  # where it is before anyone knows better
+    # node 1's local rank 0 now runs as process 0, node 2 (a spare) as process 2
+    assert on_hardware(faults, 0, 1, 0)[0].rank == 0
+    assert on_hardware(faults, 2, 2, 0)[0].rank == -1
+    assert placed(faults, {(0, 0): 0, (0, 1): 1, (2, 0): 2, (2, 1): 3}) == []  # node 1 left
+    assert placed(faults, {(1, 0): 2})[0].rank == 2
+    with pytest.raises(InputError, match="node must be in"):
+        parse_faults([{"kind": "compute", "node": 3, "factor": 2.0}], 4, 2, hardware_nodes=3)
+    with pytest.raises(InputError, match="local_rank"):
+        parse_faults([{"kind": "compute", "node": 1, "local_rank": 2, "factor": 2.0}], 4, 2)
+
+
+# --- the bed ----------------------------------------------------------------------------------------
+
+def test_the_bed_substitutes_per_node_and_reads_rates() -> None:
+    assert substitute(["x{node}", "--a", "{addr}:{head}", "{other}"], 2, "10.0.0.12", "10.0.0.10") == [
+        "x2", "--a", "10.0.0.12:10.0.0.10", "{other}"]
+    assert mbps_to_bytes(400) == 50e6
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(InputError, match="--link-mbps"):
+            mbps_to_bytes(bad)
+
+
+def test_the_device_slows_for_more_ranks_than_cores() -> None:
+    assert host_gflops(2, 2) == DEFAULT_GFLOPS
+    assert host_gflops(2, 4) == DEFAULT_GFLOPS / 2
+    assert host_gflops(2, 16) == 0.25
+    assert host_gflops(0, 4) == DEFAULT_GFLOPS
+
+
+def _netns_why() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    from falconext.testbed import netns
+
+    return netns.available()
+
+
+@pytest.mark.skipif(_netns_why() is not None, reason=f"falconext nodes: {_netns_why()}")
+def test_falconext_nodes_runs_the_command_per_node_and_removes_everything(tmp_path: Path) -> None:
+    from falconext.testbed import netns
+
+    script = ("echo addr={addr} head={head} name=$FALCONEXT_NODE_NAME hw=$FALCON_NETNS_NODE "
+              "share=$FALCONEXT_NODES_ON_HOST; ip -4 -o addr show | grep -c {addr}; exit {node}")
+    proc = subprocess.run([sys.executable, "-m", "falconext.cli", "nodes", "--count", "3", "--out", str(tmp_path),
+                           "--", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # node1's status: the first that failed
+    info = json.loads((tmp_path / "nodes.json").read_text())
+    addrs = [n["addr"] for n in info["nodes"]]
+    for k in range(3):
+        line = f"[node{k}] addr={addrs[k]} head={addrs[0]} name=node{k} hw={k} share=3"
+        assert line in proc.stdout, proc.stdout
+        assert (tmp_path / f"node{k}.log").read_text().splitlines()[1] == "1"  # its own address, inside
+    assert "node1 exited with status 1" in proc.stdout
+    assert not [n for n in netns.list_namespaces() if any(str(p["pid"]) in n for p in info["nodes"])]
+    assert not netns.leftovers(f"{netns.PREFIX}{info['nodes'][0]['pid']}")
+
+
+def test_falconext_nodes_refuses_what_it_cannot_do() -> None:
+    proc = subprocess.run([sys.executable, "-m", "falconext.cli", "nodes", "--count", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no command given" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "falconext.cli", "nodes", "--count", "0", "--", "true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--count must be >= 1" in proc.stderr
