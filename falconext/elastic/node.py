@@ -33,8 +33,9 @@ POLL_S = 0.5
 SPARE_TTL_S = 10.0
 #: once a node's leave file is there, how long its ranks get to exit before the agent is stopped
 LEAVE_GRACE_S = 5.0
-#: how long the agent gets to stop after SIGTERM before SIGKILL, seconds
-STOP_GRACE_S = 15.0
+#: how long the agent gets to stop after SIGTERM before SIGKILL, seconds (an agent waiting
+#: in torch's exit barrier, a blocking store call, only sees SIGTERM when that returns)
+STOP_GRACE_S = 5.0
 
 
 @dataclass

@@ -277,6 +277,11 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
     from falconext.testbed.nodes import node_name
 
     env[MULTI_NODE_ENV] = "1"
+    # torch (2.4 and later) shares the rendezvous's TCP store with the workers and keeps the
+    # round-0 rank 0's address for later rounds: a spare that joins a later round then waits
+    # for an address that rank 0 never publishes again, and the round dies (seen here on
+    # torch 2.13; NVRx#348 reports the same for hot spares). A store per round avoids it.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     name = node_name()
     cfg = _config(job)
     plane = None

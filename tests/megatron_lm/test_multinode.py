@@ -86,3 +86,64 @@ def test_two_nodes_one_job_detect_localize_and_rebalance(script: str, tmp_path: 
         node_log = [json.loads(x) for x in (out / "nodes" / host / "events.jsonl").read_text().splitlines()]
         assert any(e["type"] == "tracking_started" for e in node_log)
     assert {e["rank"] for e in evs if e["type"] == "tracking_started"} == {0, 1, 2, 3}
+
+
+#: the restart tests' job: 150 iterations of the tiny GPT on 2 nodes of 2 ranks (DP4), so
+#: that DP2 (one node) keeps the global batch
+RESTART_JOB = [*TINY_GPT, "--global-batch-size", "32", "--train-iters", "150", "--log-interval", "10"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(script: str) -> str:
+    """The restart tests' job without a fault or falconext, uninterrupted: one launcher with
+    the same 4 ranks (the same DP4 training as two nodes of two)."""
+    from test_pretrain_gpt import launch
+
+    return launch(script, [*RESTART_JOB], nproc=4)
+
+
+def assert_resumed_exactly(output: str, plain_output: str, resumed_at: int) -> None:
+    """Every ``lm loss`` and ``grad norm`` Megatron logged after the resume at step
+    ``resumed_at`` (0-based) equals the uninterrupted run's (relative 1e-5), but the first
+    log line after it, which averages over the iterations since the resume only."""
+    from test_pretrain_gpt import grad_norms, losses
+
+    plain, restarted = losses(plain_output), losses(output)
+    first_log = min(it for it in plain if it > resumed_at)
+    after = [it for it in plain if it > first_log]
+    assert after and all(it in restarted for it in after), (sorted(restarted), after)
+    for it in after:
+        assert restarted[it] == pytest.approx(plain[it], rel=1e-5), it
+    ours, theirs = grad_norms(output), grad_norms(plain_output)
+    assert all(ours[it] == theirs[it] for it in after), [(it, ours.get(it), theirs[it]) for it in after]
+
+
+def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted: str, tmp_path: Path) -> None:
+    """Three launchers for a 2-node job (--nnodes 2:3, node 2 a spare); a 3x compute fault on
+    node 1 from iteration 40; S4 only. Node 1 leaves (its launcher exits 0 saying why, its
+    drain hook runs), and the job resumes from Megatron's checkpoint on nodes 0 and 2."""
+    faults = tmp_path / "fault.json"
+    faults.write_text(json.dumps([{"kind": "compute", "node": 1, "local_rank": 0, "factor": 3.0, "start": 40}]))
+    out = tmp_path / "out"
+    output = nodes(3, ["--nnodes", "2:3", "--node-rank", "{node}", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", "{head}:29400", "--rdzv-id", "spare", script, *RESTART_JOB,
+                       "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
+                       "--falcon-mitigation-strategies", "S4", "--falcon-on-exclude", "echo drained {host}"],
+                   tmp_path / "bed", timeout=900)
+    evs = events(out)
+    assert "[node2] falconext: spare node node2 waits in the rendezvous" in output
+    excluded = [e for e in evs if e["type"] == "excluded"]
+    assert [(e["host"], e["node"]) for e in excluded] == [("node1", 1)], excluded
+    assert f"[node1] falconext: node node1 leaves the job at iteration {excluded[0]['iteration']}" in output
+    hook = [e for e in evs if e["type"] == "on_exclude"]
+    assert [(e["host"], e["status"], e["output"].strip()) for e in hook] == [("node1", 0, "drained node1")]
+    # the next round: nodes 0 and 2, four ranks, from the checkpoint of the agreed iteration
+    joined = [e for e in evs if e["type"] == "node_joined"]
+    assert {e["host"] for e in joined if e["attempt"] == 0} == {"node0", "node1"}
+    assert {e["host"] for e in joined if e["attempt"] == 1} == {"node0", "node2"}
+    assert {e["world"] for e in joined} == {4}
+    resumed = [e for e in evs if e["type"] == "restart_requested"][0]["resume_at"]
+    assert (out / "checkpoint" / f"iter_{resumed:07d}").is_dir()
+    assert_resumed_exactly(output, uninterrupted, resumed)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mitigated_iter_s"] <= 1.10 * summary["healthy_iter_s"], summary

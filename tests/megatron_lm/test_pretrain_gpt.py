@@ -54,9 +54,9 @@ def script() -> str:
     return os.path.join(MLM, "pretrain_gpt.py")
 
 
-def launch(script: str, args: list[str], timeout: float = 400) -> str:
-    """``falconext launch --nproc-per-node 2 SCRIPT ARGS``; its output (it must succeed)."""
-    cmd = [sys.executable, "-m", "falconext.cli", "launch", "--nproc-per-node", "2", script, *args]
+def launch(script: str, args: list[str], timeout: float = 400, nproc: int = 2) -> str:
+    """``falconext launch --nproc-per-node NPROC SCRIPT ARGS``; its output (it must succeed)."""
+    cmd = [sys.executable, "-m", "falconext.cli", "launch", "--nproc-per-node", str(nproc), script, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
