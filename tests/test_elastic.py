@@ -237,3 +237,45 @@ def test_falconext_nodes_refuses_what_it_cannot_do() -> None:
     proc = subprocess.run([sys.executable, "-m", "falconext.cli", "nodes", "--count", "0", "--", "true"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--count must be >= 1" in proc.stderr
+
+
+# --- the controller's view of a multi-node job -------------------------------------------------
+
+def test_the_controller_knows_the_nodes_spares_and_rounds_of_a_multi_node_job() -> None:
+    from falconext.config import FalconConfig
+    from falconext.control.controller import Controller
+    from falconext.control.messages import Heartbeat
+    from falconext.control.service import take_node
+
+    ctl = Controller(FalconConfig(restart_floor_nodes=2), world=4)
+    for rank in range(4):
+        ctl.handle(Heartbeat(rank, rank // 2, 10, 0.5, 100.0), 100.0)
+    ctl.plane_host = "h0"
+    for node, host in ((0, "h0"), (1, "h1")):
+        take_node(ctl, {"node": node, "host": host, "round": 0, "world": 4})
+    take_node(ctl, {"node": "x", "host": 3, "round": -1, "world": True})  # malformed: ignored
+    assert ctl.node_hosts == {0: "h0", 1: "h1"}
+    room = ctl.restart_room()
+    assert (room.nodes, room.floor, room.spares, room.fixed) == (2, 2, 0, (0,))
+    assert room.refusal([1]) is not None  # no spare, no shrink below 2
+    ctl.spares = 1
+    assert ctl.restart_room().refusal([1]) is None
+    assert "rendezvous store" in str(ctl.restart_room().refusal([0]))
+    # the next round has 2 ranks on one node: the others' state goes, the hosts are learnt again
+    take_node(ctl, {"node": 0, "host": "h0", "round": 1, "world": 2})
+    assert ctl.world == 2 and sorted(ctl.beats) == [0, 1] and ctl.node_hosts == {0: "h0"}
+    assert not ctl.new_round(1, 2)  # the same round, told by another node: nothing more
+
+
+def test_an_s4_the_job_cannot_absorb_is_not_started() -> None:
+    from types import SimpleNamespace
+
+    from falconext.mitigate.mitigation import action_for
+
+    mit = SimpleNamespace(gpus=[2], links=[])
+    d = SimpleNamespace(action="apply", strategy="S4", reason="slow")
+    beats = {r: SimpleNamespace(node=r // 2) for r in range(4)}
+    why = action_for(mit, d, beats, None, RestartRoom(2, floor=2, spares=0))  # type: ignore[arg-type]
+    assert isinstance(why, str) and "no spare" in why
+    act = action_for(mit, d, beats, None, RestartRoom(2, floor=2, spares=1))  # type: ignore[arg-type]
+    assert act.exclude_nodes == [1]  # type: ignore[union-attr]

@@ -1062,13 +1062,13 @@ class Controller:
         mit.in_flight = d
         return out + self._start_action(action, now)
 
-    def new_round(self, attempt: int, world: int) -> bool:
-        """A job of several launchers formed round ``attempt`` (after a restart) with
+    def new_round(self, rnd: int, world: int) -> bool:
+        """A job of several launchers formed rendezvous round ``rnd`` (after a restart) with
         ``world`` ranks: forget the nodes' hosts and the ranks it no longer has (a job that
         shrank). True when the round is newer than the last one seen."""
-        if attempt <= self._round:
+        if rnd <= self._round:
             return False
-        self._round = attempt
+        self._round = rnd
         self.node_hosts.clear()
         if self.world is not None and world != self.world:
             for r in [r for r in self.beats if r >= world]:

@@ -55,13 +55,13 @@ SPARE_PREFIX = "spare:"
 def take_node(ctl: Controller, fields: dict) -> None:
     """Note a ``node_joined`` event's node index and host name, and a new round of the
     rendezvous (its attempt and world size) first (ignored when malformed)."""
-    node, host, attempt, world = (fields.get(k) for k in ("node", "host", "attempt", "world"))
+    node, host, rnd, world = (fields.get(k) for k in ("node", "host", "round", "world"))
 
     def count(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-    if count(attempt) and count(world) and world > 0:
-        ctl.new_round(attempt, world)
+    if count(rnd) and count(world) and world > 0:
+        ctl.new_round(rnd, world)
     if count(node) and isinstance(host, str) and host:
         ctl.node_hosts[node] = host
 

@@ -290,8 +290,11 @@ class Session:
             from falconext.elastic.restart import mark_joined
 
             mark_joined(self.out, self.node_name)  # a spare that joined is one no longer
+            # the round: restarts of this node's agent (falconext's own or after a node was
+            # lost), which a spare joining late has fewer of; the controller keeps the highest
+            rnd = max(self.attempt, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
             self.events.emit("node_joined", node=self.process // self.ranks_per_node, host=self.node_name,
-                             attempt=self.attempt, world=self.world, ranks=sorted(int(r["process"]) for r in topology["ranks"]
+                             attempt=self.attempt, round=rnd, world=self.world, ranks=sorted(int(r["process"]) for r in topology["ranks"]
                                                                 if r.get("host") == self.node_name))
         from falconext.mitigate.restart import LAUNCH_TIME_ENV
 

@@ -147,3 +147,45 @@ def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted: str, tmp_pa
     assert_resumed_exactly(output, uninterrupted, resumed)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mitigated_iter_s"] <= 1.10 * summary["healthy_iter_s"], summary
+
+
+@pytest.mark.long
+def test_without_a_spare_the_job_shrinks_with_its_global_batch(script: str, uninterrupted: str, tmp_path: Path) -> None:
+    """The spare test's job with two launchers and no spare: node 1 leaves, and the job
+    goes on on node 0 alone as DP2 (16 micro-batches per replica instead of 8), training
+    what the uninterrupted DP4 run trains."""
+    faults = tmp_path / "fault.json"
+    faults.write_text(json.dumps([{"kind": "compute", "node": 1, "local_rank": 0, "factor": 3.0, "start": 40}]))
+    out = tmp_path / "out"
+    output = nodes(2, ["--nnodes", "2:3", "--node-rank", "{node}", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", "{head}:29400", "--rdzv-id", "shrink", script, *RESTART_JOB,
+                       "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
+                       "--falcon-mitigation-strategies", "S4"], tmp_path / "bed", timeout=900)
+    evs = events(out)
+    assert [(e["host"], e["node"]) for e in evs if e["type"] == "excluded"] == [("node1", 1)]
+    joined = [e for e in evs if e["type"] == "node_joined"]
+    assert [(e["host"], e["world"]) for e in joined if e["attempt"] == 1] == [("node0", 2)]
+    resumed = [e for e in evs if e["type"] == "restart_requested"][0]["resume_at"]
+    assert_resumed_exactly(output, uninterrupted, resumed)
+    run = json.loads((out / "run-r1.json").read_text())
+    assert run["topology"]["dp"] == 2 and run["args"]["global_batch_size"] == 32
+
+
+@pytest.mark.long
+def test_an_exclusion_the_job_cannot_absorb_is_refused_and_training_goes_on(script: str, tmp_path: Path) -> None:
+    """Two launchers and no --global-batch-size (Megatron's default grows with DP, so no
+    smaller job trains the same batch): no spare, no shrink. S4 is refused with the reason,
+    and the job trains to its end on the slow node."""
+    faults = tmp_path / "fault.json"
+    faults.write_text(json.dumps([{"kind": "compute", "node": 1, "local_rank": 0, "factor": 3.0, "start": 30}]))
+    out = tmp_path / "out"
+    job = [*TINY_GPT, "--train-iters", "90", "--log-interval", "10"]
+    nodes(2, ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "{head}:29400",
+              "--rdzv-id", "stuck", script, *job, "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
+              "--falcon-mitigation-strategies", "S4"], tmp_path / "bed", timeout=900)
+    evs = events(out)
+    failed = [e for e in evs if e["type"] == "mitigation_failed" and e["strategy"] == "S4"]
+    assert failed and "no spare node waits and the job cannot shrink below 2" in failed[0]["reason"], \
+        [e for e in evs if e["type"].startswith("mitigation")]
+    assert not [e for e in evs if e["type"] in ("restart_requested", "excluded")]
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 90
