@@ -47,3 +47,31 @@ def loads_strict(text: str, where: str) -> Any:
         return json.loads(text, parse_constant=no_constant)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+
+
+def option(args: list[str], name: str) -> str | None:
+    """The value of ``name`` in a Megatron-style argument list (last one wins), or None."""
+    value = None
+    for k, a in enumerate(args):
+        if a == name and k + 1 < len(args):
+            value = args[k + 1]
+        elif a.startswith(name + "="):
+            value = a.partition("=")[2]
+    return value
+
+
+def set_option(args: list[str], name: str, value: str | None) -> list[str]:
+    """``args`` with ``name`` set to ``value`` (a switch when None), replacing any earlier."""
+    out: list[str] = []
+    skip = False
+    for k, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == name:
+            skip = value is not None and k + 1 < len(args) and not args[k + 1].startswith("--")
+            continue
+        if a.startswith(name + "="):
+            continue
+        out.append(a)
+    return out + ([name] if value is None else [name, value])

@@ -64,7 +64,6 @@ from enum import Enum
 from typing import Any
 
 from falconext.config import ConfigError, FalconConfig, field_value
-from falconext.elastic.restart import RestartRoom
 from falconext.control.messages import (
     MAX_MESSAGE_BYTES,
     Command,
@@ -98,6 +97,7 @@ from falconext.mitigate.mitigation import (
     straggler_recovered,
 )
 from falconext.mitigate.microbatch import plan_microbatches
+from falconext.mitigate.room import RestartRoom
 from falconext.mitigate.planner import Decision, Planner, slowdown_removed
 from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
@@ -1070,11 +1070,14 @@ class Controller:
             return False
         self._round = rnd
         self.node_hosts.clear()
-        if self.world is not None and world != self.world:
-            for r in [r for r in self.beats if r >= world]:
-                del self.beats[r]
-                self.history.pop(r, None)
+        if self.world is not None:
             self.world = world
+        # every process of the job started again (falconext's restart, or TorchElastic's
+        # after a node was lost): what the ranks said before is about processes that are gone
+        self.beats.clear()
+        self.history.clear()
+        self._first_beat.clear()
+        self._clean.clear()
         return True
 
     def restart_room(self) -> RestartRoom:

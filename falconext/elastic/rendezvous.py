@@ -20,7 +20,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from falconext.inputs import InputError
+from falconext.inputs import InputError, option as _opt
 
 
 @dataclass(frozen=True)
@@ -46,16 +46,6 @@ class Rendezvous:
     def elastic(self) -> bool:
         """True for a dynamic rendezvous (c10d, etcd): nodes join and leave by round."""
         return self.backend != "static"
-
-
-def _opt(opts: list[str], name: str) -> str | None:
-    value = None
-    for k, a in enumerate(opts):
-        if a == name and k + 1 < len(opts):
-            value = opts[k + 1]
-        elif a.startswith(name + "="):
-            value = a.partition("=")[2]
-    return value
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

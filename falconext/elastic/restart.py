@@ -15,9 +15,9 @@ checkpoint saved); then
 The next round forms with a spare node where one waits (its launcher joined after the
 job started training; torch keeps it in the rendezvous's redundancy list, out of the
 job, until a round has room), else with fewer nodes when the job can shrink with its
-global batch unchanged (:func:`shrink_floor`: torchrun is given ``--nnodes FLOOR:N``).
-The controller refuses an exclusion the job cannot absorb (:class:`RestartRoom`), so
-falconext never stops a job that could go on.
+global batch unchanged (:func:`falconext.mitigate.room.shrink_floor`: torchrun is given
+``--nnodes FLOOR:N``). The controller refuses an exclusion the job cannot absorb
+(:class:`falconext.mitigate.room.RestartRoom`), so falconext never stops a job that could go on.
 """
 
 from __future__ import annotations
@@ -36,50 +36,6 @@ DEFAULT_MAX_RESTARTS = 3
 LEAVE_FILE = "leave.json"
 #: written by a node's local rank 0 once its ranks train (a spare stops being one)
 JOINED_FILE = "joined.json"
-
-
-def shrink_floor(nodes: int, nproc_per_node: int, tp: int, pp: int, global_batch: int, micro_batch: int) -> int:
-    """The fewest nodes (1..``nodes``) the job can train on with the same global batch and
-    the same model-parallel layout: the world divides by TP x PP, and the global batch by
-    micro-batch x DP (pure). ``nodes`` itself when no fewer can."""
-    mp = max(1, tp) * max(1, pp)
-    for n in range(1, nodes + 1):
-        world = n * nproc_per_node
-        if world % mp:
-            continue
-        dp = world // mp
-        if global_batch % (max(1, micro_batch) * dp) == 0:
-            return n
-    return nodes
-
-
-@dataclass(frozen=True)
-class RestartRoom:
-    """What a multi-node job can absorb when nodes leave: ``nodes`` in the job now, the
-    ``floor`` it can shrink to (0: no floor, one launcher that replaces nodes itself),
-    ``spares`` waiting, and ``fixed`` nodes that cannot leave (the one hosting the
-    rendezvous store and the control plane)."""
-
-    nodes: int
-    floor: int = 0
-    spares: int = 0
-    fixed: tuple[int, ...] = ()
-
-    def refusal(self, exclude: list[int]) -> str | None:
-        """Why excluding ``exclude`` would stop the job (one line), or None when it can go on."""
-        if self.floor <= 0:
-            return None
-        if not exclude:
-            return None
-        stuck = sorted(set(exclude) & set(self.fixed))
-        if stuck:
-            return (f"node {stuck[0]} hosts the rendezvous store and the control plane and cannot leave; "
-                    "training goes on with it")
-        k = len(set(exclude))
-        if self.nodes - k + min(self.spares, k) >= self.floor:  # spares fill in; the rest shrinks
-            return None
-        return (f"no spare node waits and the job cannot shrink below {self.floor} node(s) with its global batch "
-                f"unchanged ({self.nodes} now); training goes on with the slow node")
 
 
 @dataclass(frozen=True)

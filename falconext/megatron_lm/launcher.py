@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from falconext.inputs import InputError
+from falconext.inputs import InputError, option, set_option
 
 #: torchrun options that take a value (both spellings are accepted by torchrun)
 _VALUE_OPTIONS = {
@@ -122,17 +122,6 @@ def split_command(argv: list[str]) -> LaunchPlan:
     return LaunchPlan(torchrun, script, script_args, falcon)
 
 
-def option(args: list[str], name: str) -> str | None:
-    """The value of ``name`` in a Megatron-style argument list (last one wins), or None."""
-    value = None
-    for k, a in enumerate(args):
-        if a == name and k + 1 < len(args):
-            value = args[k + 1]
-        elif a.startswith(name + "="):
-            value = a.partition("=")[2]
-    return value
-
-
 def values(args: list[str], name: str) -> list[str]:
     """Every value after ``name`` (a Megatron ``nargs='+'`` flag) up to the next flag."""
     out: list[str] = []
@@ -146,23 +135,6 @@ def values(args: list[str], name: str) -> list[str]:
         elif a.startswith(name + "="):
             out = [a.partition("=")[2]]
     return out
-
-
-def set_option(args: list[str], name: str, value: str | None) -> list[str]:
-    """``args`` with ``name`` set to ``value`` (a switch when None), replacing any earlier."""
-    out: list[str] = []
-    skip = False
-    for k, a in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = value is not None and k + 1 < len(args) and not args[k + 1].startswith("--")
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out + ([name] if value is None else [name, value])
 
 
 def script_namespace(args: list[str]) -> argparse.Namespace:
@@ -317,7 +289,7 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
 def shrink_floor_of(script_args: list[str], rdzv) -> int:
     """The fewest nodes this Megatron-LM job can train on with its global batch unchanged
     (its node count when it names no --global-batch-size: Megatron's default scales with DP)."""
-    from falconext.elastic.restart import shrink_floor
+    from falconext.mitigate.room import shrink_floor
 
     gbs = option(script_args, "--global-batch-size")
     if gbs is None or not gbs.isdigit():
@@ -335,27 +307,10 @@ def elastic_options(opts: list[str], rdzv, floor: int) -> list[str]:
     ``--nnodes FLOOR:MIN``; ``--max-restarts`` DEFAULT_MAX_RESTARTS unless given (pure)."""
     from falconext.elastic.restart import DEFAULT_MAX_RESTARTS
 
-    out = set_torchrun_option(opts, "--nnodes", f"{min(floor, rdzv.min_nodes)}:{rdzv.min_nodes}")
+    out = set_option(opts, "--nnodes", f"{min(floor, rdzv.min_nodes)}:{rdzv.min_nodes}")
     if option(out, "--max-restarts") is None:
         out += ["--max-restarts", str(DEFAULT_MAX_RESTARTS)]
     return out
-
-
-def set_torchrun_option(opts: list[str], name: str, value: str) -> list[str]:
-    """``opts`` with torchrun option ``name`` set to ``value`` (any earlier one replaced)."""
-    out: list[str] = []
-    skip = False
-    for a in opts:
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out + [name, value]
 
 
 def _config(job: "_Job"):

@@ -399,16 +399,17 @@ def _run_nodes(args: argparse.Namespace, env: dict[str, str], network, port: int
             if failed_at is None and any(c not in (0, None) for c in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
-                _stop_groups(procs)
+                stop_groups(procs)
                 return fold_exit_codes(codes)
             time.sleep(0.2)
     finally:
-        _stop_groups(procs)
+        stop_groups(procs)
 
 
-def _stop_groups(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM each still-running torchrun's process group, SIGKILL what is left after
-    STOP_GRACE_S; returns once all have been reaped (or after the kill's own 5 s)."""
+def stop_groups(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM each still-running process's group (each started in a session of its own),
+    SIGKILL what is left after ``grace_s``; returns once all have been reaped (or after the
+    kill's own 5 s)."""
     import signal
 
     live = [p for p in procs if p.poll() is None]
@@ -417,7 +418,7 @@ def _stop_groups(procs: list[subprocess.Popen]) -> None:
             os.killpg(p.pid, signal.SIGTERM)
         except OSError:
             pass
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in live:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -13,14 +13,14 @@ real cluster would give; falconext's files and events name nodes by it) and
 ``FALCON_NETNS_NODE`` (``k``: the emulated hardware, which fault files may name), with
 gloo bound to the node's veth. Every namespace is removed however the bed ends: the
 commands' exit, Ctrl-C, SIGTERM, or a failure to start one of them. The bed's status is
-the first failing node's, 0 when every node ends with 0.
+the first failing node's (128 + the signal for one killed by a signal), 0 when every node
+ends with 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -143,6 +143,9 @@ def run_nodes(count: int, cmd: Sequence[str], rate: float, out: str | None = Non
             for n in nodes:
                 n.pump.join(timeout=5)
             code, node = fold_exit_codes([n.proc.returncode for n in nodes])
+            if code < 0:  # killed by a signal: the shell's convention, 128 + the signal
+                print(f"falconext nodes: node{node} was killed by signal {-code}", flush=True)
+                return 128 - code
             if code != 0:
                 print(f"falconext nodes: node{node} exited with status {code}", flush=True)
             return code
@@ -160,24 +163,8 @@ def _write_nodes(out: str, nodes: list[_Node], rate: float) -> None:
 
 
 def _stop(nodes: list[_Node]) -> None:
-    """SIGTERM every node's still-running command (its whole process group), SIGKILL what is
-    left after STOP_GRACE_S."""
-    live = [n for n in nodes if n.proc.poll() is None]
-    for n in live:
-        try:
-            os.killpg(n.proc.pid, signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + STOP_GRACE_S
-    for n in live:
-        try:
-            n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(n.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            try:
-                n.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+    """Stop every node's still-running command (its whole process group): SIGTERM, SIGKILL
+    after STOP_GRACE_S."""
+    from falconext.testbed.launch import stop_groups
+
+    stop_groups([n.proc for n in nodes], STOP_GRACE_S)

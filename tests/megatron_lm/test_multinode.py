@@ -22,24 +22,20 @@ import pytest
 MLM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM core_v0.16.1 checkout)")
 
-from test_pretrain_gpt import TINY_GPT, events  # noqa: E402
+from test_pretrain_gpt import TINY_GPT, events, pretrain_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def script() -> str:
-    from falconext.megatron_lm.patching import megatron_version
     from falconext.testbed import netns
 
-    assert MLM is not None
-    version = megatron_version(MLM)
-    if version != "core_v0.16.1":
-        pytest.skip(f"these runs need core_v0.16.1 (the installed megatron-core), {MLM} is {version}")
+    path = pretrain_script()
     if os.geteuid() != 0:
         pytest.skip("falconext nodes needs root (network namespaces)")
     why = netns.available()
     if why is not None:
         pytest.skip(f"network namespaces are not available here: {why}")
-    return os.path.join(MLM, "pretrain_gpt.py")
+    return path
 
 
 def nodes(count: int, launch_args: list[str], bed_out: Path, timeout: float = 600) -> str:
@@ -118,18 +114,25 @@ def assert_resumed_exactly(output: str, plain_output: str, resumed_at: int) -> N
     assert all(ours[it] == theirs[it] for it in after), [(it, ours.get(it), theirs[it]) for it in after]
 
 
+def s4_job(script: str, tmp_path: Path, count: int, rdzv_id: str, *extra: str) -> tuple[str, Path]:
+    """The restart tests' job on ``count`` launchers (``--nnodes 2:3``, node rank = bed node),
+    a 3x compute fault on node 1's local rank 0 from iteration 40, S4 only; its output and
+    run directory."""
+    faults = tmp_path / "fault.json"
+    faults.write_text(json.dumps([{"kind": "compute", "node": 1, "local_rank": 0, "factor": 3.0, "start": 40}]))
+    out = tmp_path / "out"
+    output = nodes(count, ["--nnodes", "2:3", "--node-rank", "{node}", "--nproc-per-node", "2", "--rdzv-backend",
+                           "c10d", "--rdzv-endpoint", "{head}:29400", "--rdzv-id", rdzv_id, script, *RESTART_JOB,
+                           "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
+                           "--falcon-mitigation-strategies", "S4", *extra], tmp_path / "bed", timeout=900)
+    return output, out
+
+
 def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted: str, tmp_path: Path) -> None:
     """Three launchers for a 2-node job (--nnodes 2:3, node 2 a spare); a 3x compute fault on
     node 1 from iteration 40; S4 only. Node 1 leaves (its launcher exits 0 saying why, its
     drain hook runs), and the job resumes from Megatron's checkpoint on nodes 0 and 2."""
-    faults = tmp_path / "fault.json"
-    faults.write_text(json.dumps([{"kind": "compute", "node": 1, "local_rank": 0, "factor": 3.0, "start": 40}]))
-    out = tmp_path / "out"
-    output = nodes(3, ["--nnodes", "2:3", "--node-rank", "{node}", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", "{head}:29400", "--rdzv-id", "spare", script, *RESTART_JOB,
-                       "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
-                       "--falcon-mitigation-strategies", "S4", "--falcon-on-exclude", "echo drained {host}"],
-                   tmp_path / "bed", timeout=900)
+    output, out = s4_job(script, tmp_path, 3, "spare", "--falcon-on-exclude", "echo drained {host}")
     evs = events(out)
     assert "[node2] falconext: spare node node2 waits in the rendezvous" in output
     excluded = [e for e in evs if e["type"] == "excluded"]
@@ -154,13 +157,7 @@ def test_without_a_spare_the_job_shrinks_with_its_global_batch(script: str, unin
     """The spare test's job with two launchers and no spare: node 1 leaves, and the job
     goes on on node 0 alone as DP2 (16 micro-batches per replica instead of 8), training
     what the uninterrupted DP4 run trains."""
-    faults = tmp_path / "fault.json"
-    faults.write_text(json.dumps([{"kind": "compute", "node": 1, "local_rank": 0, "factor": 3.0, "start": 40}]))
-    out = tmp_path / "out"
-    output = nodes(2, ["--nnodes", "2:3", "--node-rank", "{node}", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", "{head}:29400", "--rdzv-id", "shrink", script, *RESTART_JOB,
-                       "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
-                       "--falcon-mitigation-strategies", "S4"], tmp_path / "bed", timeout=900)
+    output, out = s4_job(script, tmp_path, 2, "shrink")
     evs = events(out)
     assert [(e["host"], e["node"]) for e in evs if e["type"] == "excluded"] == [("node1", 1)]
     joined = [e for e in evs if e["type"] == "node_joined"]
@@ -189,3 +186,56 @@ def test_an_exclusion_the_job_cannot_absorb_is_refused_and_training_goes_on(scri
         [e for e in evs if e["type"].startswith("mitigation")]
     assert not [e for e in evs if e["type"] in ("restart_requested", "excluded")]
     assert json.loads((out / "summary.json").read_text())["iterations"] == 90
+
+
+@pytest.mark.long
+def test_a_node_lost_outright_is_replaced_and_a_later_fault_still_handled(script: str, tmp_path: Path) -> None:
+    """Three launchers (node 2 a spare); node 1 is lost outright at iteration 25 (every
+    process in its namespace killed with SIGKILL, as a power loss would). TorchElastic's
+    next round forms with the spare, the job starts again (no checkpoint was saved yet),
+    the controller forgets the lost round, and a 2x fault on node 0's local rank 1 from
+    iteration 60 of the new round is detected, localized and rebalanced."""
+    import signal
+    import time
+
+    from falconext.testbed import netns
+
+    faults = tmp_path / "fault.json"
+    faults.write_text(json.dumps([{"kind": "compute", "node": 0, "local_rank": 1, "factor": 2.0, "start": 60}]))
+    out, bed = tmp_path / "out", tmp_path / "bed"
+    cmd = [sys.executable, "-m", "falconext.cli", "nodes", "--count", "3", "--out", str(bed), "--",
+           sys.executable, "-m", "falconext.cli", "launch", "--nnodes", "2:3", "--node-rank", "{node}",
+           "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "{head}:29400", "--rdzv-id", "lost",
+           script, *RESTART_JOB, "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
+           "--falcon-mitigation-strategies", "S2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "iteration       20/" not in (bed / "node1.log").read_text(errors="replace") if (bed / "node1.log").exists() \
+                else True:
+            assert time.monotonic() < deadline and proc.poll() is None, "the job never reached iteration 20"
+            time.sleep(1)
+        ns = f"{netns.PREFIX}{proc.pid}-n1"
+        pids = [int(p) for p in netns.run(["ip", "netns", "pids", ns]).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        output, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGKILL, output[-3000:]  # node 1's status: it was killed
+    assert "falconext nodes: node1 was killed by signal 9" in output
+    evs = events(out)
+    joined = [e for e in evs if e["type"] == "node_joined"]
+    later = {e["host"] for e in joined if e["round"] >= 1}
+    assert later == {"node0", "node2"}, joined
+    first_restart = min(e["time"] for e in joined if e["round"] >= 1)
+    after = [e for e in evs if e["time"] >= first_restart]
+    localized = [e for e in after if e["type"] == "localized"]
+    assert localized and localized[0]["gpus"] == [1], [e["type"] for e in after]
+    assert any(e["type"] == "plan_applied" for e in after)
+    assert json.loads((out / "summary.json").read_text())["iterations"] >= 150

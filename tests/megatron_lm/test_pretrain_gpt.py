@@ -43,8 +43,8 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
 
 
-@pytest.fixture(scope="module")
-def script() -> str:
+def pretrain_script() -> str:
+    """``MEGATRON_LM_PATH``'s ``pretrain_gpt.py``; the test is skipped unless it is core_v0.16.1."""
     from falconext.megatron_lm.patching import megatron_version
 
     assert MLM is not None
@@ -52,6 +52,11 @@ def script() -> str:
     if version != "core_v0.16.1":
         pytest.skip(f"these runs need core_v0.16.1 (the installed megatron-core), {MLM} is {version}")
     return os.path.join(MLM, "pretrain_gpt.py")
+
+
+@pytest.fixture(scope="module")
+def script() -> str:
+    return pretrain_script()
 
 
 def launch(script: str, args: list[str], timeout: float = 400, nproc: int = 2) -> str:

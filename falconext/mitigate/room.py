@@ -1,0 +1,55 @@
+"""What a job of several launchers can absorb when nodes leave (S4 "without node X").
+
+Pure rules: how few nodes the job can train on with its global batch unchanged
+(:func:`shrink_floor`, the launcher's), and whether an exclusion leaves the job able to go
+on (:class:`RestartRoom`, the controller's, before it starts an S4). See
+:mod:`falconext.elastic.restart` for how the restart itself runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def shrink_floor(nodes: int, nproc_per_node: int, tp: int, pp: int, global_batch: int, micro_batch: int) -> int:
+    """The fewest nodes (1..``nodes``) the job can train on with the same global batch and
+    the same model-parallel layout: the world divides by TP x PP, and the global batch by
+    micro-batch x DP (pure). ``nodes`` itself when no fewer can."""
+    mp = max(1, tp) * max(1, pp)
+    for n in range(1, nodes + 1):
+        world = n * nproc_per_node
+        if world % mp:
+            continue
+        dp = world // mp
+        if global_batch % (max(1, micro_batch) * dp) == 0:
+            return n
+    return nodes
+
+
+@dataclass(frozen=True)
+class RestartRoom:
+    """What a multi-node job can absorb when nodes leave: ``nodes`` in the job now, the
+    ``floor`` it can shrink to (0: no floor, one launcher that replaces nodes itself),
+    ``spares`` waiting, and ``fixed`` nodes that cannot leave (the one hosting the
+    rendezvous store and the control plane)."""
+
+    nodes: int
+    floor: int = 0
+    spares: int = 0
+    fixed: tuple[int, ...] = ()
+
+    def refusal(self, exclude: list[int]) -> str | None:
+        """Why excluding ``exclude`` would stop the job (one line), or None when it can go on."""
+        if self.floor <= 0:
+            return None
+        if not exclude:
+            return None
+        stuck = sorted(set(exclude) & set(self.fixed))
+        if stuck:
+            return (f"node {stuck[0]} hosts the rendezvous store and the control plane and cannot leave; "
+                    "training goes on with it")
+        k = len(set(exclude))
+        if self.nodes - k + min(self.spares, k) >= self.floor:  # spares fill in; the rest shrinks
+            return None
+        return (f"no spare node waits and the job cannot shrink below {self.floor} node(s) with its global batch "
+                f"unchanged ({self.nodes} now); training goes on with the slow node")
