@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything falconext needs on a fresh Debian machine: system packages (Redis for
-# the control plane), the CPU build of PyTorch, then falconext itself with its test extra.
+# the control plane), the CPU build of PyTorch, then falconext itself with its test extra and
+# what Megatron-LM's training code imports.
 # Idempotent: re-running it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,8 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2
     echo "setup: installing torch 2.13.0 (CPU)" >&2
     "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[dev]"
+# megatron-lm: what Megatron-LM's own training code imports (tests/megatron_lm, .ci/run)
+"$PY" -m pip install -q -e ".[dev,megatron-lm]"
 # an editable install leaves falconext uncompiled; where PYTHONDONTWRITEBYTECODE is set every
 # process (a job starts a dozen) would compile it again
 "$PY" -m compileall -q falconext >/dev/null

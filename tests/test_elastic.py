@@ -253,8 +253,8 @@ def test_the_controller_knows_the_nodes_spares_and_rounds_of_a_multi_node_job() 
         ctl.handle(Heartbeat(rank, rank // 2, 10, 0.5, 100.0), 100.0)
     ctl.plane_host = "h0"
     for node, host in ((0, "h0"), (1, "h1")):
-        take_node(ctl, {"node": node, "host": host, "round": 0, "world": 4})
-    take_node(ctl, {"node": "x", "host": 3, "round": -1, "world": True})  # malformed: ignored
+        take_node(ctl, {"node": node, "host": host, "world": 4, "round_id": "r@a:1"})
+    take_node(ctl, {"node": "x", "host": 3, "world": True, "round_id": "r@b:2"})  # malformed: ignored
     assert ctl.node_hosts == {0: "h0", 1: "h1"}
     room = ctl.restart_room()
     assert (room.nodes, room.floor, room.spares, room.fixed) == (2, 2, 0, (0,))
@@ -262,10 +262,14 @@ def test_the_controller_knows_the_nodes_spares_and_rounds_of_a_multi_node_job() 
     ctl.spares = 1
     assert ctl.restart_room().refusal([1]) is None
     assert "rendezvous store" in str(ctl.restart_room().refusal([0]))
-    # the next round has 2 ranks on one node: the others' state goes, the hosts are learnt again
-    take_node(ctl, {"node": 0, "host": "h0", "round": 1, "world": 2})
-    assert ctl.world == 2 and ctl.beats == {} and ctl.history == {} and ctl.node_hosts == {0: "h0"}
-    assert not ctl.new_round(1, 2)  # the same round, told by another node: nothing more
+    # a new round, here of 2 ranks on one node: the ranks' state goes
+    take_node(ctl, {"node": 0, "host": "h0", "world": 2, "round_id": "r@a:2"})
+    assert ctl.rounds == 1 and ctl.world == 2 and ctl.beats == {} and ctl.history == {}
+    assert ctl.node_hosts == {0: "h0"}
+    # the next round: a spare first as node 1, then node 0 (whichever comes first): one round
+    take_node(ctl, {"node": 1, "host": "h2", "world": 4, "round_id": "r@a:3"})
+    take_node(ctl, {"node": 0, "host": "h0", "world": 4, "round_id": "r@a:3"})
+    assert ctl.rounds == 2 and ctl.node_hosts == {0: "h0", 1: "h2"}
 
 
 def test_an_s4_the_job_cannot_absorb_is_not_started() -> None:

@@ -187,7 +187,9 @@ class Controller:
         self.node_hosts: dict[int, str] = {}
         self.plane_host: str | None = None
         self.spares = 0
-        self._round = 0
+        #: rendezvous rounds seen after the first, and the current one's id
+        self.rounds = 0
+        self.round_id: str | None = None
         self.beats: dict[int, Heartbeat] = {}
         #: recent heartbeats per rank: S3 reads each process's compute before the onset
         self.history: dict[int, collections.deque[Heartbeat]] = {}
@@ -1062,13 +1064,11 @@ class Controller:
         mit.in_flight = d
         return out + self._start_action(action, now)
 
-    def new_round(self, rnd: int, world: int) -> bool:
-        """A job of several launchers formed rendezvous round ``rnd`` (after a restart) with
-        ``world`` ranks: forget the nodes' hosts and the ranks it no longer has (a job that
-        shrank). True when the round is newer than the last one seen."""
-        if rnd <= self._round:
-            return False
-        self._round = rnd
+    def new_round(self, world: int) -> None:
+        """A job of several launchers formed a new rendezvous round (after a restart, or
+        after a node was lost) with ``world`` ranks: forget the nodes' hosts and what every
+        rank said before."""
+        self.rounds += 1
         self.node_hosts.clear()
         if self.world is not None:
             self.world = world
@@ -1078,7 +1078,6 @@ class Controller:
         self.history.clear()
         self._first_beat.clear()
         self._clean.clear()
-        return True
 
     def restart_room(self) -> RestartRoom:
         """What the job can absorb when nodes leave (see RestartRoom), from the heartbeats'

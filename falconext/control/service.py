@@ -53,17 +53,22 @@ SPARE_PREFIX = "spare:"
 
 
 def take_node(ctl: Controller, fields: dict) -> None:
-    """Note a ``node_joined`` event's node index and host name, and a new round of the
-    rendezvous (its attempt and world size) first (ignored when malformed)."""
-    node, host, rnd, world = (fields.get(k) for k in ("node", "host", "round", "world"))
+    """Note a ``node_joined`` event's node index and host name (ignored when malformed).
+    Its ``round_id`` names the rendezvous round (every node of a round has the same): a new
+    one opens a new round. TorchElastic's restart count cannot tell rounds apart (a
+    restart for a change of members is not counted, and a spare starts at 0)."""
+    node, host, world, rid = (fields.get(k) for k in ("node", "host", "world", "round_id"))
 
     def count(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-    if count(rnd) and count(world) and world > 0:
-        ctl.new_round(rnd, world)
-    if count(node) and isinstance(host, str) and host:
-        ctl.node_hosts[node] = host
+    if not (count(node) and isinstance(host, str) and host and count(world) and world > 0 and isinstance(rid, str)):
+        return
+    if rid != ctl.round_id:
+        if ctl.round_id is not None:
+            ctl.new_round(world)
+        ctl.round_id = rid
+    ctl.node_hosts[node] = host
 
 
 def run_controller(url: str, job: str, world: int | None, events_path: str, cfg, stop: list[bool],

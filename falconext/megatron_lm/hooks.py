@@ -290,11 +290,9 @@ class Session:
             from falconext.elastic.restart import mark_joined
 
             mark_joined(self.out, self.node_name)  # a spare that joined is one no longer
-            # the round: restarts of this node's agent (falconext's own or after a node was
-            # lost), which a spare joining late has fewer of; the controller keeps the highest
-            rnd = max(self.attempt, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
             self.events.emit("node_joined", node=self.process // self.ranks_per_node, host=self.node_name,
-                             attempt=self.attempt, round=rnd, world=self.world, ranks=sorted(int(r["process"]) for r in topology["ranks"]
+                             attempt=self.attempt, world=self.world, round_id=round_id(os.environ),
+                             agent_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), ranks=sorted(int(r["process"]) for r in topology["ranks"]
                                                                 if r.get("host") == self.node_name))
         from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
@@ -584,6 +582,13 @@ class Session:
                                 estimates_file=self.estimates_file)
         self.events.close()
         sys.stdout.flush()
+
+
+def round_id(environ: Any) -> str:
+    """The rendezvous round this process belongs to: the workers' store address, which each
+    round's rank 0 publishes anew (the launcher turns torch's shared store off), plus the
+    run id; the same on every node of a round."""
+    return f"{environ.get('TORCHELASTIC_RUN_ID', '')}@{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}"
 
 
 def exit_status(code: int) -> int:
