@@ -277,10 +277,22 @@ def test_an_s4_the_job_cannot_absorb_is_not_started() -> None:
 
     from falconext.mitigate.mitigation import action_for
 
-    mit = SimpleNamespace(gpus=[2], links=[])
+    mit = SimpleNamespace(gpus=[2], links=[], planner=SimpleNamespace(status=lambda: {"healthy_s": 0.8}))
     d = SimpleNamespace(action="apply", strategy="S4", reason="slow")
-    beats = {r: SimpleNamespace(node=r // 2) for r in range(4)}
-    why = action_for(mit, d, beats, None, RestartRoom(2, floor=2, spares=0))  # type: ignore[arg-type]
+
+    def beats(iter_s: float) -> dict:
+        return {r: SimpleNamespace(node=r // 2, iter_s=iter_s) for r in range(4)}
+
+    why = action_for(mit, d, beats(2.4), None, RestartRoom(2, floor=2, spares=0))  # type: ignore[arg-type]
     assert isinstance(why, str) and "no spare" in why
-    act = action_for(mit, d, beats, None, RestartRoom(2, floor=2, spares=1))  # type: ignore[arg-type]
+    act = action_for(mit, d, beats(2.4), None, RestartRoom(2, floor=2, spares=1))  # type: ignore[arg-type]
+    assert act.exclude_nodes == [1]  # type: ignore[union-attr]
+    # no spare, but the job can shrink to one node: worth it against a 3x slow node (2.4 s
+    # now, about 1.6 s on one node), not against a mild one (1.3 s now)
+    act = action_for(mit, d, beats(2.4), None, RestartRoom(2, floor=1, spares=0))  # type: ignore[arg-type]
+    assert act.exclude_nodes == [1]  # type: ignore[union-attr]
+    why = action_for(mit, d, beats(1.3), None, RestartRoom(2, floor=1, spares=0))  # type: ignore[arg-type]
+    assert isinstance(why, str) and "shrink to 1 node(s) and train at about 1.600 s" in why
+    # with a spare the job is back at its healthy time, whatever the level
+    act = action_for(mit, d, beats(1.3), None, RestartRoom(2, floor=1, spares=1))  # type: ignore[arg-type]
     assert act.exclude_nodes == [1]  # type: ignore[union-attr]

@@ -369,7 +369,11 @@ def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replic
     if d.strategy == "S4":
         node_of = {r: b.node for r, b in beats.items()}
         nodes = exclude_nodes(mit.gpus, mit.links, node_of)
-        why = room.refusal(nodes) if room is not None else None  # a multi-node job's room (elastic/restart.py)
+        why = None
+        if room is not None:  # a multi-node job: what it can absorb (mitigate/room.py)
+            level = [b.iter_s for b in beats.values() if getattr(b, "iter_s", 0) > 0]
+            why = room.refusal(nodes) or room.slower(nodes, mit.planner.status().get("healthy_s"),
+                                                     statistics.median(level) if level else None)
         return why if why is not None else Restart(nodes, reason=d.reason)
     return f"{d.strategy} is not available"
 
