@@ -42,7 +42,7 @@ STOP_GRACE_S = 5.0
 class NodeRun:
     """What one node's launcher needs: its name, the run directory, torchrun's command
     line and environment, the plane's URL and job (None: no plane), whether this node is
-    a spare, the job's node count, and the ``--falcon-on-exclude`` command (None: none)."""
+    a spare, and the ``--falcon-on-exclude`` command (None: none) with its time limit."""
 
     name: str
     out: str
@@ -100,26 +100,14 @@ def run_node(run: NodeRun) -> int:
 
 
 def _stop_agent(proc: subprocess.Popen) -> None:
-    """Give the node's ranks LEAVE_GRACE_S to exit, then SIGTERM the agent's process group
-    (SIGKILL after STOP_GRACE_S)."""
-    import os
-    import signal
+    """Give the node's ranks LEAVE_GRACE_S to exit, then stop the agent's process group
+    (:func:`falconext.testbed.launch.stop_groups`: SIGTERM, SIGKILL after STOP_GRACE_S)."""
+    from falconext.testbed.launch import stop_groups
 
     try:
         proc.wait(timeout=LEAVE_GRACE_S)
-        return
     except subprocess.TimeoutExpired:
-        pass
-    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except OSError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        stop_groups([proc], STOP_GRACE_S)
 
 
 def _job_ended(run: NodeRun) -> bool:
@@ -140,9 +128,9 @@ def _wait_until_training(run: NodeRun) -> bool:
     from falconext.elastic.join import read_access
 
     while True:
-        data = read_access(run.out)
-        if data is not None and data.get("ended") is not None:
+        if _job_ended(run):
             return False
+        data = read_access(run.out)
         started = data.get("started") if data is not None else None
         try:
             with open(os.path.join(run.out, "run.json")) as f:

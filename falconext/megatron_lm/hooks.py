@@ -171,6 +171,8 @@ class Session:
         os.makedirs(os.path.join(self.out, "calls"), exist_ok=True)
         #: one of several launchers (one per node): the controller alone writes events.jsonl
         self.multi_node = os.environ.get(MULTI_NODE_ENV) == "1"
+        #: this process's rank on its node (torchrun's LOCAL_RANK); local rank 0 speaks for the node
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.node_name = node_name()
         if self.multi_node:
             self.events: EventLog = ForwardingEventLog(os.path.join(self.out, "nodes", self.node_name, "events.jsonl"))
@@ -239,7 +241,7 @@ class Session:
         from falconext.testbed.netns import ENV_NODE
 
         hardware = os.environ.get(ENV_NODE, "")
-        return (int(hardware), int(os.environ.get("LOCAL_RANK", "0"))) if hardware.isdigit() else None
+        return (int(hardware), self.local_rank) if hardware.isdigit() else None
 
     def _device_kind(self) -> str:
         import torch
@@ -284,9 +286,9 @@ class Session:
 
             process = self.process
             self.events.forward_to(lambda record: client.post(RankEvent.of(process, record)))  # type: ignore[attr-defined]
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            if self.local_rank == 0:
                 self._agent = NodeAgentProcess(self, topology["ranks"]).start()
-        if self.multi_node and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if self.multi_node and self.local_rank == 0:
             from falconext.elastic.restart import mark_joined
 
             mark_joined(self.out, self.node_name)  # a spare that joined is one no longer
@@ -424,7 +426,7 @@ class Session:
             except PlanError as exc:  # agreed but impossible: every rank refuses alike
                 self.events.emit("control_error", rank=self.process, error=f"plan not applied: {exc}")
                 return
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line per node: every node applies it
+            if self.local_rank == 0:  # one line per node: every node applies it
                 self.events.emit("plan_applied", iteration=start, plan=self.schedule.plan_at(start),
                                  strategy=action.strategy, committed_at=iteration, host=self.node_name)
         elif isinstance(action, (Restart, TopologyChange)):
@@ -558,7 +560,7 @@ class Session:
             self.measured.append((self.iteration, time.perf_counter() - self._t_start, None))
         from falconext.testbed import report
 
-        if self._restart is not None and self._leaving and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if self._restart is not None and self._leaving and self.local_rank == 0:
             from falconext.elastic.restart import NodeLeave, write_leave
 
             leave = NodeLeave(self.node_name, self.process // self.ranks_per_node, self._restart["iteration"] - 1,
