@@ -181,6 +181,10 @@ class FalconConfig:
     plane_wait_s: float = 60.0
     #: how long an excluded node's --falcon-on-exclude command may run, seconds
     on_exclude_timeout_s: float = 60.0
+    #: an S4 without a node of a job of several launchers: how long the ranks that stay
+    #: wait, before they exit for the next round, for the leaving node's agent to stop
+    #: (elastic.restart.wait_left), seconds
+    leave_wait_s: float = 30.0
     #: a rank tells the controller its loop iteration this often
     heartbeat_s: float = 0.5
     #: the controller counts as gone when its liveness key is this old
@@ -370,6 +374,7 @@ class FalconConfig:
         _check(self.restart_floor_nodes >= 0, "restart_floor_nodes must be >= 0")
         _check(self.plane_wait_s >= 0.0, "plane_wait_s must be >= 0")
         _check(self.on_exclude_timeout_s > 0.0, "on_exclude_timeout_s must be > 0")
+        _check(self.leave_wait_s >= 0.0, "leave_wait_s must be >= 0")
         _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")
         _check(1 <= self.beat_iter_window <= 1000, "beat_iter_window must be in [1, 1000]")
         _check(1 <= self.beat_compute_window <= 1000, "beat_compute_window must be in [1, 1000]")

@@ -296,3 +296,137 @@ def test_an_s4_the_job_cannot_absorb_is_not_started() -> None:
     # with a spare the job is back at its healthy time, whatever the level
     act = action_for(mit, d, beats(1.3), None, RestartRoom(2, floor=1, spares=1))  # type: ignore[arg-type]
     assert act.exclude_nodes == [1]  # type: ignore[union-attr]
+
+
+def test_s3_across_nodes_keeps_rank_0_on_the_stores_node_with_the_same_work() -> None:
+    """TP1 x DP2 x PP2 on two nodes of two: the plan "each pipeline inside a node" may hand
+    rank 0 to a process of node 1; relabelling DP replicas brings it back to node 0 and
+    leaves each pipeline on the same processes. A plan whose node 0 plays no first stage
+    cannot be relabelled."""
+    from falconext.mitigate.topology import rank0_on_first_node
+
+    def pipelines(roles: list[int]) -> set[frozenset[int]]:  # the processes of each pipeline (dp index)
+        return {frozenset(p for p, r in enumerate(roles) if r % 2 == d) for d in (0, 1)}
+
+    planned = [1, 3, 0, 2]  # node 0 (processes 0, 1) runs pipeline 1, node 1 pipeline 0
+    anchored = rank0_on_first_node(planned, 1, 2, 2)
+    assert anchored == [0, 2, 1, 3] and pipelines(anchored) == pipelines(planned)
+    assert [r // 2 for r in anchored] == [r // 2 for r in planned]  # every process keeps its stage
+    assert rank0_on_first_node([0, 2, 1, 3], 1, 2, 2) == [0, 2, 1, 3]
+    assert rank0_on_first_node([2, 0, 3, 1], 1, 2, 2) == [2, 0, 3, 1]  # rank 0 on node 0 already
+    assert rank0_on_first_node([2, 3, 0, 1], 1, 2, 2) is None  # node 0 holds only the last stage
+    # TP2: the TP index is relabelled too, TP groups stay whole
+    assert rank0_on_first_node([2, 3, 0, 1], 2, 1, 2) is None
+    assert rank0_on_first_node([1, 0, 2, 3], 2, 1, 2) == [1, 0, 2, 3]
+    assert rank0_on_first_node([3, 2, 1, 0, 5, 4, 7, 6], 2, 2, 2) == [0, 1, 2, 3, 6, 7, 4, 5]
+
+
+def test_an_s3_restart_hands_each_process_its_planned_rank_the_same_on_every_node() -> None:
+    from falconext.megatron_lm.hooks import ROLES_ENV
+    from falconext.megatron_lm.rank import resumed_roles
+
+    extra = {"strategy": "S3", "roles": [0, 2, 1, 3], "hosts": ["node0", "node1"]}
+    seen = {}
+    for group in (0, 1):
+        for local in (0, 1):
+            env = {"WORLD_SIZE": "4", "RANK": str(2 * group + local), "GROUP_RANK": str(group),
+                   "LOCAL_RANK": str(local), "FALCONEXT_NODE_NAME": f"node{group}"}
+            assert resumed_roles(extra, env) is None
+            seen[2 * group + local] = int(env["RANK"])
+            assert json.loads(env[ROLES_ENV]) == [0, 2, 1, 3] and env["LOCAL_RANK"] == str(local)
+    assert seen == {0: 0, 1: 2, 2: 1, 3: 3}
+    # another host at node index 1 (a spare took it): the same roles, and a line saying so
+    env = {"WORLD_SIZE": "4", "RANK": "2", "GROUP_RANK": "1", "LOCAL_RANK": "0", "FALCONEXT_NODE_NAME": "node2"}
+    assert "node2 plays the S3 roles planned for node index 1 (host node1)" in (resumed_roles(extra, env) or "")
+    assert env["RANK"] == "1"
+    # a round of another size (a shrink since): roles off on every process, process 0 says so
+    env = {"WORLD_SIZE": "2", "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0"}
+    assert "planned for 4 ranks, this round has 2" in (resumed_roles(extra, env) or "")
+    assert env["RANK"] == "0" and ROLES_ENV not in env
+    # no roles (an S4): nothing changes; broken roles: one line, nothing changes
+    env = {"WORLD_SIZE": "4", "RANK": "3"}
+    assert resumed_roles({"strategy": "S4"}, env) is None and env == {"WORLD_SIZE": "4", "RANK": "3"}
+    assert "not a permutation" in (resumed_roles({"roles": [0, 0, 1, 2]}, env) or "") and env["RANK"] == "3"
+
+
+def test_the_nodes_that_stay_wait_for_the_leaving_nodes_agent_with_a_deadline(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from falconext.elastic.restart import mark_left, wait_left
+
+    out = str(tmp_path)
+    assert wait_left(out, [], 5.0) == []
+    t0 = time.monotonic()
+    assert wait_left(out, ["node1"], 0.3, poll_s=0.05) == ["node1"]  # never left: the deadline ends the wait
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    timer = threading.Timer(0.3, mark_left, (out, "node1"))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        assert wait_left(out, ["node1"], 10.0, poll_s=0.05) == []
+    finally:
+        timer.join()
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_one_supervisor_restarts_on_request_up_to_its_limit_and_reports_each_attempt(tmp_path: Path) -> None:
+    """The restart policy every single-launcher job runs under: a request restarts (once
+    prepared), no request ends the job, a failure is one line naming where, and a request
+    past the limit is refused. Each attempt's end is an event."""
+    from falconext.elastic.supervisor import AttemptEnd, Supervisor
+    from falconext.mitigate.restart import LAUNCH_TIME_ENV, RestartRequest, write_request
+
+    out = str(tmp_path)
+    told: list[tuple[str, dict]] = []
+
+    def job(asks: int, fail_at: int | None = None, limit: int = 3) -> tuple[Supervisor, list[int]]:
+        started: list[int] = []
+        prepared: list[int] = []
+        env: dict[str, str] = {}
+        sup = Supervisor(out, env, max_restarts=limit, tell=lambda t, **f: told.append((t, f)))
+
+        def start(attempt: int) -> AttemptEnd:
+            started.append(attempt)
+            if attempt == fail_at:
+                return AttemptEnd(1, "node 1's torchrun")
+            if attempt < asks:
+                write_request(out, RestartRequest(10 * (attempt + 1), [], "ckpt", requested_at=1000.0 + attempt,
+                                                  attempt=attempt + 1))
+            return AttemptEnd(0)
+
+        def prepare(req: RestartRequest) -> None:
+            prepared.append(req.attempt)
+            assert env[LAUNCH_TIME_ENV] != repr(req.requested_at)  # still the previous attempt's
+
+        assert sup.run(start, prepare) == 0
+        assert prepared == list(range(1, asks + 1)) and env[LAUNCH_TIME_ENV] == repr(1000.0 + asks - 1)
+        return sup, started
+
+    sup, started = job(2)
+    assert started == [0, 1, 2] and sup.attempt == 2
+    assert [(t, f["attempt"], f["code"], f["restart"]) for t, f in told] == \
+        [("attempt_ended", 0, 0, 1), ("attempt_ended", 1, 0, 2), ("attempt_ended", 2, 0, None)]
+    assert not os.path.exists(os.path.join(out, "restart.json"))  # each request acted on once
+    assert os.path.exists(os.path.join(out, "restart-2.json"))
+    with pytest.raises(InputError, match=r"training failed \(node 1's torchrun exit status 1\)"):
+        job(3, fail_at=1)
+    with pytest.raises(InputError, match="restart number 2; at most 1 are allowed"):
+        job(3, limit=1)
+
+
+def test_an_exclude_hook_that_fails_or_hangs_is_one_line_and_bounded(tmp_path: Path, capsys) -> None:
+    import time
+
+    from falconext.elastic.node import NodeRun, on_exclude
+
+    run = NodeRun("node1", str(tmp_path), [], {}, None, "job", False, "unused", on_exclude_timeout_s=0.5)
+    on_exclude(run, "echo drained node1")
+    on_exclude(run, "echo no such node >&2; exit 3")
+    t0 = time.monotonic()
+    on_exclude(run, "sleep 30")
+    assert time.monotonic() - t0 < 5.0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["falconext: --falcon-on-exclude for node1: done",
+                     "falconext: --falcon-on-exclude for node1: failed (status 3)",
+                     "falconext: --falcon-on-exclude for node1: failed (timed out after 0.5s)"]

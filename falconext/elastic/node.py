@@ -87,12 +87,15 @@ def run_node(run: NodeRun) -> int:
     code = proc.wait()
     leave = leave or restart.read_leave(run.out, run.name)
     if leave is not None:
+        restart.mark_left(run.out, run.name)  # the nodes that stay may go on to the next round
+    _tell_plane(run, "agent_exited", host=run.name, code=code, left=leave is not None)
+    if leave is not None:
         print(f"falconext: node {run.name} leaves the job at iteration {leave.iteration}: {leave.reason}", flush=True)
         if run.on_exclude:
             on_exclude(run, run.on_exclude.replace("{host}", shlex.quote(run.name)))
         return 0
     if code != 0:
-        if run.spare and _job_ended(run):
+        if run.spare and _job_ended(run) and not restart.joined(run.out, run.name):
             print(f"falconext: spare node {run.name}: the job ended before it was needed", flush=True)
             return 0
         raise InputError(f"training failed on node {run.name} (torchrun exit status {code}); see the messages above")
@@ -100,14 +103,40 @@ def run_node(run: NodeRun) -> int:
 
 
 def _stop_agent(proc: subprocess.Popen) -> None:
-    """Give the node's ranks LEAVE_GRACE_S to exit, then stop the agent's process group
+    """Stop a leaving node's agent as soon as its workers are gone (at most LEAVE_GRACE_S
+    for them to exit), with SIGKILL: it has nothing left to do, waits in torch's exit
+    barrier (a blocking store call that defers SIGTERM), and must not join the next round.
+    Workers still there after the grace are stopped with the agent
     (:func:`falconext.testbed.launch.stop_groups`: SIGTERM, SIGKILL after STOP_GRACE_S)."""
+    import os
+    import signal
+
     from falconext.testbed.launch import stop_groups
 
+    stop = time.monotonic() + LEAVE_GRACE_S
+    while proc.poll() is None and _children(proc.pid) != [] and time.monotonic() < stop:
+        time.sleep(0.1)
+    if proc.poll() is None and _children(proc.pid) == []:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    stop_groups([proc], STOP_GRACE_S)
+
+
+def _children(pid: int) -> list[int] | None:
+    """The child processes of ``pid`` (Linux /proc), or None where that cannot be told
+    (no such process, or a kernel without /proc/PID/task/TID/children)."""
+    import os
+
+    kids: list[int] = []
     try:
-        proc.wait(timeout=LEAVE_GRACE_S)
-    except subprocess.TimeoutExpired:
-        stop_groups([proc], STOP_GRACE_S)
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+    except (OSError, ValueError):
+        return None
+    return kids
 
 
 def _job_ended(run: NodeRun) -> bool:
@@ -186,17 +215,8 @@ def on_exclude(run: NodeRun, command: str) -> None:
 
 def _tell_plane(run: NodeRun, type_: str, **fields: object) -> None:
     """Post one event for the job's events.jsonl to the controller (best effort)."""
-    from falconext.control.bus import Bus
-    from falconext.control.client import CTL_STREAM
-    from falconext.control.messages import RankEvent
+    from falconext.elastic.supervisor import plane_teller
 
-    if not run.url:
-        return
-    try:
-        bus = Bus(run.url, run.job)
-        try:
-            bus.post(CTL_STREAM, RankEvent(-1, type_, time.time(), dict(fields)))
-        finally:
-            bus.close()
-    except Exception:  # noqa: BLE001 - the event is also the line printed above
-        pass
+    tell = plane_teller(run.url, run.job)
+    if tell is not None:
+        tell(type_, **fields)

@@ -4,13 +4,15 @@ falconext keeps no restart loop of its own for a job of several launchers. An S4
 node X" stops every rank at the agreed iteration through Megatron-LM's exit path (its
 checkpoint saved); then
 
-- the ranks of the nodes that stay exit with :data:`RESTART_EXIT`, which their elastic
-  agents read as a failed worker group: each agent restarts its workers in a new
-  rendezvous round (``--max-restarts``, which falconext sets when the user did not), and
-  the new workers resume with ``--load`` from the checkpoint;
 - the ranks of node X exit 0 after the node's local rank 0 wrote ``nodes/<host>/leave.json``
   (:func:`leave_path`); node X's launcher sees it, stops its agent (so X never joins the
-  next round), runs ``--falcon-on-exclude`` and exits 0 with one line saying why.
+  next round), notes that it has (``nodes/<host>/left.json``), runs
+  ``--falcon-on-exclude`` and exits 0 with one line saying why;
+- the ranks of the nodes that stay wait for that note (:func:`wait_left`), then exit
+  with :data:`RESTART_EXIT`, which their elastic agents read as a failed worker group:
+  each agent restarts its workers in a new rendezvous round (``--max-restarts``, which
+  falconext sets when the user did not), and the new workers resume with ``--load`` from
+  the checkpoint.
 
 The next round forms with a spare node where one waits (its launcher joined after the
 job started training; torch keeps it in the rendezvous's redundancy list, out of the
@@ -36,6 +38,8 @@ DEFAULT_MAX_RESTARTS = 3
 LEAVE_FILE = "leave.json"
 #: written by a node's local rank 0 once its ranks train (a spare stops being one)
 JOINED_FILE = "joined.json"
+#: written by a leaving node's launcher once its agent has stopped
+LEFT_FILE = "left.json"
 
 
 @dataclass(frozen=True)
@@ -75,14 +79,41 @@ def read_leave(out: str, host: str) -> NodeLeave | None:
         return None
 
 
-def mark_joined(out: str, host: str) -> None:
-    """Note that node ``host``'s ranks train (a spare that joined is one no longer)."""
-    path = os.path.join(out, "nodes", host, JOINED_FILE)
+def _mark(out: str, host: str, name: str) -> None:
+    path = os.path.join(out, "nodes", host, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"time": time.time()}, f)
 
 
+def mark_joined(out: str, host: str) -> None:
+    """Note that node ``host``'s ranks train (a spare that joined is one no longer)."""
+    _mark(out, host, JOINED_FILE)
+
+
 def joined(out: str, host: str) -> bool:
     """Whether node ``host``'s ranks have trained in this job."""
     return os.path.exists(os.path.join(out, "nodes", host, JOINED_FILE))
+
+
+def mark_left(out: str, host: str) -> None:
+    """Note that leaving node ``host``'s agent has stopped (it can join no round)."""
+    _mark(out, host, LEFT_FILE)
+
+
+def wait_left(out: str, hosts: list[str], deadline_s: float, poll_s: float = 0.2) -> list[str]:
+    """Wait until every leaving node of ``hosts`` has stopped its agent, at most
+    ``deadline_s``; returns the hosts that had not by then (empty: all had).
+
+    Why the ranks that stay wait for it before they exit for the restart: once they exit,
+    their agents enter the next rendezvous round, and an agent whose workers still run
+    restarts them to admit the nodes it sees waiting (TorchElastic's scale-up). The
+    leaving node's agent, its workers still finishing their exit, would then take the
+    place meant for a spare in the next round, and be stopped by its launcher a moment
+    later, failing that round."""
+    stop = time.monotonic() + deadline_s
+    while True:
+        missing = [h for h in hosts if not os.path.exists(os.path.join(out, "nodes", h, LEFT_FILE))]
+        if not missing or time.monotonic() >= stop:
+            return missing
+        time.sleep(poll_s)

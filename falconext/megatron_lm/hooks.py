@@ -173,6 +173,8 @@ class Session:
         self.multi_node = os.environ.get(MULTI_NODE_ENV) == "1"
         #: this process's rank on its node (torchrun's LOCAL_RANK); local rank 0 speaks for the node
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        #: each node's host by node index, known from the first iteration's all-gather
+        self.node_hosts: list[str] = []
         self.node_name = node_name()
         if self.multi_node:
             self.events: EventLog = ForwardingEventLog(os.path.join(self.out, "nodes", self.node_name, "events.jsonl"))
@@ -269,6 +271,8 @@ class Session:
             self.events.emit("control_error", rank=self.process,
                              error="--falcon-inject needs the emulated device (--falcon-device emulated); ignored")
         topology = self._topology()
+        #: each node's host, by node index (process // ranks_per_node)
+        self.node_hosts = node_hosts(topology["ranks"], self.ranks_per_node)
         self._agree_on_plane(topology["ranks"])
         if self.rank == 0:
             self._write_run(topology)
@@ -459,8 +463,14 @@ class Session:
                 roles = list(check_roles(action.roles if isinstance(action, TopologyChange) else [], self.world))
             except ValueError as exc:
                 why = str(exc)
-            if why is None and self.multi_node:
-                why = "a restart with new roles needs one launcher holding every rank (this job has several nodes)"
+            if why is None and self.multi_node:  # ranks move between nodes: see resumed_roles
+                from falconext.mitigate.topology import rank0_on_first_node
+
+                anchored = rank0_on_first_node(roles, self.tp, self.dp, self.ranks_per_node)
+                if anchored is None:
+                    why = ("no process of node 0 would play a first-stage rank, and rank 0's process serves the "
+                           "workers' store at node 0's address")
+                roles = anchored
         if why is not None:
             self.events.emit("control_error", rank=self.process, error=f"{strategy} not applied: {why}")
             return
@@ -470,7 +480,8 @@ class Session:
         self._restart = {"iteration": iteration + 1, "exclude_nodes": [int(n) for n in nodes],
                          "session": action.session, "reason": action.reason or "",
                          "requested_at": time.time(), "checkpoint": a.save,
-                         "extra": {"strategy": strategy, **({"roles": roles} if roles is not None else {})}}
+                         "extra": {"strategy": strategy, **({"roles": roles} if roles is not None else {}),
+                                   **({"hosts": self.node_hosts} if roles is not None and self.multi_node else {})}}
         if self.rank == 0:
             fields: dict[str, Any] = {"roles": roles} if roles is not None else {}
             self.events.emit("restart_requested", iteration=iteration, resume_at=iteration + 1,
@@ -598,10 +609,15 @@ def exit_status(code: int) -> int:
     launchers, a rank that stopped for a restart and stays in the job exits with
     RESTART_EXIT, so its TorchElastic agent restarts the node's workers in a new round (a
     leaving node's ranks exit 0; their launcher stops the agent)."""
-    from falconext.elastic.restart import RESTART_EXIT
+    from falconext.elastic.restart import RESTART_EXIT, wait_left
 
     s = _session
     if code == 0 and s is not None and s.multi_node and s._restart is not None and not s._leaving:
+        hosts = [s.node_hosts[n] for n in s._restart["exclude_nodes"] if 0 <= n < len(s.node_hosts)]
+        late = wait_left(s.out, [h for h in hosts if h], s.cfg.leave_wait_s) if hosts else []
+        if late and s.rank == 0:
+            print(f"falconext: node {', '.join(late)} had not stopped its agent after {s.cfg.leave_wait_s:g}s; "
+                  "restarting without waiting longer", file=sys.stderr, flush=True)
         return RESTART_EXIT
     return code
 
@@ -612,6 +628,15 @@ def flags_digest(flags_json: str) -> str:
     import hashlib
 
     return hashlib.sha256(flags_json.encode()).hexdigest()[:16]
+
+
+def node_hosts(ranks: list[dict[str, Any]], ranks_per_node: int) -> list[str]:
+    """Each node's host name by node index (``process // ranks_per_node``), from the
+    all-gathered topology; a node whose host no rank named is ``""``."""
+    hosts: dict[int, str] = {}
+    for r in ranks:
+        hosts.setdefault(int(r["process"]) // ranks_per_node, str(r.get("host") or ""))
+    return [hosts.get(n, "") for n in range(max(hosts, default=-1) + 1)]
 
 
 def plane_refusal(ranks: list[dict[str, Any]]) -> str | None:

@@ -45,8 +45,6 @@ _REFUSED = {"--no-python": "falconext launch runs a Python script (no --no-pytho
 
 #: the ``--save-interval`` added with the ``--save`` directory S4 needs: saves only on exit
 NO_PERIODIC_SAVE = 10**9
-#: S4 restarts one job may ask for before the launcher gives up
-MAX_RESTARTS = 3
 
 
 @dataclass
@@ -178,33 +176,27 @@ def launch(argv: list[str]) -> int:
     env[FLAGS_ENV] = json.dumps(job.flags)
     if rdzv.multi_node:
         return _launch_node(plan, job, rdzv, node, env)
-    plane = _start_plane(job, env)
-    from falconext.mitigate.restart import LAUNCH_TIME_ENV
+    from falconext.elastic.supervisor import AttemptEnd, Supervisor, plane_teller
 
-    env[LAUNCH_TIME_ENV] = repr(time.time())
+    plane = _start_plane(job, env)
+
+    def start(attempt: int) -> AttemptEnd:
+        env[ATTEMPT_ENV] = str(attempt)
+        return AttemptEnd(subprocess.run(_torchrun(plan), env=env).returncode)
+
+    def prepare(req) -> None:
+        plan.script_args = set_option(plan.script_args, "--load", req.checkpoint)
+        _drop_excluded_faults(job, req, env)
+        roles = restart_roles(req.extra, job.world)
+        how = f"without nodes {req.exclude_nodes}"
+        if roles is not None:  # S3: the same ranks, handed to the processes in a new order
+            env.update(roles_env(roles, dict(os.environ)))  # the GPUs as first listed
+            how = f"with roles {roles} (S3)"
+        print(f"falconext: restart {req.attempt} from Megatron-LM's checkpoint at iteration {req.iteration} "
+              f"{how} (--load {req.checkpoint})", flush=True)
+
     try:
-        attempt = 0
-        while True:
-            env[ATTEMPT_ENV] = str(attempt)
-            code = subprocess.run(_torchrun(plan), env=env).returncode
-            if code != 0:
-                raise InputError(f"training failed (torchrun exit status {code}); see the messages above")
-            req = _take_restart_request(job.out)
-            if req is None:
-                break
-            if req.attempt > MAX_RESTARTS:
-                raise InputError(f"the job asked for restart number {req.attempt}; at most {MAX_RESTARTS} are allowed")
-            attempt = req.attempt
-            plan.script_args = set_option(plan.script_args, "--load", req.checkpoint)
-            _drop_excluded_faults(job, req, env)
-            roles = restart_roles(req.extra, job.world)
-            how = f"without nodes {req.exclude_nodes}"
-            if roles is not None:  # S3: the same ranks, handed to the processes in a new order
-                env.update(roles_env(roles, dict(os.environ)))  # the GPUs as first listed
-                how = f"with roles {roles} (S3)"
-            env[LAUNCH_TIME_ENV] = repr(req.requested_at)
-            print(f"falconext: restart {req.attempt} from Megatron-LM's checkpoint at iteration {req.iteration} "
-                  f"{how} (--load {req.checkpoint})", flush=True)
+        Supervisor(job.out, env, tell=plane_teller(plane.url, plane.job) if plane else None).run(start, prepare)
     finally:
         if plane is not None:
             plane.stop()
@@ -332,7 +324,7 @@ class _Job:
 def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     """Check the ``--falcon*`` flags and complete the script's arguments for S2 and S4.
     ``hosts``: this launcher owns the run directory's job-wide files (one per job)."""
-    from falconext.config import ConfigError, FalconConfig, config_from_args, parse_topology
+    from falconext.config import ConfigError, config_from_args, parse_topology
     from falconext.megatron_lm import contract
     from falconext.megatron_lm.hooks import FlagError, parse_flags
 
@@ -367,8 +359,6 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     forced = parse_topology(cfg.force_topology)
     if forced is not None:
         checked_roles(forced[1], world, "--falcon-force-topology")
-        if nnodes > 1:
-            raise InputError("--falcon-force-topology: a restart with new roles needs one launcher holding every rank")
     if rdzv.multi_node:  # what an exclusion may leave: the controller refuses one the job cannot absorb
         extra += ["--falcon-restart-floor-nodes", str(max(1, shrink_floor_of(plan.script_args, rdzv)))]
     if flags.falcon_mitigation_strategies is None:
@@ -487,12 +477,6 @@ def _start_plane(job: _Job, env: dict[str, str], redis_bind: str = "127.0.0.1", 
                             falcon_redis_url=None,
                             **{"falcon_" + k: v for k, v in job.config.items()})
     return start(ns, env, redis_bind=redis_bind, agents=agents, access=access)
-
-
-def _take_restart_request(out: str):
-    from falconext.testbed.launch import _take_restart_request as take
-
-    return take(out)
 
 
 def _drop_excluded_faults(job: _Job, req, env: dict[str, str]) -> None:

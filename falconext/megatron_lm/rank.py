@@ -94,7 +94,45 @@ def resumed_args(out: str, script_args: list[str], environ: Any) -> list[str]:
         return script_args
     environ[hooks.ATTEMPT_ENV] = str(req.attempt)
     environ[restart.LAUNCH_TIME_ENV] = repr(req.requested_at)
+    said = resumed_roles(req.extra, environ)
+    if said:
+        print(f"falconext: {said}", file=sys.stderr, flush=True)
     return set_option(script_args, "--load", req.checkpoint)
+
+
+def resumed_roles(extra: dict, environ: Any) -> str | None:
+    """After an S3 restart of a job of several launchers, this process plays the torch rank
+    the plan gives it: ``RANK`` becomes ``roles[process]`` (process = the rank torchrun gave,
+    ``GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK``: node by node, in rendezvous order) and
+    :data:`~falconext.megatron_lm.hooks.ROLES_ENV` is set. Ranks move between nodes this
+    way because a process cannot move: its node's GPUs are its own (within one launcher,
+    ``CUDA_VISIBLE_DEVICES`` moves them instead). Every process decides from what all share
+    (the request and ``WORLD_SIZE``), so all agree: the roles apply when the round has the
+    world they were planned for, by node index, even when another host now has that index
+    (then a line says so). ``LOCAL_RANK``, the process's device, is left alone. Returns a
+    line to print, or None."""
+    from falconext.megatron_lm import hooks
+    from falconext.sim.itertime import check_roles
+    from falconext.testbed.nodes import node_name
+
+    roles = extra.get("roles")
+    if roles is None:
+        return None
+    try:
+        world, process = int(environ["WORLD_SIZE"]), int(environ["RANK"])
+        checked = list(check_roles(roles, len(roles) if isinstance(roles, list) else 0, "the restart request's roles"))
+    except (KeyError, ValueError, TypeError) as exc:
+        return f"S3 roles not applied: {exc}"
+    if world != len(checked):
+        return None if process else f"S3 roles not applied: planned for {len(checked)} ranks, this round has {world}"
+    environ[hooks.ROLES_ENV] = json.dumps(checked)
+    environ["RANK"] = str(checked[process])
+    hosts = extra.get("hosts")
+    group = int(environ.get("GROUP_RANK", "0") or 0)
+    if int(environ.get("LOCAL_RANK", "0") or 0) == 0 and isinstance(hosts, list) and group < len(hosts) \
+            and hosts[group] != node_name(environ):
+        return f"node {node_name(environ)} plays the S3 roles planned for node index {group} (host {hosts[group]})"
+    return None
 
 
 def _run(script: str, script_args: list[str]) -> int:

@@ -44,7 +44,7 @@ import numpy as np
 from falconext.integers import is_int
 from falconext.sim.itertime import IterationModel, JobCosts, check_roles
 
-__all__ = ["Layout", "TopologyPlan", "plan_topology"]
+__all__ = ["Layout", "TopologyPlan", "plan_topology", "rank0_on_first_node"]
 
 #: Relative improvement below which a change is not worth moving model state for.
 REL_EPS = 1e-3
@@ -446,6 +446,31 @@ def check_tp_in_nodes(roles: Sequence[int], tp: int, ranks_per_node: int, where:
         if len(nodes) > 1:
             raise ValueError(f"{where}: TP group of ranks {start}..{start + tp - 1} would be played by processes "
                              f"{members} on nodes {nodes}; a TP group must stay inside one node")
+
+
+def rank0_on_first_node(roles: Sequence[int], tp: int, dp: int, ranks_per_node: int) -> list[int] | None:
+    """``roles`` relabelled, if need be, so that torch rank 0 is played by a process of node 0,
+    doing the same work: in a job of several launchers the workers' store is served by rank
+    0's process at the address of the node whose agent is first in the rendezvous (node 0),
+    so rank 0 cannot move to another node. The relabelling swaps two DP replica indices
+    and two TP indices everywhere (Megatron's order ``role = tp_r + tp * (dp_r + dp * pp_r)``),
+    which leaves every pipeline, stage and TP group where the plan put it, on the same
+    processes. Returns ``roles`` itself when rank 0 is already on node 0, and None when no
+    process of node 0 plays a first-stage role (then no relabelling can help). Pure."""
+    roles = list(roles)
+    if not roles or roles.index(0) // ranks_per_node == 0:
+        return roles
+    for proc in range(min(ranks_per_node, len(roles))):
+        role = roles[proc]
+        t, d, stage = role % tp, (role // tp) % dp, role // (tp * dp)
+        if stage != 0:
+            continue
+
+        def swap(x: int, a: int, b: int) -> int:
+            return b if x == a else a if x == b else x
+
+        return [swap(r % tp, t, 0) + tp * (swap((r // tp) % dp, d, 0) + dp * (r // (tp * dp))) for r in roles]
+    return None
 
 
 def plan_topology(

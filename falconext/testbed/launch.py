@@ -139,29 +139,19 @@ def launch_training(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONWARNINGS", "ignore")
     if getattr(args, "net", "emulated") == "netns":
         return _launch_netns(args, env)
-    plane = _start_plane(args, env)  # first: its Redis holds its port before torchrun's is picked
-    cmd = torchrun_command(args, rank_argv(args), free_port())
-    from falconext.mitigate.restart import LAUNCH_TIME_ENV
+    from falconext.elastic.supervisor import AttemptEnd, Supervisor, plane_teller
 
-    env[LAUNCH_TIME_ENV] = repr(time.time())
+    plane = _start_plane(args, env)  # first: its Redis holds its port before torchrun's is picked
     progress = None
     if plane is not None and plane.url:
         from falconext.testbed.progress import Progress
 
         progress = Progress(plane.url, plane.job, args.iters).start()
     try:
-        while True:
-            code = _run_torchrun(cmd, env)
-            if code != 0:
-                raise InputError(f"training failed (torchrun exit status {code}); see the messages above")
-            req = _take_restart_request(args.out)
-            if req is None:
-                return 0
-            if req.attempt > MAX_RESTARTS:
-                raise InputError(f"the job asked for restart number {req.attempt}; at most {MAX_RESTARTS} are allowed")
-            _prepare_restart(args, req)
-            cmd = torchrun_command(args, rank_argv(args), free_port())
-            env[LAUNCH_TIME_ENV] = repr(req.requested_at)  # S4's downtime runs from the request
+        supervisor = Supervisor(args.out, env, tell=plane_teller(plane.url, plane.job) if plane else None)
+        return supervisor.run(
+            lambda _attempt: AttemptEnd(_run_torchrun(torchrun_command(args, rank_argv(args), free_port()), env)),
+            lambda req: _prepare_restart(args, req))
     finally:
         if progress is not None:
             progress.stop()
@@ -202,25 +192,6 @@ def _start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str 
             raise InputError(str(exc)) from None
         env.update(plane.env())
     return plane
-
-
-#: S4 restarts one job may ask for before the launcher gives up
-MAX_RESTARTS = 3
-
-
-def _take_restart_request(out: str):
-    """The ranks' restart request, if they left one, moved aside so it is acted on once."""
-    from falconext.mitigate import restart
-
-    path = os.path.join(out, restart.RESTART_FILE)
-    if not os.path.exists(path):
-        return None
-    try:
-        req = restart.read_request(path)
-    except restart.CheckpointError as exc:
-        raise InputError(str(exc)) from None
-    os.replace(path, os.path.join(out, f"restart-{req.attempt}.json"))
-    return req
 
 
 def _copy_faults(path: str, out: str) -> str:
@@ -339,7 +310,7 @@ def fold_exit_codes(codes: list[int | None]) -> tuple[int, int | None]:
 def _launch_netns(args: argparse.Namespace, env: dict[str, str]) -> int:
     """The ``--net netns`` job: namespaces up, control plane on the bridge address, one
     torchrun per node, the S4 restart loop, and everything removed however it ends."""
-    from falconext.mitigate.restart import LAUNCH_TIME_ENV
+    from falconext.elastic.supervisor import AttemptEnd, Supervisor, plane_teller
     from falconext.testbed import netns
     from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
 
@@ -356,23 +327,18 @@ def _launch_netns(args: argparse.Namespace, env: dict[str, str]) -> int:
             except (netns.NetnsError, ValueError) as exc:
                 raise InputError(f"--net netns: could not set up the node namespaces: {exc}") from None
             plane = _start_plane(args, env, redis_bind=f"{network.layout.bridge_ip} 127.0.0.1")
-            env[LAUNCH_TIME_ENV] = repr(time.time())
-            attempt = 0
-            while True:
-                code, node = _run_nodes(args, env, network, MASTER_PORT_BASE + attempt)
-                if code != 0:
-                    raise InputError(f"training failed (node {node}'s torchrun exit status {code}); "
-                                     "see the messages above")
-                req = _take_restart_request(args.out)
-                if req is None:
-                    return 0
-                if req.attempt > MAX_RESTARTS:
-                    raise InputError(f"the job asked for restart number {req.attempt}; at most {MAX_RESTARTS} "
-                                     "are allowed")
+            net = network
+
+            def start(attempt: int) -> AttemptEnd:
+                code, node = _run_nodes(args, env, net, MASTER_PORT_BASE + attempt)
+                return AttemptEnd(code, f"node {node}'s torchrun")
+
+            def prepare(req) -> None:
                 _prepare_restart(args, req)
-                network.reshape()  # every link back to the base rate
-                attempt += 1
-                env[LAUNCH_TIME_ENV] = repr(req.requested_at)
+                net.reshape()  # every link back to the base rate
+
+            supervisor = Supervisor(args.out, env, tell=plane_teller(plane.url, plane.job) if plane else None)
+            return supervisor.run(start, prepare)
         finally:
             if plane is not None:
                 plane.stop()

@@ -14,7 +14,9 @@ class _OnBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn):  # type: ignore[override]
         ctx.fn = fn
-        return x.view_as(x)
+        # a copy, not a view: megatron-core's pipeline schedule frees each stage's output
+        # in place once sent (deallocate_output_tensor) and refuses a view of another tensor
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -23,7 +25,7 @@ class _OnBackward(torch.autograd.Function):
 
 
 def on_backward(x: torch.Tensor, fn: Callable[[], None]) -> torch.Tensor:
-    """``x`` unchanged (a view); ``fn()`` runs when the backward reaches this point,
+    """``x``'s values (a copy); ``fn()`` runs when the backward reaches this point,
     before the gradient flows on."""
     return _OnBackward.apply(x, fn)
 

@@ -44,7 +44,11 @@ def nodes(count: int, launch_args: list[str], bed_out: Path, timeout: float = 60
            sys.executable, "-m", "falconext.cli", "launch", *launch_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
+    if proc.returncode != 0:
+        tails = "".join(f"\n--- {log.name} (last 3000 characters) ---\n{log.read_text(errors='replace')[-3000:]}"
+                        for log in sorted(bed_out.glob("node*.log")))
+        pytest.fail(f"falconext nodes exited with status {proc.returncode}{tails}\n--- the bed's own output ---\n"
+                    f"{out[-2000:]}", pytrace=False)
     return out
 
 
@@ -250,3 +254,54 @@ def test_a_node_lost_outright_is_replaced_and_a_later_fault_still_handled(script
     assert localized and localized[0]["gpus"] == [1], [e["type"] for e in after]
     assert any(e["type"] == "plan_applied" for e in after)
     assert json.loads((out / "summary.json").read_text())["iterations"] >= 150
+
+
+#: the S3 test's job: a pipeline of two stages on two nodes of two ranks (TP1 x DP2 x PP2),
+#: small enough in hidden size and vocabulary that its activations, not its gradients, are
+#: what crosses the nodes: Megatron's order puts stage 0 on node 0 and stage 1 on node 1,
+#: so both pipelines cross the link between them
+S3_JOB = [("--hidden-size", "32"), ("--seq-length", "256"), ("--max-position-embeddings", "256"),
+          ("--vocab-size", "256")]
+
+
+@pytest.mark.long
+def test_s3_across_nodes_puts_each_pipeline_inside_a_node(script: str, tmp_path: Path) -> None:
+    """TP1 x DP2 x PP2 on two launchers; the link between the nodes congested 30x from
+    iteration 45; S3 only, tree validation forced (gloo runs rings). The link is localized
+    with the trees validated, S3 restarts the job with each pipeline inside a node (torch
+    ranks moved between the nodes: RANK set from the plan, LOCAL_RANK and the device left
+    alone), the iteration time drops, and the training is the uninterrupted run's."""
+    from test_pretrain_gpt import launch
+
+    tiny = list(TINY_GPT)
+    for flag, value in S3_JOB:
+        tiny[tiny.index(flag) + 1] = value
+    job = [*tiny, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32", "--train-iters", "140",
+           "--log-interval", "10"]
+    faults = tmp_path / "fault.json"
+    faults.write_text(json.dumps([{"kind": "link", "nodes": [0, 1], "factor": 30.0, "start": 45}]))
+    out = tmp_path / "out"
+    output = nodes(2, ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                       "{head}:29400", "--rdzv-id", "s3", script, *job, "--falcon", "--falcon-out", str(out),
+                       "--falcon-inject", str(faults), "--falcon-mitigation-strategies", "S3",
+                       "--falcon-validation-trees", "on", "--falcon-p2p-bytes", "65536"], tmp_path / "bed", timeout=900)
+    evs = events(out)
+    localized = [e for e in evs if e["type"] == "localized"]
+    assert localized and localized[0]["links"] == [[0, 1]] and localized[0]["gpus"] == [], localized
+    assert localized[0]["evidence"]["tree_groups"] >= 1  # the groups across the link had their trees validated
+    requested = [e for e in evs if e["type"] == "restart_requested"]
+    assert [e["strategy"] for e in requested] == ["S3"], requested
+    roles = requested[0]["roles"]
+    # each pipeline (its DP index: rank % 2) is played by the processes of one node
+    process_of = {rank: p for p, rank in enumerate(roles)}
+    assert all(process_of[d] // 2 == process_of[d + 2] // 2 for d in (0, 1)), roles
+    assert process_of[0] // 2 == 0  # rank 0 stays on the node whose agent serves the workers' store
+    topology = json.loads((out / "run-r1.json").read_text())["topology"]
+    assert {r["rank"]: (r["process"], r["host"]) for r in topology["ranks"]} == \
+        {rank: (p, f"node{p // 2}") for rank, p in process_of.items()}
+    joined = [e for e in evs if e["type"] == "node_joined" and e["attempt"] == 1]
+    assert sorted(e["host"] for e in joined) == ["node0", "node1"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mitigated_iter_s"] < summary["slow_iter_s"], summary
+    # the same training: the job without fault or falconext, on one launcher, uninterrupted
+    assert_resumed_exactly(output, launch(script, job, nproc=4), requested[0]["resume_at"])
