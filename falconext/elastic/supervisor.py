@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from falconext.elastic.restart import DEFAULT_MAX_RESTARTS
 from falconext.inputs import InputError
@@ -91,6 +91,11 @@ class Supervisor:
             prepare(req)
             self.attempt = req.attempt
             self.env[LAUNCH_TIME_ENV] = repr(req.requested_at)  # the restart's cost runs from its request
+
+    @classmethod
+    def for_plane(cls, out: str, env: dict[str, str], plane: Any) -> "Supervisor":
+        """A supervisor whose events go to ``plane``'s controller (None: a job without one)."""
+        return cls(out, env, tell=plane_teller(plane.url, plane.job) if plane is not None else None)
 
     def _tell(self, type_: str, **fields: object) -> None:
         if self.tell is not None:

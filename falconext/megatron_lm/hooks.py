@@ -614,7 +614,7 @@ def exit_status(code: int) -> int:
     s = _session
     if code == 0 and s is not None and s.multi_node and s._restart is not None and not s._leaving:
         hosts = [s.node_hosts[n] for n in s._restart["exclude_nodes"] if 0 <= n < len(s.node_hosts)]
-        late = wait_left(s.out, [h for h in hosts if h], s.cfg.leave_wait_s) if hosts else []
+        late = wait_left(s.out, [h for h in hosts if h], s.cfg.leave_wait_s)
         if late and s.rank == 0:
             print(f"falconext: node {', '.join(late)} had not stopped its agent after {s.cfg.leave_wait_s:g}s; "
                   "restarting without waiting longer", file=sys.stderr, flush=True)

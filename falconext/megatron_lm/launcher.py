@@ -176,7 +176,7 @@ def launch(argv: list[str]) -> int:
     env[FLAGS_ENV] = json.dumps(job.flags)
     if rdzv.multi_node:
         return _launch_node(plan, job, rdzv, node, env)
-    from falconext.elastic.supervisor import AttemptEnd, Supervisor, plane_teller
+    from falconext.elastic.supervisor import AttemptEnd, Supervisor
 
     plane = _start_plane(job, env)
 
@@ -196,7 +196,7 @@ def launch(argv: list[str]) -> int:
               f"{how} (--load {req.checkpoint})", flush=True)
 
     try:
-        Supervisor(job.out, env, tell=plane_teller(plane.url, plane.job) if plane else None).run(start, prepare)
+        Supervisor.for_plane(job.out, env, plane).run(start, prepare)
     finally:
         if plane is not None:
             plane.stop()

@@ -54,13 +54,16 @@ class RestartRoom:
         return (f"no spare node waits and the job cannot shrink below {self.floor} node(s) with its global batch "
                 f"unchanged ({self.nodes} now); training goes on with the slow node")
 
+    def nodes_left(self, exclude: list[int]) -> int:
+        """The nodes the job trains on after excluding ``exclude`` (spares fill what they can)."""
+        k = len(set(exclude))
+        return self.nodes - k + min(self.spares, k)
+
     def after_s(self, exclude: list[int], healthy_s: float) -> float:
         """The iteration time expected after excluding ``exclude``: healthy where spares fill
         every place, else the healthy time scaled by the nodes lost (the same global batch on
         fewer data-parallel replicas)."""
-        k = len(set(exclude))
-        left = self.nodes - k + min(self.spares, k)
-        return healthy_s * self.nodes / max(1, left)
+        return healthy_s * self.nodes / max(1, self.nodes_left(exclude))
 
     def slower(self, exclude: list[int], healthy_s: float | None, level_s: float | None) -> str | None:
         """Why excluding ``exclude`` would leave the job no faster than its ``level_s`` now
@@ -70,6 +73,5 @@ class RestartRoom:
         after = self.after_s(exclude, healthy_s)
         if after < level_s:
             return None
-        left = self.nodes - len(set(exclude)) + min(self.spares, len(set(exclude)))
-        return (f"without a spare the job would shrink to {left} node(s) and train at about {after:.3f} s per "
+        return (f"without a spare the job would shrink to {self.nodes_left(exclude)} node(s) and train at about {after:.3f} s per "
                 f"iteration, no faster than {level_s:.3f} s now; training goes on with the slow node")

@@ -139,7 +139,7 @@ def launch_training(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONWARNINGS", "ignore")
     if getattr(args, "net", "emulated") == "netns":
         return _launch_netns(args, env)
-    from falconext.elastic.supervisor import AttemptEnd, Supervisor, plane_teller
+    from falconext.elastic.supervisor import AttemptEnd, Supervisor
 
     plane = _start_plane(args, env)  # first: its Redis holds its port before torchrun's is picked
     progress = None
@@ -148,8 +148,7 @@ def launch_training(args: argparse.Namespace) -> int:
 
         progress = Progress(plane.url, plane.job, args.iters).start()
     try:
-        supervisor = Supervisor(args.out, env, tell=plane_teller(plane.url, plane.job) if plane else None)
-        return supervisor.run(
+        return Supervisor.for_plane(args.out, env, plane).run(
             lambda _attempt: AttemptEnd(_run_torchrun(torchrun_command(args, rank_argv(args), free_port()), env)),
             lambda req: _prepare_restart(args, req))
     finally:
@@ -310,7 +309,7 @@ def fold_exit_codes(codes: list[int | None]) -> tuple[int, int | None]:
 def _launch_netns(args: argparse.Namespace, env: dict[str, str]) -> int:
     """The ``--net netns`` job: namespaces up, control plane on the bridge address, one
     torchrun per node, the S4 restart loop, and everything removed however it ends."""
-    from falconext.elastic.supervisor import AttemptEnd, Supervisor, plane_teller
+    from falconext.elastic.supervisor import AttemptEnd, Supervisor
     from falconext.testbed import netns
     from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
 
@@ -337,8 +336,7 @@ def _launch_netns(args: argparse.Namespace, env: dict[str, str]) -> int:
                 _prepare_restart(args, req)
                 net.reshape()  # every link back to the base rate
 
-            supervisor = Supervisor(args.out, env, tell=plane_teller(plane.url, plane.job) if plane else None)
-            return supervisor.run(start, prepare)
+            return Supervisor.for_plane(args.out, env, plane).run(start, prepare)
         finally:
             if plane is not None:
                 plane.stop()
