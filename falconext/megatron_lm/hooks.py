@@ -188,8 +188,11 @@ class Session:
         self.measured: list[tuple[int, float, float | None]] = []
         self.runtime = None
         self.device = None
+        #: compute faults on a CUDA device (--falcon-inject with --falcon-device cuda)
+        self.busy: Any = None
         self.iteration = -1
         self._t_start = 0.0
+        self._t_end = 0.0  # when the last step ended (loop_end)
         self._forward_s: list[float] = []  # each forward step's seconds in this step
         self._micro = 0
         self._model_seen = False
@@ -267,9 +270,16 @@ class Session:
             gflops = self.flags.falcon_device_gflops or DEFAULT_GFLOPS
             self.device = EmulatedDevice(DeviceModel(gflops=gflops), self.process, self.ranks_per_node, self.faults)
             self.device.install()  # below the tracer
+        elif kind == "cuda" and self.faults:  # a compute fault is a busy kernel on this rank's stream
+            from falconext.testbed.gpu_fault import BusyKernel
+
+            self.busy = BusyKernel(self.faults, self.process)
+            if any(f.kind != "compute" for f in self.faults):
+                self.events.emit("control_error", rank=self.process,
+                                 error="--falcon-inject: link faults need the emulated device; only compute faults apply on CUDA")
         elif self.faults:
             self.events.emit("control_error", rank=self.process,
-                             error="--falcon-inject needs the emulated device (--falcon-device emulated); ignored")
+                             error="--falcon-inject needs the emulated device or CUDA (--falcon-device); ignored")
         topology = self._topology()
         #: each node's host, by node index (process // ranks_per_node)
         self.node_hosts = node_hosts(topology["ranks"], self.ranks_per_node)
@@ -401,6 +411,8 @@ class Session:
             self._agent.check()
         if self.device is not None:
             self.device.iteration = iteration
+        if self.busy is not None:
+            self.busy.at(iteration, [(i, t) for i, t, _ in self.measured])
         action = self.runtime.before_iteration(iteration) if self.cfg.loop_hooks else None
         if self._restart is None:  # operator overrides: a restart at a given iteration
             if self.flags.falcon_force_restart == iteration:
@@ -412,6 +424,7 @@ class Session:
 
     def loop_end(self) -> None:
         """The step is over: hand the runtime this replica's micro-batch count and forward times."""
+        self._t_end = time.perf_counter()
         if self.runtime is not None:
             self.runtime.after_step(self._micro, self._forward_s)
 
@@ -567,8 +580,9 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if self._t_start and self.iteration >= 0:
-            self.measured.append((self.iteration, time.perf_counter() - self._t_start, None))
+        if self._t_start and self.iteration >= 0:  # it ended at its step's end, not at exit (a checkpoint)
+            end = self._t_end if self._t_end > self._t_start else time.perf_counter()
+            self.measured.append((self.iteration, end - self._t_start, None))
         from falconext.testbed import report
 
         if self._restart is not None and self._leaving and self.local_rank == 0:

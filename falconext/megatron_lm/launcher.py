@@ -393,9 +393,17 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
         for knob, value in knobs.items():
             if getattr(flags, knob, None) is None:
                 extra += ["--" + knob.replace("_", "-"), str(value)]
+    elif flags.falcon_gemm_size is None:  # a GPU's validation GEMM, unless given
+        extra += ["--falcon-gemm-size", str(CUDA_GEMM_SIZE)]
     all_flags = [a for a in _without(plan.falcon_args, ("--falcon-out", "--falcon-inject"))] + extra
     final = parse_flags(all_flags)
     return _Job(out, all_flags, world, rpn, config_from_args(final).to_dict())
+
+
+#: the validation GEMM's n on a GPU: the config's 256 is timed by its launch on a current GPU
+#: (1.3 TFLOP/s on an H200 in the GPU check, 2026-11-27), where a throttled clock would hardly
+#: show; 4096 takes a few milliseconds per repeat there
+CUDA_GEMM_SIZE = 4096
 
 
 def checked_roles(roles: object, world: int, name: str) -> list[int]:

@@ -21,6 +21,20 @@ from typing import Any
 EXIT_REFUSED = 2
 
 
+def use_compiled_helpers() -> bool:
+    """Import the installed megatron-core (where there is one) before the script's folder joins
+    the path, and where its dataset helpers come compiled (the wheel ships them, and no
+    Makefile), turn Megatron-LM's ``compile_helpers`` (``make`` in that folder, which would
+    fail) into nothing. True when the compiled helpers are used."""
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+        from megatron.core.datasets import utils
+    except ImportError:  # none installed, or not compiled: Megatron-LM compiles them as usual
+        return False
+    utils.compile_helpers = lambda: None
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one rank of a Megatron-LM script, ``argv`` = SCRIPT and its arguments (default
     ``sys.argv[1:]``), with falconext installed first when the launcher's flags say
@@ -48,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
         cpu.enable()  # megatron.core comes from the installed megatron-core from here on
         script_args = cpu.script_flags(script_args)
+    else:  # as in CPU mode, megatron.core is the installed megatron-core where there is one
+        use_compiled_helpers()
     # the script's folder, as ``python SCRIPT`` would put it: Megatron-LM's ``megatron``
     # namespace joins the installed megatron-core's
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -151,7 +151,9 @@ class FalconRuntime:
         self.monitor.start()
         if self.client is not None:
             self.client.start()
-        events.emit("tracking_started", rank=rank, control=self.control, loop_hooks=self.hooked)
+        backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+        events.emit("tracking_started", rank=rank, control=self.control, loop_hooks=self.hooked, backend=backend,
+                    timing="cuda_events" if device == "cuda" else "host")
 
     # --- called by the training loop --------------------------------------------------------
 
@@ -507,8 +509,9 @@ class FalconRuntime:
 
         def gemm(n: int, repeats: int) -> float:
             # the best repeat, not the median: on a shared host, time-slicing only ever
-            # adds time, and a slow device is slow in every repeat
-            result = gemm_benchmark(n, repeats, matmul=self._matmul, device=self._device, sync=sync)
+            # adds time, and a slow device is slow in every repeat; on a GPU each repeat is
+            # timed with CUDA events (a host clock around a synchronize times the launch too)
+            result = gemm_benchmark(n, repeats, matmul=self._matmul, device=self._device)
             return result.best_flops
 
         def passes(schedule: list, nbytes: int, repeats: int, concurrency: int) -> list:
