@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from falconext.testbed.report import toggle_split
+from falconext.report.summary import toggle_split
 
 
 def job_command(args: argparse.Namespace, out: str) -> list[str]:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 ONSET = 60
 SLOW_RANK = 2
-#: case -> the faults injected (falconext/testbed/faults.py)
+#: case -> the faults injected (falconext/model/faults.py)
 CASES: dict[str, list[dict]] = {
     "compute-1.5x": [{"kind": "compute", "rank": SLOW_RANK, "factor": 1.5, "start": ONSET}],
     "compute-2x": [{"kind": "compute", "rank": SLOW_RANK, "factor": 2.0, "start": ONSET}],

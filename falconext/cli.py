@@ -370,7 +370,7 @@ def _cmd_launch(argv: list[str]) -> int:
 
 
 def _cmd_nodes(args: argparse.Namespace) -> int:
-    from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
+    from falconext.model.device import DEFAULT_INTER_BANDWIDTH
     from falconext.testbed.nodes import mbps_to_bytes, run_nodes
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -385,7 +385,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from falconext.testbed.figures import write_report
+    from falconext.report.figures import write_report
 
     print(write_report(args.dir))
     return 0

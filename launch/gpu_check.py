@@ -2,7 +2,7 @@
 
 One short job: Megatron-LM's own ``pretrain_gpt.py`` (world size 1, NCCL, a small GPT) under
 ``falconext launch --falcon``, with a 2x compute fault on the GPU from an iteration on (a busy
-kernel on the rank's stream, :mod:`falconext.testbed.gpu_fault`). Checked from the run's own
+kernel on the rank's stream, :mod:`falconext.emulation.gpu_fault`). Checked from the run's own
 files (events.jsonl, summary.json, the calls file) and Megatron's log:
 
 - the collective hooks sit on NCCL groups (``tracking_started``: backend nccl, calls traced);

@@ -147,7 +147,7 @@ def device_summary(out: Path) -> dict[str, Any]:
     """summary.json's figures (healthy, slow and mitigated iteration times, the slowdown
     removed) with the same windows, computed from :func:`device_times` instead of the wall
     clock: deterministic, where the wall clock's figures carry the host's noise."""
-    from falconext.testbed.report import summarize
+    from falconext.report.summary import summarize
 
     run = json.loads((out / "run.json").read_text())
     rows = [[0, it, secs, ""] for it, secs in sorted(device_times(out).items())]

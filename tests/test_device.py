@@ -15,9 +15,9 @@ import torch
 import torch.multiprocessing as mp
 
 from falconext.ports import free_port
-from falconext.testbed.device import DeviceModel, gemm_flops, gpt_forward_flops, ring_hop_bytes, ring_steps
-from falconext.testbed.emulator import EmulatedDevice, sleep_until
-from falconext.testbed.faults import compute_factor, link_factor, parse_faults
+from falconext.model.device import DeviceModel, gemm_flops, gpt_forward_flops, ring_hop_bytes, ring_steps
+from falconext.emulation.emulator import EmulatedDevice, sleep_until
+from falconext.model.faults import compute_factor, link_factor, parse_faults
 
 #: run first, before any job runs ahead (conftest.py: RUN_FIRST):
 #: it times the emulated device's sleeps and transfers on the wall clock
@@ -226,7 +226,7 @@ def test_transfers_take_the_link_model_time_and_a_link_fault_slows_them():
 
 
 def test_s2_ceiling_is_the_optimal_integer_plan_on_true_times():
-    from falconext.testbed.device_report import s2_ceiling
+    from falconext.report.device import s2_ceiling
 
     # one 2x replica of four, 16 micro-batches each: the best plan leaves 19 of 16 -> 32
     got = s2_ceiling([1.0] * 4, [1.0, 2.0, 1.0, 1.0], 64)

@@ -19,8 +19,8 @@ from falconext.mitigate.room import RestartRoom, shrink_floor
 from falconext.inputs import InputError
 from falconext.megatron_lm.hooks import plane_refusal
 from falconext.megatron_lm.launcher import elastic_options, shrink_floor_of
-from falconext.testbed.device import DEFAULT_GFLOPS, host_gflops
-from falconext.testbed.faults import on_hardware, parse_faults, placed
+from falconext.model.device import DEFAULT_GFLOPS, host_gflops
+from falconext.model.faults import on_hardware, parse_faults, placed
 from falconext.testbed.nodes import mbps_to_bytes, substitute
 
 

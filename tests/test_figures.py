@@ -1,4 +1,4 @@
-"""``falconext report``: a run's figures and report.html (falconext/testbed/figures.py),
+"""``falconext report``: a run's figures and report.html (falconext/report/figures.py),
 drawn at the end of the S2 job (tests/jobs.py s2_job) and on demand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from falconext.testbed import figures
+from falconext.report import figures
 
 from jobs import S2_FAULT_START, events, s2_job
 

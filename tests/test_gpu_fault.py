@@ -11,8 +11,8 @@ import pytest
 
 from falconext.elastic import rendezvous
 from falconext.megatron_lm import launcher
-from falconext.testbed.faults import Fault
-from falconext.testbed.gpu_fault import BusyKernel, busy_seconds, healthy_reference
+from falconext.model.faults import Fault
+from falconext.emulation.gpu_fault import BusyKernel, busy_seconds, healthy_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,28 +1,85 @@
-"""The house rules of shared/ARCHITECTURE.md, checked: the pure algorithms (detect, profile,
-mitigate's solvers and planner, validate's verdicts and schedules) and the controller
-import neither torch nor redis, so they run and are tested anywhere."""
+"""The house as drawn from its imports: each package imports only from layers below its own
+(or its own layer, without a cycle), so the flow stays one-way.
+
+Layers, bottom up: the protocol and the plain helpers; the tracer; the pipeline's phases
+(detect, profile, validate, mitigate) with the cost model and the simulators' generators;
+the control plane; the rank runtime, the run's report and the elastic launch; then what
+users run (the test bed, the Megatron-LM adapter, the experiments, the command line).
+Read from the source with ``ast`` (every import, also those inside functions)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import ast
+from collections import defaultdict
+from pathlib import Path
 
-import pytest
+PKG = Path(__file__).resolve().parent.parent / "falconext"
 
-PURE = [
-    "falconext.detect.bocd", "falconext.detect.verify", "falconext.detect.baselines", "falconext.detect.itertime",
-    "falconext.detect.period", "falconext.detect.tracking", "falconext.detect.scores", "falconext.detect.evaluate",
-    "falconext.profile.analysis", "falconext.profile.window",
-    "falconext.mitigate.planner", "falconext.mitigate.microbatch", "falconext.mitigate.topology",
-    "falconext.mitigate.mitigation",
-    "falconext.validate.verdict", "falconext.validate.passes", "falconext.validate.plan",
-    "falconext.control.controller",
-]
+LAYERS: dict[str, int] = {
+    "protocol": 0, "inputs": 0, "integers": 0, "medians": 0, "ports": 0, "config": 0,
+    "trace": 1,
+    "detect": 2, "profile": 2, "validate": 2, "mitigate": 2, "model": 2, "sim": 2,
+    "control": 3,
+    "runtime": 4, "report": 4, "elastic": 4, "emulation": 4,
+    "testbed": 5, "megatron_lm": 5, "experiments": 5,
+    "cli": 6,
+}
+#: pairs that the layers allow but the design rules out
+FORBIDDEN = {("megatron_lm", "testbed")}
 
 
-@pytest.mark.parametrize("module", PURE)
-def test_pure_modules_import_neither_torch_nor_redis(module):
-    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'redis') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", f"{module} pulls in {out.stdout.strip()}"
+def package_imports() -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> the files that import it (``falconext.X`` only)."""
+    out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        src = rel.parts[0].removesuffix(".py")
+        if src == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + ([f"{node.module}.{a.name}" for a in node.names] if node.module == "falconext" else [])
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "falconext" and len(parts) > 1 and parts[1] != src:
+                    out[src][parts[1]].append(str(rel))
+    return out
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {p.name.removesuffix(".py") for p in PKG.iterdir() if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert packages - {"__init__", "__pycache__"} <= set(LAYERS), sorted(packages - set(LAYERS) - {"__init__"})
+
+
+def test_no_package_imports_a_higher_layer_or_a_forbidden_one() -> None:
+    wrong = []
+    for src, targets in package_imports().items():
+        for dst, files in targets.items():
+            if dst not in LAYERS or src not in LAYERS:
+                continue
+            if LAYERS[dst] > LAYERS[src] or (src, dst) in FORBIDDEN:
+                wrong.append(f"{src} (layer {LAYERS[src]}) -> {dst} (layer {LAYERS[dst]}): {sorted(set(files))}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_protocol_imports_no_other_falconext_package() -> None:
+    assert not dict(package_imports().get("protocol", {}))
+
+
+def test_no_import_cycle_between_packages() -> None:
+    graph = {src: set(t) for src, t in package_imports().items()}
+    cycles = []
+    for start in graph:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    cycles.append(" -> ".join(path + [start]))
+                elif nxt not in path:
+                    stack.append((nxt, path + [nxt]))
+    assert not cycles, cycles[:5]

@@ -24,7 +24,7 @@ import pytest
 
 from falconext.inputs import InputError
 from falconext.testbed import launch, netns
-from falconext.testbed.faults import Fault
+from falconext.model.faults import Fault
 
 NET = ipaddress.IPv4Network("10.213.7.0/24")
 
@@ -116,7 +116,7 @@ def test_node_torchrun_command() -> None:
     args = argparse.Namespace(ranks_per_node=2)
     cmd = launch.node_torchrun_command(args, ["--iters", "3"], 2, 1, "10.213.7.10", 29501)
     assert cmd[1:] == ["-m", "falconext.testbed.forkrun", "--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2",
-                       "--master_addr", "10.213.7.10", "--master_port", "29501", "-m", "falconext.train",
+                       "--master_addr", "10.213.7.10", "--master_port", "29501", "-m", "falconext.testbed.train",
                        "--iters", "3"]
 
 

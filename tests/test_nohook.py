@@ -156,7 +156,7 @@ def test_a_job_without_loop_hooks_is_detected_localized_and_suspended_at_the_agr
 
 
 def test_the_monitor_hands_its_oldest_estimates_over_and_keeps_memory_bounded(tmp_path):
-    from falconext.testbed.report import EstimatesFile
+    from falconext.report.summary import EstimatesFile
 
     recs, _, length = _stream(115)
     (tmp_path / "ranks").mkdir()

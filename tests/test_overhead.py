@@ -21,7 +21,7 @@ from falconext.config import FalconConfig
 from falconext.control.eventlog import EventLog
 from falconext.control.messages import Command, SessionAck, ValidationPlan
 from falconext.runtime.monitor import RankMonitor
-from falconext.testbed import report
+from falconext.report import summary as report
 from falconext.trace.hooks import CallTracer, HookCost
 
 

@@ -32,7 +32,7 @@ from falconext.control.messages import (
 )
 from falconext.control.redis_client import redis_client
 from falconext.control.service import guarded
-from falconext.testbed.report import reliability_figures
+from falconext.report.summary import reliability_figures
 
 from test_controller import CFG, NODES, beats, report, to_profiling
 
@@ -342,7 +342,8 @@ def test_a_redis_password_on_the_command_line_is_refused():
 
 
 def test_the_redis_url_comes_from_a_file_and_never_reaches_a_command_line(tmp_path):
-    from falconext.testbed.launch import falcon_argv, rank_argv
+    from falconext.control.plane import falcon_argv
+    from falconext.testbed.launch import rank_argv
     from falconext.testbed.options import check_train_arguments
 
     secret = tmp_path / "redis-url"

@@ -11,7 +11,7 @@ import torch
 from falconext.cli import main
 from falconext.inputs import InputError
 from falconext.testbed import data
-from falconext.testbed.faults import crossing_senders, link_bytes, parse_faults
+from falconext.model.faults import crossing_senders, link_bytes, parse_faults
 
 
 def test_samples_depend_only_on_seed_batch_and_index():
@@ -103,7 +103,7 @@ def test_train_rejects_bad_layouts_and_fault_files_before_starting(tmp_path: Pat
 
 
 def test_healthy_cv_leaves_out_warm_up_faults_and_falconexts_own_pauses():
-    from falconext.testbed.report import WARMUP, healthy_cv, paused_iterations
+    from falconext.report.summary import WARMUP, healthy_cv, paused_iterations
 
     steady = {it: (0.2 if it % 2 else 0.3) for it in range(1, 60)}
     steady.update({3: 9.0, 15: 1.4, 40: 0.9})  # a probe (warm-up), a suspension, a fault
@@ -137,11 +137,11 @@ def test_validation_messages_last_20_ms_at_the_networks_rate():
 def test_forkrun_splits_torchruns_options_from_the_ranks_arguments():
     from falconext.testbed.forkrun import split_argv
 
-    assert split_argv(["--nproc_per_node", "4", "-m", "falconext.train", "--iters", "3", "-m", "x"]) == (
+    assert split_argv(["--nproc_per_node", "4", "-m", "falconext.testbed.train", "--iters", "3", "-m", "x"]) == (
         ["--nproc_per_node", "4"], ["--iters", "3", "-m", "x"])
-    with pytest.raises(ValueError, match="runs falconext.train only, not 'other'"):
+    with pytest.raises(ValueError, match="runs falconext.testbed.train only, not 'other'"):
         split_argv(["--nproc_per_node", "4", "-m", "other", "--iters", "3"])
-    with pytest.raises(ValueError, match="no '-m falconext.train'"):
+    with pytest.raises(ValueError, match="no '-m falconext.testbed.train'"):
         split_argv(["--nproc_per_node", "4"])
 
 
@@ -288,5 +288,5 @@ def test_a_zygote_runs_forkrun_with_the_callers_streams_and_exit_status(zygote, 
         if code is None:
             time.sleep(0.2)
     assert code == 1
-    assert "forkrun runs falconext.train only, not 'json.tool'" in capfd.readouterr().err
+    assert "forkrun runs falconext.testbed.train only, not 'json.tool'" in capfd.readouterr().err
     assert run_job(["-m", "json.tool"], dict(env, OMP_NUM_THREADS="3"), zygote) is None

@@ -153,7 +153,7 @@ def test_detection_needs_nothing_but_the_calls(runs):
     # the detector's modules never import the injector
     code = (
         "import sys, falconext.detect, falconext.detect.tracking, falconext.trace.hooks, "
-        "falconext.runtime.monitor; print('falconext.testbed.faults' in sys.modules)"
+        "falconext.runtime.monitor; print('falconext.model.faults' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

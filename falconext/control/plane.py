@@ -17,6 +17,7 @@ the URL and with ``ended`` set.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import secrets
@@ -26,7 +27,9 @@ import threading
 import time
 from typing import Any, Iterable
 
-from falconext.control.redis_server import RedisServer, start_redis
+from falconext.config import config_from_args
+from falconext.control.redis_server import RedisServer, RedisUnavailable, start_redis
+from falconext.inputs import InputError
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
 
 #: restarts per process before the supervisor gives up on it
@@ -202,3 +205,33 @@ class ControlPlane:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def falcon_argv(args: argparse.Namespace) -> list[str]:
+    """The ``--falcon-*`` threshold options, for the controller's command line."""
+    out: list[str] = []
+    for key, value in vars(args).items():
+        if key.startswith("falcon_") and key not in ("falcon_redis_url", "falcon_redis_url_file") and value is not None:
+            out += ["--" + key.replace("_", "-"), str(value)]
+    return out
+
+
+def start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str = "127.0.0.1",
+                 agents: bool = True, access: dict | None = None):
+    """Start the control plane when the job runs falconext with one (its variables go into
+    ``env``); None otherwise. ``redis_bind``: the private Redis's addresses, first in the URL."""
+    plane = None
+    if args.falcon and config_from_args(args).control_plane:
+        events = os.path.join(args.out, "events.jsonl")
+        if os.path.exists(events):  # the controller appends from the start
+            os.remove(events)
+        nodes = -(-args.nproc // args.ranks_per_node)
+        plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args),
+                             redis_url=args.falcon_redis_url or env.get(REDIS_URL_ENV), redis_bind=redis_bind,
+                             agents=agents, access=access)
+        try:
+            plane.start()
+        except RedisUnavailable as exc:
+            raise InputError(str(exc)) from None
+        env.update(plane.env())
+    return plane

@@ -107,11 +107,11 @@ def _stop_agent(proc: subprocess.Popen) -> None:
     for them to exit), with SIGKILL: it has nothing left to do, waits in torch's exit
     barrier (a blocking store call that defers SIGTERM), and must not join the next round.
     Workers still there after the grace are stopped with the agent
-    (:func:`falconext.testbed.launch.stop_groups`: SIGTERM, SIGKILL after STOP_GRACE_S)."""
+    (:func:`falconext.elastic.processes.stop_groups`: SIGTERM, SIGKILL after STOP_GRACE_S)."""
     import os
     import signal
 
-    from falconext.testbed.launch import stop_groups
+    from falconext.elastic.processes import stop_groups
 
     stop = time.monotonic() + LEAVE_GRACE_S
     while proc.poll() is None and _children(proc.pid) != [] and time.monotonic() < stop:

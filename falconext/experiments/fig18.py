@@ -56,7 +56,7 @@ def on_off(times: dict[int, float], toggles: list, warmup: int = WARMUP) -> tupl
     """(iteration times with falconext on, with it off): ``times`` per iteration, ``toggles``
     as the job recorded them ([iteration, on]); iterations before ``warmup`` and the first
     of each phase are left out. Raises ValueError if either state has no iteration."""
-    from falconext.testbed.report import toggle_split
+    from falconext.report.summary import toggle_split
 
     on, off = toggle_split(times, toggles, skip=1, first=warmup)
     if not on or not off:

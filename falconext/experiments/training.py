@@ -30,7 +30,7 @@ class Job:
     name: str
     args: tuple[str, ...]
     nproc: int = 4
-    #: fault dicts as ``--inject`` takes them (falconext/testbed/faults.py)
+    #: fault dicts as ``--inject`` takes them (falconext/model/faults.py)
     faults: tuple[dict[str, Any], ...] = ()
     device: str = "emulated"
     timeout_s: float = DEFAULT_TIMEOUT_S

@@ -1,6 +1,6 @@
 """Megatron-LM's own training code on a machine without CUDA (gloo, CPU tensors).
 
-:mod:`falconext.testbed.cpu_compat` makes megatron-core's schedules run on CPU. Megatron-LM's
+:mod:`falconext.emulation.cpu_compat` makes megatron-core's schedules run on CPU. Megatron-LM's
 ``megatron.training`` asks for more before its first iteration: ``torch.cuda`` calls at
 start-up (``set_device``, ``device_count``, streams, events, RNG state for checkpoints),
 ``initialize_megatron`` asserting CUDA unless told ``allow_no_cuda``, fused-kernel and
@@ -113,7 +113,7 @@ def enable() -> None:
     """
     if _saved:
         return
-    from falconext.testbed import cpu_compat
+    from falconext.emulation import cpu_compat
 
     cpu_compat.enable()
     cuda = torch.cuda

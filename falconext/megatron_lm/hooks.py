@@ -150,7 +150,7 @@ class Session:
 
         from falconext.control.eventlog import EventLog, ForwardingEventLog
         from falconext.megatron_lm import contract
-        from falconext.testbed.nodes import node_name
+        from falconext.elastic.hosts import node_name
 
         self.cfg = cfg
         self.flags = flags
@@ -181,7 +181,7 @@ class Session:
         else:
             self.events = EventLog(os.path.join(self.out, "events.jsonl"))
         self._agent: Any = None
-        from falconext.testbed.report import EstimatesFile
+        from falconext.report.summary import EstimatesFile
 
         self.estimates_file = EstimatesFile(self.out, self.process, self.suffix)
         self.loop_starts: list[float] = []
@@ -232,7 +232,7 @@ class Session:
         self.job_faults: list = []
         if not self.flags.falcon_inject:
             return []
-        from falconext.testbed.faults import on_hardware, read_faults
+        from falconext.model.faults import on_hardware, read_faults
 
         faults = read_faults(self.flags.falcon_inject, self.world, self.ranks_per_node)
         self.job_faults = faults
@@ -243,7 +243,7 @@ class Session:
 
     def _hardware(self) -> tuple[int, int] | None:
         """(emulated node, local rank) this process runs on under ``falconext nodes``, else None."""
-        from falconext.testbed.netns import ENV_NODE
+        from falconext.elastic.hosts import HARDWARE_NODE_ENV as ENV_NODE
 
         hardware = os.environ.get(ENV_NODE, "")
         return (int(hardware), self.local_rank) if hardware.isdigit() else None
@@ -264,14 +264,14 @@ class Session:
 
         kind = self._device_kind()
         if kind == "emulated":
-            from falconext.testbed.device import DEFAULT_GFLOPS, DeviceModel
-            from falconext.testbed.emulator import EmulatedDevice
+            from falconext.model.device import DEFAULT_GFLOPS, DeviceModel
+            from falconext.emulation.emulator import EmulatedDevice
 
             gflops = self.flags.falcon_device_gflops or DEFAULT_GFLOPS
             self.device = EmulatedDevice(DeviceModel(gflops=gflops), self.process, self.ranks_per_node, self.faults)
             self.device.install()  # below the tracer
         elif kind == "cuda" and self.faults:  # a compute fault is a busy kernel on this rank's stream
-            from falconext.testbed.gpu_fault import BusyKernel
+            from falconext.emulation.gpu_fault import BusyKernel
 
             self.busy = BusyKernel(self.faults, self.process)
             if any(f.kind != "compute" for f in self.faults):
@@ -373,7 +373,7 @@ class Session:
 
     def _placed_faults(self, ranks: list[dict[str, Any]]) -> list:
         """The job's faults, each named by hardware given the process running there."""
-        from falconext.testbed.faults import placed
+        from falconext.model.faults import placed
 
         where = {tuple(r["hardware"]): int(r["process"]) for r in ranks if r.get("hardware") is not None}
         return placed(self.job_faults, where) if where else self.faults
@@ -386,7 +386,7 @@ class Session:
         return grad, act
 
     def _forward_flops(self) -> float:
-        from falconext.testbed.device import gpt_forward_flops
+        from falconext.model.device import gpt_forward_flops
 
         a = self.margs
         vocab = getattr(a, "padded_vocab_size", None) or a.vocab_size or 0
@@ -583,7 +583,7 @@ class Session:
         if self._t_start and self.iteration >= 0:  # it ended at its step's end, not at exit (a checkpoint)
             end = self._t_end if self._t_end > self._t_start else time.perf_counter()
             self.measured.append((self.iteration, end - self._t_start, None))
-        from falconext.testbed import report
+        from falconext.report import summary as report
 
         if self._restart is not None and self._leaving and self.local_rank == 0:
             from falconext.elastic.restart import NodeLeave, write_leave
@@ -682,8 +682,7 @@ class NodeAgentProcess:
     ``nodes/<host>/agent.log``."""
 
     def __init__(self, session: "Session", ranks: list[dict[str, Any]]) -> None:
-        from falconext.control.plane import agent_argv
-        from falconext.testbed.launch import falcon_argv
+        from falconext.control.plane import agent_argv, falcon_argv
 
         node = session.process // session.ranks_per_node
         mine = sorted(int(r["process"]) for r in ranks if r.get("host") == session.node_name)

@@ -238,7 +238,7 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
     from falconext.elastic.join import find_plane
     from falconext.elastic.node import NodeRun, run_node
     from falconext.megatron_lm.hooks import FLAGS_ENV, MULTI_NODE_ENV, flags_digest
-    from falconext.testbed.nodes import node_name
+    from falconext.elastic.hosts import node_name
 
     env[MULTI_NODE_ENV] = "1"
     # torch (2.4 and later) shares the rendezvous's TCP store with the workers and keeps the
@@ -344,10 +344,10 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     rpn = flags.falcon_ranks_per_node or nproc
     extra: list[str] = ["--falcon-out", out]
     if flags.falcon_inject:
-        from falconext.testbed.faults import read_faults
-        from falconext.testbed.launch import _copy_faults
+        from falconext.model.faults import read_faults
+        from falconext.model.faults import copy_faults
 
-        path = _copy_faults(flags.falcon_inject, out)
+        path = copy_faults(flags.falcon_inject, out)
         try:
             read_faults(path, world, rpn, hardware_nodes=rdzv.max_nodes)  # a spare's hardware too
         except ValueError as exc:
@@ -376,13 +376,13 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     if option(plan.script_args, "--ckpt-format") is None and not _has_cuda():
         plan.script_args += ["--ckpt-format", "torch"]
     if not _has_cuda():  # the emulated device's validation settings, unless given
-        from falconext.testbed.launch import EMULATED_TESTBED, MESSAGE_S
-        from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
+        from falconext.model.device import EMULATED_TESTBED, MESSAGE_S
+        from falconext.model.device import DEFAULT_INTER_BANDWIDTH
 
         knobs = dict(EMULATED_TESTBED, falcon_p2p_bytes=max(4096, int(DEFAULT_INTER_BANDWIDTH * MESSAGE_S)))
         if flags.falcon_device_gflops is None:  # the device speed this host keeps up with
-            from falconext.testbed.device import host_gflops
-            from falconext.testbed.nodes import NODES_ON_HOST_ENV
+            from falconext.model.device import host_gflops
+            from falconext.elastic.hosts import NODES_ON_HOST_ENV
 
             # the job's nodes on this host (a spare's ranks do not run until one leaves)
             sharing = min(int(os.environ.get(NODES_ON_HOST_ENV, "1") or 1), rdzv.min_nodes)
@@ -479,7 +479,7 @@ def _start_plane(job: _Job, env: dict[str, str], redis_bind: str = "127.0.0.1", 
     """The control plane (one per job), its variables in ``env``; None when off."""
     if not _config(job).control_plane:
         return None
-    from falconext.testbed.launch import _start_plane as start
+    from falconext.control.plane import start_plane as start
 
     ns = argparse.Namespace(falcon=True, out=job.out, nproc=job.world, ranks_per_node=job.ranks_per_node,
                             falcon_redis_url=None,
@@ -507,12 +507,12 @@ def _drop_excluded_faults(job: _Job, req, env: dict[str, str]) -> None:
 
 
 def _finalize(out: str) -> None:
-    from falconext.testbed import report
+    from falconext.report import summary as report
 
     if not os.path.exists(os.path.join(out, "run.json")):
         return
     summary = report.finalize(out)
     print(report.format_summary(summary), flush=True)
-    from falconext.testbed.figures import report_at_end
+    from falconext.report.figures import report_at_end
 
     print(report_at_end(out), flush=True)

@@ -129,7 +129,7 @@ def resumed_roles(extra: dict, environ: Any) -> str | None:
     line to print, or None."""
     from falconext.megatron_lm import hooks
     from falconext.sim.itertime import check_roles
-    from falconext.testbed.nodes import node_name
+    from falconext.elastic.hosts import node_name
 
     roles = extra.get("roles")
     if roles is None:

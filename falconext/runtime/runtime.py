@@ -280,7 +280,7 @@ class FalconRuntime:
         return off
 
     def overhead(self) -> dict[str, Any]:
-        """What :func:`falconext.testbed.report.write_rank_files` keeps of this rank's
+        """What :func:`falconext.report.summary.write_rank_files` keeps of this rank's
         cost: CPU seconds by component while falconext was on (``cpu_s``, what the
         per-iteration cost divides) and while it was off (``cpu_off_s``: idle threads
         polling), the iterations run with falconext on, the hook estimator's counts, and

@@ -1,14 +1,14 @@
 """torchrun whose ranks are forks of a process that has imported torch already.
 
-``python -m falconext.testbed.forkrun <torchrun options> -m falconext.train <rank args>``
+``python -m falconext.testbed.forkrun <torchrun options> -m falconext.testbed.train <rank args>``
 is ``torchrun`` (the same parser, rendezvous, elastic agent, environment per worker and
 failure handling: :func:`torch.distributed.run.config_from_args` and
 :func:`torch.distributed.launcher.api.elastic_launch`) with one difference: the workers are
 not fresh interpreters that each import torch and megatron-core (about 2.6 s of CPU a rank,
 which four ranks on the test bed's two cores pay in turn), but forks of a process that
 imported them once (:mod:`falconext.testbed.rankimports`). The agent's function entrypoint
-with torch's own ``fork`` or ``forkserver`` start method runs :func:`falconext.train.main`
-on the rank arguments in each worker, exactly what ``-m falconext.train`` would run.
+with torch's own ``fork`` or ``forkserver`` start method runs :func:`falconext.testbed.train.main`
+on the rank arguments in each worker, exactly what ``-m falconext.testbed.train`` would run.
 
 Forks and threads. The agent runs threads (its rendezvous store's server among them) that
 call into glibc: a reverse name lookup for every connection a rank makes. A fork taken while
@@ -24,7 +24,7 @@ that rank hangs at its first connection (seen once: one rank of a 16-rank job, t
   ranks are forks of a fork server instead, a fresh single-threaded interpreter that
   imported the same modules (about 0.4 s more per job).
 
-Only the test bed's own ``falconext.train`` runs this way (the launcher of
+Only the test bed's own ``falconext.testbed.train`` runs this way (the launcher of
 :mod:`falconext.testbed.launch`); ``falconext launch`` runs Megatron-LM's scripts under
 plain torchrun.
 """
@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import gc
 
-gc.disable()  # as falconext.train: no collections while torch imports
+gc.disable()  # as falconext.testbed.train: no collections while torch imports
 
 import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 #: the one script this runner starts
-MODULE = "falconext.train"
+MODULE = "falconext.testbed.train"
 #: what the ranks' parent (the agent, or the fork server) imports before it forks them
 PRELOAD = "falconext.testbed.rankimports"
 #: the longest a rank waits for its node's other ranks to be forked
@@ -64,18 +64,18 @@ def _all_forked(folder: str, local_rank: str, local_world: int, deadline_s: floa
 
 
 def _rank(*argv: str) -> int:
-    """One worker: ``falconext.train`` on ``argv`` (forked by the agent: once every rank of
+    """One worker: ``falconext.testbed.train`` on ``argv`` (forked by the agent: once every rank of
     this node has been forked)."""
     if _forks_dir is not None:
         _all_forked(os.path.join(_forks_dir, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                     os.environ["LOCAL_RANK"], int(os.environ["LOCAL_WORLD_SIZE"]))
-    from falconext import train
+    from falconext.testbed import train
 
     return train.main(list(argv))
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``argv`` cut at ``-m falconext.train``: (torchrun's options, the rank's arguments).
+    """``argv`` cut at ``-m falconext.testbed.train``: (torchrun's options, the rank's arguments).
     Raises ValueError when the module is missing or is another one."""
     for i, arg in enumerate(argv[:-1]):
         if arg in ("-m", "--module") and argv[i + 1] == MODULE:

@@ -1,7 +1,7 @@
 """``falconext train``: start the test-bed job under torchrun on this machine.
 
 Checks the layout and the fault file before any process starts (a typo should not cost
-a torchrun start-up), picks a free loopback port, runs ``-m falconext.train`` on every
+a torchrun start-up), picks a free loopback port, runs ``-m falconext.testbed.train`` on every
 rank, and returns its exit status. What the ranks write lands in ``--out``.
 
 With ``--net netns`` (root) each virtual node gets a network namespace with a shaped veth
@@ -19,8 +19,11 @@ import subprocess
 import sys
 import time
 
-from falconext.config import config_from_args
 from falconext.inputs import InputError
+from falconext.control.plane import start_plane
+from falconext.elastic.processes import stop_groups
+from falconext.model.device import MESSAGE_S, TESTBED_KNOBS
+from falconext.model.faults import copy_faults
 from falconext.ports import free_port
 
 
@@ -31,13 +34,13 @@ TORCHRUN = [sys.executable, "-m", "falconext.testbed.forkrun"]
 
 def torchrun_command(args: argparse.Namespace, argv_tail: list[str], port: int) -> list[str]:
     """The torchrun command line of one attempt: this machine's ranks running
-    ``falconext.train`` with ``argv_tail``, rendezvous on loopback ``port``."""
+    ``falconext.testbed.train`` with ``argv_tail``, rendezvous on loopback ``port``."""
     return [
         *TORCHRUN,
         "--nproc_per_node", str(args.nproc),
         "--master_addr", "127.0.0.1",
         "--master_port", str(port),
-        "-m", "falconext.train", *argv_tail,
+        "-m", "falconext.testbed.train", *argv_tail,
     ]
 
 
@@ -55,46 +58,9 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def falcon_argv(args: argparse.Namespace) -> list[str]:
-    """The ``--falcon-*`` threshold options, for the controller's command line."""
-    out: list[str] = []
-    for key, value in vars(args).items():
-        if key.startswith("falcon_") and key not in ("falcon_redis_url", "falcon_redis_url_file") and value is not None:
-            out += ["--" + key.replace("_", "-"), str(value)]
-    return out
-
-
-#: validation settings for the CPU test bed, unless given on the command line: its
-#: ranks share the host's cores (one benchmark at a time), and its loopback messages
-#: pick up milliseconds of scheduling noise (see FalconConfig)
-CPU_TESTBED = {
-    "falcon_gemm_concurrency": 1,
-    "falcon_p2p_concurrency": 1,
-    "falcon_validation_min_link_excess_s": 0.005,
-}
-
-#: validation settings for the emulated device, unless given on the command line: each
-#: rank owns its (emulated) device, so benchmarks run side by side, and device time is
-#: exact, so a few GEMM repeats suffice; the 5 ms floor keeps real loopback noise from
-#: naming a link on a loaded host. Messages: see MESSAGE_S.
-EMULATED_TESTBED = {
-    "falcon_gemm_repeats": 10,
-    "falcon_validation_min_link_excess_s": 0.005,
-}
-TESTBED_KNOBS = {"cpu": CPU_TESTBED, "emulated": EMULATED_TESTBED}
-
-#: over the emulated links or real ones (``--net netns``) a validation message lasts this
-#: long at the network's base rate (1 MB at the default 50 MB/s): long enough that a
-#: link's congestion stands far above the milliseconds of real loopback or TCP noise,
-#: short enough that the sweeps over a congested link end well inside the controller's
-#: validation deadline (1 MB messages over a 5 or 10 MB/s network took 0.8 s each under
-#: a fault, and the results came after the deadline)
-MESSAGE_S = 0.02
-
-
 def testbed_knobs(args: argparse.Namespace) -> dict[str, float]:
     """The validation settings this test bed gets unless given on the command line."""
-    from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
+    from falconext.model.device import DEFAULT_INTER_BANDWIDTH
 
     knobs: dict[str, float] = dict(TESTBED_KNOBS.get(args.device, {}))
     if args.device == "emulated" or getattr(args, "net", "emulated") == "netns":
@@ -107,7 +73,7 @@ def launch_training(args: argparse.Namespace) -> int:
     """``falconext train``: check the arguments, start the control plane, run torchrun
     (again after each S4 restart request), then write the summary and report; returns
     the exit status (2 for bad input, with one line)."""
-    from falconext.testbed.faults import read_faults
+    from falconext.model.faults import read_faults
     from falconext.testbed.options import check_train_arguments
 
     if args.nproc < 1:
@@ -121,7 +87,7 @@ def launch_training(args: argparse.Namespace) -> int:
 
         check_available()
     if args.inject:
-        args.inject = _copy_faults(args.inject, args.out)
+        args.inject = copy_faults(args.inject, args.out)
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
     if getattr(args, "net", "emulated") == "netns":
         _check_netns(args)
@@ -141,7 +107,7 @@ def launch_training(args: argparse.Namespace) -> int:
         return _launch_netns(args, env)
     from falconext.elastic.supervisor import AttemptEnd, Supervisor
 
-    plane = _start_plane(args, env)  # first: its Redis holds its port before torchrun's is picked
+    plane = start_plane(args, env)  # first: its Redis holds its port before torchrun's is picked
     progress = None
     if plane is not None and plane.url:
         from falconext.testbed.progress import Progress
@@ -166,49 +132,6 @@ def _run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
 
     code = run_job(cmd[len(TORCHRUN):], env) if cmd[:len(TORCHRUN)] == TORCHRUN else None
     return subprocess.run(cmd, env=env).returncode if code is None else code
-
-
-def _start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str = "127.0.0.1",
-                 agents: bool = True, access: dict | None = None):
-    """Start the control plane when the job runs falconext with one (its variables go into
-    ``env``); None otherwise. ``redis_bind``: the private Redis's addresses, first in the URL."""
-    plane = None
-    if args.falcon and config_from_args(args).control_plane:
-        from falconext.control.client import REDIS_URL_ENV
-        from falconext.control.plane import ControlPlane
-        from falconext.control.redis_server import RedisUnavailable
-
-        events = os.path.join(args.out, "events.jsonl")
-        if os.path.exists(events):  # the controller appends from the start
-            os.remove(events)
-        nodes = -(-args.nproc // args.ranks_per_node)
-        plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args),
-                             redis_url=args.falcon_redis_url or env.get(REDIS_URL_ENV), redis_bind=redis_bind,
-                             agents=agents, access=access)
-        try:
-            plane.start()
-        except RedisUnavailable as exc:
-            raise InputError(str(exc)) from None
-        env.update(plane.env())
-    return plane
-
-
-def _copy_faults(path: str, out: str) -> str:
-    """The fault file read once, here, and kept in the run directory as ``faults.json``,
-    which the ranks read: a pipe or a file changed while the job runs cannot reach them."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as exc:
-        raise InputError(f"--inject {path}: cannot read it ({exc.strerror or exc})") from None
-    os.makedirs(out, exist_ok=True)
-    copy = os.path.join(out, "faults.json")
-    if os.path.abspath(path) != os.path.abspath(copy):  # whole or not at all: other nodes' launchers read it
-        tmp = f"{copy}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, copy)
-    return copy
 
 
 def _prepare_restart(args: argparse.Namespace, req) -> None:
@@ -293,7 +216,7 @@ def node_torchrun_command(args: argparse.Namespace, argv_tail: list[str], nodes:
         "--nproc_per_node", str(args.ranks_per_node),
         "--master_addr", master_addr,
         "--master_port", str(port),
-        "-m", "falconext.train", *argv_tail,
+        "-m", "falconext.testbed.train", *argv_tail,
     ]
 
 
@@ -311,7 +234,7 @@ def _launch_netns(args: argparse.Namespace, env: dict[str, str]) -> int:
     torchrun per node, the S4 restart loop, and everything removed however it ends."""
     from falconext.elastic.supervisor import AttemptEnd, Supervisor
     from falconext.testbed import netns
-    from falconext.testbed.device import DEFAULT_INTER_BANDWIDTH
+    from falconext.model.device import DEFAULT_INTER_BANDWIDTH
 
     removed = netns.cleanup_stale()
     if removed:
@@ -325,7 +248,7 @@ def _launch_netns(args: argparse.Namespace, env: dict[str, str]) -> int:
                 network = netns.Network.create(nodes, rate)
             except (netns.NetnsError, ValueError) as exc:
                 raise InputError(f"--net netns: could not set up the node namespaces: {exc}") from None
-            plane = _start_plane(args, env, redis_bind=f"{network.layout.bridge_ip} 127.0.0.1")
+            plane = start_plane(args, env, redis_bind=f"{network.layout.bridge_ip} 127.0.0.1")
             net = network
 
             def start(attempt: int) -> AttemptEnd:
@@ -368,33 +291,6 @@ def _run_nodes(args: argparse.Namespace, env: dict[str, str], network, port: int
             time.sleep(0.2)
     finally:
         stop_groups(procs)
-
-
-def stop_groups(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM each still-running process's group (each started in a session of its own),
-    SIGKILL what is left after ``grace_s``; returns once all have been reaped (or after the
-    kill's own 5 s)."""
-    import signal
-
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace_s
-    for p in live:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 class _signals_raise:

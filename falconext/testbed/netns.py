@@ -41,6 +41,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from falconext.elastic.hosts import HARDWARE_NODE_ENV
+
 #: name family of everything this module creates: ``fx<pid>-n<k>``, ``fx<pid>-br``, ...
 PREFIX = "fx"
 #: the /16 the per-run /24 comes from
@@ -58,7 +60,7 @@ QUANTUM = 60000
 CLASS_BASE = 0x10
 
 # what the launcher tells each rank (read by LinkShaper.from_env)
-ENV_NODE = "FALCON_NETNS_NODE"  # this namespace's virtual node
+ENV_NODE = HARDWARE_NODE_ENV  # this namespace's virtual node
 ENV_DEV = "FALCON_NETNS_DEV"  # the veth inside this namespace
 ENV_IPS = "FALCON_NETNS_IPS"  # comma-separated node addresses, node 0 first
 ENV_RATE = "FALCON_NETNS_RATE"  # base inter-node link rate, bytes/s

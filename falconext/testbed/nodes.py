@@ -28,24 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import IO, Sequence
 
+from falconext.elastic.hosts import NODE_NAME_ENV, NODES_ON_HOST_ENV
 from falconext.inputs import InputError
 
-#: the environment variable naming a node (falconext's node name: the host name otherwise)
-NODE_NAME_ENV = "FALCONEXT_NODE_NAME"
-#: the number of emulated nodes sharing this machine (set by the bed: launchers pick the
-#: emulated device's speed from the ranks all of them run on this host's cores)
-NODES_ON_HOST_ENV = "FALCONEXT_NODES_ON_HOST"
 #: once every node's command has been asked to stop, how long before SIGKILL, seconds
 STOP_GRACE_S = 15.0
-
-
-def node_name(environ: dict[str, str] | None = None) -> str:
-    """This node's name: ``FALCONEXT_NODE_NAME`` where the bed (or a user) set it, else the
-    host name. Files and events name nodes by it."""
-    import socket
-
-    env = os.environ if environ is None else environ
-    return env.get(NODE_NAME_ENV) or socket.gethostname()
 
 
 def substitute(cmd: Sequence[str], node: int, addr: str, head: str) -> list[str]:
@@ -165,6 +152,6 @@ def _write_nodes(out: str, nodes: list[_Node], rate: float) -> None:
 def _stop(nodes: list[_Node]) -> None:
     """Stop every node's still-running command (its whole process group): SIGTERM, SIGKILL
     after STOP_GRACE_S."""
-    from falconext.testbed.launch import stop_groups
+    from falconext.elastic.processes import stop_groups
 
     stop_groups([n.proc for n in nodes], STOP_GRACE_S)

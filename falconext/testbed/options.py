@@ -1,5 +1,5 @@
 """Command-line options of the training test bed, shared by ``falconext train`` (which
-starts torchrun) and ``python -m falconext.train`` (what each torchrun process runs)."""
+starts torchrun) and ``python -m falconext.testbed.train`` (what each torchrun process runs)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
         "time; cuda: GPUs with NCCL",
     )
     p.add_argument("--device-gflops", type=float, default=None,
-                   help="emulated device throughput, GFLOP/s (default: see falconext.testbed.device)")
+                   help="emulated device throughput, GFLOP/s (default: see falconext.model.device)")
     p.add_argument("--net", choices=["emulated", "netns"], default="emulated",
                    help="virtual links: emulated (a link model sets each transfer's time) or netns (one "
                    "network namespace per virtual node, real rate-limited veth links; needs root)")
@@ -43,7 +43,7 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--inject", default=None, help="JSON list of faults (experiment tool)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per virtual node (link faults)")
     p.add_argument("--link-bandwidth", type=float, default=None,
-                   help="inter-node link bytes/s (default: see falconext.testbed.device)")
+                   help="inter-node link bytes/s (default: see falconext.model.device)")
     p.add_argument(
         "--falcon-redis-url", default=None,
         help="control-plane Redis without a password (redis://HOST:PORT/0); one with a password comes from "

@@ -1,7 +1,7 @@
 """The emulated device's processes ahead of the host's other work.
 
 An emulated device keeps a GPU's time only while its rank's real CPU work fits inside
-the device windows (:mod:`falconext.testbed.emulator`). On a host busy with other work
+the device windows (:mod:`falconext.emulation.emulator`). On a host busy with other work
 (two CPU-bound processes on the 2-core test host), a rank woken at a window's end waits
 for a core behind them, and every window overruns: healthy ranks then read up to twice
 their device time, and what S2 balances on is the host's load, not the devices' speed.

@@ -4,7 +4,7 @@ forks (the ranks) share it.
 
 Importing this module is the whole of its work: torch, megatron-core, redis and
 falconext's rank side are imported with the garbage collector off (as
-:mod:`falconext.train` does), then the objects they made are frozen out of every later
+:mod:`falconext.testbed.train` does), then the objects they made are frozen out of every later
 collection, in the fork server and in each fork.
 """
 
@@ -14,8 +14,8 @@ import gc
 
 gc.disable()
 
-import falconext.train  # noqa: E402,F401  (torch)
-import falconext.testbed.emulator  # noqa: E402,F401
+import falconext.testbed.train  # noqa: E402,F401  (torch)
+import falconext.emulation.emulator  # noqa: E402,F401
 import falconext.testbed.trainer  # noqa: E402,F401  (megatron-core)
 import falconext.runtime.runtime  # noqa: E402,F401
 import falconext.control.client  # noqa: E402,F401  (redis)

@@ -1,4 +1,4 @@
-"""One training step of the test bed, per rank (the loop itself is in falconext/train.py).
+"""One training step of the test bed, per rank (the loop itself is in falconext/testbed/train.py).
 
 A plain Megatron step: zero the DDP grad buffers, run megatron-core's forward-backward
 function over this replica's micro-batches (1F1B when PP > 1), step the optimizer, and
@@ -117,8 +117,8 @@ class Trainer:
 
     def forward_flops(self) -> float:
         """Forward FLOPs of one micro-batch of this rank's pipeline stage (the emulated
-        device's work; see falconext.testbed.device)."""
-        from falconext.testbed.device import gpt_forward_flops
+        device's work; see falconext.model.device)."""
+        from falconext.model.device import gpt_forward_flops
 
         sh = self.opts.shape
         return gpt_forward_flops(sh.layers // self.opts.pp, sh.hidden, sh.seq_len, self.opts.micro_batch_size,
@@ -164,7 +164,7 @@ def init_distributed(opts: TrainOptions) -> None:
     cuda) and megatron-core's parallel state for ``opts``. Raises ValueError when the
     world size is not a multiple of TP x PP."""
     if opts.device in ("cpu", "emulated"):
-        from falconext.testbed import cpu_compat
+        from falconext.emulation import cpu_compat
 
         cpu_compat.enable(fast=True)  # first: it imports megatron-core the cheap way on CPU
         backend = "gloo"

@@ -2,7 +2,7 @@
 
 Every rank keeps training for real (megatron-core on CPU tensors over gloo: real model,
 losses and gradients), but the *time* the work takes is the time a GPU would take, from
-:class:`falconext.testbed.device.DeviceModel`:
+:class:`falconext.model.device.DeviceModel`:
 
 - **compute**: a micro-batch's forward starts a device window of its FLOPs at the
   device's throughput (times this process's compute-fault factor for the iteration); at
@@ -36,9 +36,9 @@ from typing import Any, Callable
 
 import torch
 
-from falconext.testbed.device import BACKWARD_PER_FORWARD, DeviceModel, gemm_flops
-from falconext.testbed.faults import Fault, compute_factor, link_factor
-from falconext.testbed.marks import mark_layers_input, on_backward
+from falconext.model.device import BACKWARD_PER_FORWARD, DeviceModel, gemm_flops
+from falconext.model.faults import Fault, compute_factor, link_factor
+from falconext.emulation.marks import mark_layers_input, on_backward
 from falconext.trace.groups import to_process
 from falconext.trace.aliases import rebind_aliases, restore_aliases
 from falconext.trace.wrappers import P2PWrapper

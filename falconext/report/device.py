@@ -43,7 +43,7 @@ def ceiling_from_run(out: str, run: dict[str, Any]) -> dict[str, Any] | None:
     micro-batch is its slowest rank's (device files under ``ranks/``), slowed by the
     compute faults in force at the first fault's start. None without device records or
     without a compute fault."""
-    from falconext.testbed.faults import compute_factor, parse_faults
+    from falconext.model.faults import compute_factor, parse_faults
 
     topo = run.get("topology") or {}
     ranks = topo.get("ranks") or []

@@ -28,17 +28,18 @@ below the tracer (install it first), so the tracer sees injected delays as slow
 transfers, exactly as it would see a congested link.
 
 This module reads and answers questions about faults (no torch: the launcher reads the
-fault file before any rank starts); :mod:`falconext.testbed.injector` applies them.
+fault file before any rank starts); :mod:`falconext.emulation.injector` applies them.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from falconext.inputs import InputError, loads_strict, read_text
-from falconext.testbed.device import ring_hop_bytes
+from falconext.model.device import ring_hop_bytes
 
 #: nominal bandwidth of a virtual link, bytes/s; a link fault of factor f adds
 #: (f - 1) * bytes / this to each transfer over the link
@@ -210,3 +211,21 @@ def crossing_senders(members: list[int], ranks_per_node: int, link: tuple[int, i
 #: bytes one ring link carries for a collective (one model for the injector and the
 #: emulated device)
 link_bytes = ring_hop_bytes
+
+
+def copy_faults(path: str, out: str) -> str:
+    """The fault file read once, here, and kept in the run directory as ``faults.json``,
+    which the ranks read: a pipe or a file changed while the job runs cannot reach them."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise InputError(f"--inject {path}: cannot read it ({exc.strerror or exc})") from None
+    os.makedirs(out, exist_ok=True)
+    copy = os.path.join(out, "faults.json")
+    if os.path.abspath(path) != os.path.abspath(copy):  # whole or not at all: other nodes' launchers read it
+        tmp = f"{copy}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, copy)
+    return copy

@@ -1,6 +1,6 @@
 """A compute fault on a real CUDA device: a busy kernel on the rank's stream.
 
-The emulated device stretches its modelled compute (:mod:`falconext.testbed.emulator`); a
+The emulated device stretches its modelled compute (:mod:`falconext.emulation.emulator`); a
 real GPU is slowed the way a throttled one would be: at the start of each faulty iteration
 one kernel that spins (``torch.cuda._sleep``) is queued on the current stream, so the
 iteration's work waits behind it. It lasts ``(factor - 1)`` times the healthy iteration
@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from falconext.testbed.faults import Fault, compute_factor
+from falconext.model.faults import Fault, compute_factor
 
 #: cycles of the calibration kernel (a few milliseconds on a current GPU)
 CALIBRATION_CYCLES = 10_000_000

@@ -1,4 +1,4 @@
-"""One rank of the test-bed training job: ``torchrun --nproc_per_node N -m falconext.train ...``.
+"""One rank of the test-bed training job: ``torchrun --nproc_per_node N -m falconext.testbed.train ...``.
 
 ``falconext train`` starts this through torchrun; it can also be started by hand. Each
 rank trains, measures its loop's iteration times, and (with ``--falcon``) intercepts its
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, Any]:
     """The command line, checked against the world size, and its FalconConfig."""
-    parser = argparse.ArgumentParser(prog="falconext.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="falconext.testbed.train", description=__doc__.splitlines()[0])
     add_train_arguments(parser, launcher=False)
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -125,7 +125,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, Any]:
 def _start(args: argparse.Namespace, world: int, cfg: Any) -> _Job:
     """Everything before the first iteration: process groups, output folders, the test
     bed's devices, the model (resumed after a restart), run.json and falconext's runtime."""
-    from falconext.testbed import report
+    from falconext.report import summary as report
     from falconext.testbed.chaos import BusChaos, parse_chaos
     from falconext.testbed.model import ModelShape
     from falconext.testbed.trainer import Trainer, TrainOptions, init_distributed
@@ -191,12 +191,12 @@ def _install_rig(args: argparse.Namespace, rank: int, world: int) -> _Rig:
     """Install the test bed's emulated device, link shaper or fault injector that the
     arguments ask for, below the tracer (installed later), so the tracer sees their
     device-timed or delayed transfers."""
-    from falconext.testbed import faults as faults_mod
+    from falconext.model import faults as faults_mod
 
     rig = _Rig(faults_mod.read_faults(args.inject, world, args.ranks_per_node) if args.inject else [])
     if args.device == "emulated":
         # the emulated accelerator takes the faults itself: they multiply device time
-        from falconext.testbed.emulator import EmulatedDevice
+        from falconext.emulation.emulator import EmulatedDevice
 
         rig.device = EmulatedDevice(device_model(args), rank, args.ranks_per_node, rig.faults,
                                     real_links=args.net == "netns")
@@ -209,7 +209,7 @@ def _install_rig(args: argparse.Namespace, rank: int, world: int) -> _Rig:
     if rig.device is None and rig.faults:
         bw = args.link_bandwidth or faults_mod.DEFAULT_LINK_BANDWIDTH
         injected = [f for f in rig.faults if f.kind != "link"] if rig.shaper is not None else rig.faults
-        from falconext.testbed.injector import FaultInjector
+        from falconext.emulation.injector import FaultInjector
 
         rig.injector = FaultInjector(injected, rank, args.ranks_per_node, bw)
         rig.injector.install()  # below the tracer: injected delays look like slow transfers
@@ -380,7 +380,7 @@ def _finish(job: _Job, measured: list[tuple[int, float, float | None]],
             request: "restart.RestartRequest | None") -> None:
     """Write this rank's files; then rank 0 writes the restart request or the summary
     (and the HTML report with ``--report``); the process group is destroyed."""
-    from falconext.testbed import report
+    from falconext.report import summary as report
 
     out, rank, runtime = job.args.out, job.rank, job.runtime
     report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, job.suffix,
@@ -396,7 +396,7 @@ def _finish(job: _Job, measured: list[tuple[int, float, float | None]],
         summary = report.finalize(out)
         print(report.format_summary(summary), flush=True)
         if job.args.report:
-            from falconext.testbed.figures import report_at_end
+            from falconext.report.figures import report_at_end
 
             print(report_at_end(out), flush=True)
     job.events.close()
@@ -417,7 +417,7 @@ def _set_up() -> None:
 
 def device_model(args: argparse.Namespace):
     """The emulated device of ``--device emulated`` from the command line."""
-    from falconext.testbed.device import DEFAULT_GFLOPS, DEFAULT_INTER_BANDWIDTH, DeviceModel
+    from falconext.model.device import DEFAULT_GFLOPS, DEFAULT_INTER_BANDWIDTH, DeviceModel
 
     return DeviceModel(gflops=DEFAULT_GFLOPS if args.device_gflops is None else args.device_gflops,
                        inter_bandwidth=DEFAULT_INTER_BANDWIDTH if args.link_bandwidth is None else args.link_bandwidth)

@@ -141,3 +141,31 @@ def gpt_forward_flops(
 def gemm_flops(m: int, k: int, n: int) -> float:
     """FLOPs of an (m x k) @ (k x n) matmul."""
     return 2.0 * m * k * n
+
+
+#: validation settings for the CPU test bed, unless given on the command line: its
+#: ranks share the host's cores (one benchmark at a time), and its loopback messages
+#: pick up milliseconds of scheduling noise (see FalconConfig)
+CPU_TESTBED = {
+    "falcon_gemm_concurrency": 1,
+    "falcon_p2p_concurrency": 1,
+    "falcon_validation_min_link_excess_s": 0.005,
+}
+
+#: validation settings for the emulated device, unless given on the command line: each
+#: rank owns its (emulated) device, so benchmarks run side by side, and device time is
+#: exact, so a few GEMM repeats suffice; the 5 ms floor keeps real loopback noise from
+#: naming a link on a loaded host. Messages: see MESSAGE_S.
+EMULATED_TESTBED = {
+    "falcon_gemm_repeats": 10,
+    "falcon_validation_min_link_excess_s": 0.005,
+}
+TESTBED_KNOBS = {"cpu": CPU_TESTBED, "emulated": EMULATED_TESTBED}
+
+#: over the emulated links or real ones (``--net netns``) a validation message lasts this
+#: long at the network's base rate (1 MB at the default 50 MB/s): long enough that a
+#: link's congestion stands far above the milliseconds of real loopback or TCP noise,
+#: short enough that the sweeps over a congested link end well inside the controller's
+#: validation deadline (1 MB messages over a 5 or 10 MB/s network took 0.8 s each under
+#: a fault, and the results came after the deadline)
+MESSAGE_S = 0.02

@@ -1,5 +1,5 @@
 """The fault injector of one rank (``--inject`` on the CPU bed): slows its compute and
-its links as :mod:`falconext.testbed.faults` describes, by wrapping torch.distributed
+its links as :mod:`falconext.model.faults` describes, by wrapping torch.distributed
 below the tracer and hooking the model's forward and backward."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from falconext.testbed.faults import DEFAULT_LINK_BANDWIDTH, Fault, compute_factor, crossing_senders, link_bytes
-from falconext.testbed.marks import mark_layers_input, marks_layers_input, on_backward
+from falconext.model.faults import DEFAULT_LINK_BANDWIDTH, Fault, compute_factor, crossing_senders, link_bytes
+from falconext.emulation.marks import mark_layers_input, marks_layers_input, on_backward
 from falconext.trace.groups import to_process
 from falconext.trace.wrappers import P2PWrapper
 

@@ -234,7 +234,7 @@ def finalize(out: str) -> dict[str, Any]:
 
 def _add_device_figures(out: str, run: dict, summary: dict[str, Any]) -> None:
     """With the emulated device: its accounting, and S2's ceiling beside the measured share."""
-    from falconext.testbed.device_report import ceiling_from_run, device_figures
+    from falconext.report.device import ceiling_from_run, device_figures
 
     world = int((run.get("topology") or {}).get("world", 0))
     summary["device"] = device_figures(out, world) if world else None

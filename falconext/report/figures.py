@@ -25,7 +25,7 @@ from statistics import median
 from typing import Any
 
 from falconext.inputs import InputError
-from falconext.testbed.report import read_events
+from falconext.report.summary import read_events
 
 FIGURES = ("iterations.png", "scores.png", "plan.png")
 
