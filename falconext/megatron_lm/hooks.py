@@ -33,7 +33,8 @@ import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches, parse_topology
-from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange
+from falconext.control.messages import MicrobatchPlan, Restart, TopologyChange
+from falconext.runtime.host import PlanRefused, apply_action, versions
 from falconext.sim.itertime import check_roles
 
 #: the environment variable holding the launcher's ``--falcon*`` flags (a JSON list)
@@ -420,7 +421,7 @@ class Session:
             elif self.forced_topology is not None and self.forced_topology[0] == iteration:
                 action = TopologyChange(list(self.forced_topology[1]), reason="forced")
         if action is not None:
-            self._apply(action, iteration)
+            apply_action(self, action, iteration, self.events)
 
     def loop_end(self) -> None:
         """The step is over: hand the runtime this replica's micro-batch count and forward times."""
@@ -428,29 +429,34 @@ class Session:
         if self.runtime is not None:
             self.runtime.after_step(self._micro, self._forward_s)
 
-    def _apply(self, action: MitigationAction, iteration: int) -> None:
+    # --- the rank host (runtime/host.py) ------------------------------------------------
+
+    def apply_plan(self, action: MicrobatchPlan, iteration: int) -> dict[str, Any] | None:
+        """S2 from the first iteration the data loader has not fetched yet; one
+        ``plan_applied`` per node (every node applies it)."""
         from falconext.megatron_lm.sampler import PlanError
 
-        if isinstance(action, MicrobatchPlan):
-            why = self.s2_refused or (None if self.sampler_planned else
-                                      "the training data loader does not draw from Megatron's single sampler")
-            if why:
-                self.events.emit("control_error", rank=self.process, error=f"plan not applied: {why}")
-                return
-            start = iteration + self._prefetch_lag()
-            try:
-                self.schedule.set(start, action.plan)
-            except PlanError as exc:  # agreed but impossible: every rank refuses alike
-                self.events.emit("control_error", rank=self.process, error=f"plan not applied: {exc}")
-                return
-            if self.local_rank == 0:  # one line per node: every node applies it
-                self.events.emit("plan_applied", iteration=start, plan=self.schedule.plan_at(start),
-                                 strategy=action.strategy, committed_at=iteration, host=self.node_name)
-        elif isinstance(action, (Restart, TopologyChange)):
-            self._request_restart(action, iteration)
-        else:
-            self.events.emit("control_error", rank=self.process,
-                             error=f"not applied inside Megatron-LM: {type(action).__name__}")
+        why = self.s2_refused or (None if self.sampler_planned else
+                                  "the training data loader does not draw from Megatron's single sampler")
+        if why:
+            raise PlanRefused(why)
+        start = iteration + self._prefetch_lag()
+        try:
+            self.schedule.set(start, action.plan)
+        except PlanError as exc:
+            raise PlanRefused(str(exc)) from None
+        if self.local_rank != 0:
+            return None
+        return {"iteration": start, "plan": self.schedule.plan_at(start), "strategy": action.strategy,
+                "committed_at": iteration, "host": self.node_name}
+
+    def change_topology(self, action: TopologyChange, iteration: int) -> None:
+        """S3 inside Megatron-LM: a restart with the ranks in a new order."""
+        self._request_restart(action, iteration)
+
+    def restart(self, action: Restart, iteration: int) -> None:
+        """S4 through Megatron's own exit path."""
+        self._request_restart(action, iteration)
 
     def _prefetch_lag(self) -> int:
         """Iterations the training data loader may have drawn ahead: a plan starts after them."""
@@ -730,24 +736,6 @@ class NodeAgentProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def versions() -> dict[str, str]:
-    """What ran: Python, torch, megatron-core (the checkout's when Megatron-LM is loaded), falconext."""
-    import platform
-
-    import torch
-
-    import falconext
-
-    try:
-        from megatron.core import package_info
-
-        mcore = package_info.__version__
-    except Exception:  # pragma: no cover - reported, not required
-        mcore = "unknown"
-    return {"python": platform.python_version(), "torch": torch.__version__, "megatron-core": mcore,
-            "falconext": falconext.__version__}
 
 
 #: the launcher's attempt number (0: the first run; n: after the n-th S4 restart)

@@ -18,7 +18,6 @@ gc.disable()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -27,23 +26,12 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from falconext.config import config_from_args, parse_microbatches, parse_topology  # noqa: E402
-from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange  # noqa: E402
+from falconext.control.messages import MicrobatchPlan, Restart, TopologyChange  # noqa: E402
+from falconext.runtime.host import PlanRefused, apply_action, versions  # noqa: E402
 from falconext.mitigate import restart  # noqa: E402
 from falconext.testbed.options import add_train_arguments, check_train_arguments  # noqa: E402
 
 _STARTED = time.time()  # this process's start, near enough: the module runs as __main__
-
-
-def _versions() -> dict[str, str]:
-    import falconext
-
-    try:
-        from importlib.metadata import version
-
-        mcore = version("megatron-core")
-    except Exception:  # pragma: no cover - reported, not required
-        mcore = "unknown"
-    return {"python": platform.python_version(), "torch": torch.__version__, "megatron-core": mcore, "falconext": falconext.__version__}
 
 
 def _topology(world: int, tp: int, pp: int, ranks_per_node: int) -> dict:
@@ -233,7 +221,7 @@ def _write_run_info(job: _Job, topology: dict) -> None:
         "args": {k: v for k, v in vars(args).items() if not k.startswith("falcon_")},
         "falcon_config": job.cfg.to_dict() if args.falcon else None,
         "faults": [f.to_dict() for f in job.rig.faults],
-        "versions": _versions(),
+        "versions": versions(),
         "topology": topology,
         "clock": {"perf_counter": time.perf_counter(), "time": time.time()},
     }
@@ -270,14 +258,13 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
     """The training loop: each iteration's (index, seconds, loss), and the S4 restart
     request that ended it early, if any. The test bed's devices are uninstalled and the
     runtime closed however it ends."""
-    args, cfg, rank, runtime, rig = job.args, job.cfg, job.rank, job.runtime, job.rig
+    args, cfg, runtime = job.args, job.cfg, job.runtime
     s3_probe = runtime is not None and cfg.mitigation and "S3" in cfg.strategies()
     s4_probe = runtime is not None and cfg.mitigation and "S4" in cfg.strategies()
-    switch_layout = dict(job.layout, ranks_per_node=args.ranks_per_node)
+    host = _BedHost(job)
     measured: list[tuple[int, float, float | None]] = []
     request = None
     forced_topology = parse_topology(cfg.force_topology)
-    switches = 0
     startup_s = time.time() - float(os.environ.get(restart.LAUNCH_TIME_ENV, _STARTED))
     t_prev = time.perf_counter()
     try:
@@ -290,15 +277,8 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
                 runtime.set_enabled((it // args.bench_falcon_toggle) % 2 == 1)
             if forced_topology is not None and it == forced_topology[0]:
                 action = TopologyChange(list(forced_topology[1]), forced=True)
-            if isinstance(action, TopologyChange):
-                switches += 1
-                before = job.trainer
-                job.trainer = _switch(action, it, job.trainer, job.opts, switches, job.events, rank, switch_layout,
-                                      runtime, rig.injector, rig.device)
-                if job.trainer is not before and not action.probe:  # applied (a refusal keeps the trainer)
-                    job.roles = list(action.roles)
-            elif action is not None:
-                request = _apply(action, it, job.trainer, job.events, rank, args.out, job.layout, args, job.roles)
+            if action is not None:
+                request = apply_action(host, action, it, job.events)
                 if request is not None:
                     break
             # S4's cost, measured by a save and load, only where S4 may be chosen
@@ -307,9 +287,7 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
             if s3_probe and it == job.first_it + 3:
                 # S3's cost, measured: a switch to the same roles (state handed round a
                 # ring and dropped, groups re-created, model rebuilt and reloaded)
-                switches += 1
-                job.trainer = _switch(TopologyChange([], probe=True), it, job.trainer, job.opts,
-                                      switches, job.events, rank, switch_layout, runtime, rig.injector, rig.device)
+                host.change_topology(TopologyChange([], probe=True), it)
             t_step = time.perf_counter()
             loss = job.trainer.step(it)
             if job.nvrx is not None:
@@ -477,32 +455,47 @@ def _tell_role(runtime, trainer, opts) -> None:
     runtime.set_role(torch.distributed.get_rank(), ps.get_pipeline_model_parallel_rank(), opts.tp, opts.pp, grad, act)
 
 
-def _apply(action: MitigationAction, it: int, trainer, events, rank: int, out: str, layout: dict,
-           args, roles: list[int] | None = None) -> "restart.RestartRequest | None":
-    """Apply a committed mitigation at this iteration boundary (every rank does, at the same one).
-    An S4 request carries the ``roles`` in force, so the restarted job takes them up again."""
-    if isinstance(action, MicrobatchPlan):
+class _BedHost:
+    """The test bed's trainer as a rank host (:mod:`falconext.runtime.host`): plans in force at
+    once, S3 live (:func:`_switch`), S4 a checkpoint of this process's shard and a restart
+    request."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.process = job.rank
+        #: topology switches so far (each is an epoch of the switch protocol)
+        self.switches = 0
+
+    def apply_plan(self, action: MicrobatchPlan, iteration: int) -> dict[str, Any] | None:
         try:
-            trainer.set_plan(action.plan)
-        except (KeyError, TypeError, ValueError) as exc:  # agreed but impossible: keep training as is
-            events.emit("control_error", rank=rank, error=f"plan not applied: {exc}")
-            return None
-        if rank == 0:
-            events.emit("plan_applied", iteration=it, plan=trainer.plan, strategy=action.strategy)
-        return None
-    if isinstance(action, Restart):
-        directory = os.path.join(out, restart.CHECKPOINT_DIR)
+            self.job.trainer.set_plan(action.plan)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanRefused(str(exc)) from None
+        return {"iteration": iteration, "plan": self.job.trainer.plan, "strategy": action.strategy} if self.process == 0 else None
+
+    def change_topology(self, action: TopologyChange, iteration: int) -> None:
+        job = self.job
+        self.switches += 1
+        before = job.trainer
+        job.trainer = _switch(action, iteration, job.trainer, job.opts, self.switches, job.events, job.rank,
+                              dict(job.layout, ranks_per_node=job.args.ranks_per_node), job.runtime,
+                              job.rig.injector, job.rig.device)
+        if job.trainer is not before and not action.probe:  # applied (a refusal keeps the trainer)
+            job.roles = list(action.roles)
+
+    def restart(self, action: Restart, iteration: int) -> "restart.RestartRequest":
+        """An S4 request carries the roles in force, so the restarted job takes them up again."""
+        job = self.job
+        directory = os.path.join(job.args.out, restart.CHECKPOINT_DIR)
         # a shard belongs to the role (torch rank), which a topology switch may have moved:
         # the restarted job starts with launch ranks = roles again
-        save_s = restart.save_shard(directory, torch.distributed.get_rank(), layout, it, trainer.model, trainer.optimizer,
-                                    extra={"requested_at": time.time()})
+        save_s = restart.save_shard(directory, torch.distributed.get_rank(), job.layout, iteration, job.trainer.model,
+                                    job.trainer.optimizer, extra={"requested_at": time.time()})
         return restart.RestartRequest(
-            iteration=it, exclude_nodes=[int(n) for n in action.exclude_nodes], checkpoint=directory,
+            iteration=iteration, exclude_nodes=[int(n) for n in action.exclude_nodes], checkpoint=directory,
             session=action.session, requested_at=time.time(), save_s=save_s,
-            attempt=args.attempt + 1, reason=action.reason, extra={"roles": roles} if roles else {},
+            attempt=job.args.attempt + 1, reason=action.reason, extra={"roles": job.roles} if job.roles else {},
         )
-    events.emit("control_error", rank=rank, error=f"unknown action {type(action).__name__}")
-    return None
 
 
 if __name__ == "__main__":
