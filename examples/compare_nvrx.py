@@ -17,7 +17,7 @@ for a link or nothing), whom it named (``named_rank``: -1 for none; a link as
 (verdicts naming something else, or anything before the onset or in the healthy job),
 and what it cost each rank per iteration (falconext: its threads' and hooks' CPU from
 summary.json; NVRx: the time spent in its step hook, reports included). A Markdown table
-is printed for the README.
+is printed for docs/detection-accuracy.md.
 
 falconext names a rank or a link when its controller localizes (the ``localized``
 event; the iteration is that of the validation's suspension). NVRx names the ranks of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the detection table in README.md: for each seed, 600 labelled traces
+# Regenerate the detection table in docs/detection-accuracy.md: for each seed, 600 labelled traces
 # (compute, comm and healthy in turn, 2000 iterations each) scored for all four methods
 # (bocd+v, bocd, slide-window, persistence), per kind and overall.
 # The default seeds, 2026 and 4242, were not used to tune BOCD+V (tuning: 7, 11, 13, 17,

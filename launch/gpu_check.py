@@ -38,7 +38,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's falconext, installed or not
-ARCHIVE = ROOT.parent / "shared" / "megatron-lm" / "Megatron-LM-core_v0.16.1.tar.gz"
 #: the fault: rank 0's GPU twice as slow from this iteration on
 FAULT_START = 80
 FACTOR = 2.0
@@ -100,14 +99,15 @@ def prerequisites() -> list[str]:
 
 
 def megatron_lm(scratch: Path) -> Path:
-    """A Megatron-LM core_v0.16.1 tree: ``MEGATRON_LM_PATH``, else the archive extracted into
-    ``scratch`` (``MEGATRON_LM_ARCHIVE`` or ``../shared/megatron-lm``)."""
+    """A Megatron-LM core_v0.16.1 tree: ``MEGATRON_LM_PATH``, else the archive
+    ``MEGATRON_LM_ARCHIVE`` (a Megatron-LM release tarball) extracted into ``scratch``."""
     path = os.environ.get("MEGATRON_LM_PATH")
     if path:
         return Path(path)
-    archive = Path(os.environ.get("MEGATRON_LM_ARCHIVE", ARCHIVE))
+    archive = Path(os.environ.get("MEGATRON_LM_ARCHIVE", ""))
     if not archive.is_file():
-        raise SystemExit(f"gpu_check: no Megatron-LM: set MEGATRON_LM_PATH or MEGATRON_LM_ARCHIVE ({archive} not found)")
+        raise SystemExit(f"gpu_check: no Megatron-LM: set MEGATRON_LM_PATH (a core_v0.16.1 tree) or "
+                         f"MEGATRON_LM_ARCHIVE (its tarball); {str(archive) or 'neither'} is not a file")
     dest = scratch / "megatron-lm"
     dest.mkdir()
     with tarfile.open(archive) as tar:

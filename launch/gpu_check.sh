@@ -3,8 +3,7 @@
 # a small GPT, a 2x slowdown injected on the GPU), about two minutes; prints one table and
 # writes it under $OUT when set. Without a CUDA device it checks its prerequisites, prints one
 # line saying "no GPU" and exits 0. Megatron-LM: MEGATRON_LM_PATH (a core_v0.16.1 tree), else
-# MEGATRON_LM_ARCHIVE or ../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz, extracted to a
-# scratch folder. --cpu-rehearsal runs the same job on CPU (emulated device).
+# MEGATRON_LM_ARCHIVE (its release tarball), extracted to a scratch folder. --cpu-rehearsal runs the same job on CPU (emulated device).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec "${PYTHON:-python3}" launch/gpu_check.py "$@"

@@ -183,8 +183,8 @@ def test_training_keeps_its_speed_without_redis(scenario):
             before.append(secs)
         t += secs
     assert len(down) >= 5 and len(before) >= 5, (len(down), len(before))
-    # fail-open: the README's "within 5%" is chaos_acceptance's figure (10 iterations after
+    # fail-open: docs/control-plane.md's "within 5%" is chaos_acceptance's figure (10 iterations after
     # the kill); this run, with the test's own checks beside it, measured 0.97 quiet and
     # 0.84 with two CPU hogs, and once 1.41 with other jobs' processes on the host
-    # (2026-11-26): the README states these, and the bound stays at 1.5x
+    # (2026-11-26): docs/control-plane.md states these, and the bound stays at 1.5x
     assert median(down) < 1.5 * median(before), (median(down), median(before))

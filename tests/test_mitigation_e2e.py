@@ -97,7 +97,7 @@ def test_s2_rebalances_the_straggler_automatically(runs):
     # the best integer plan on the true device times leaves 10 units of 8 healthy and 16 slow: 0.75
     assert summary["slowdown_removed_max"] == 0.75
     # judged on the devices' own records (the wall clock's figure, printed, carries the
-    # host's noise: 0.787 against this 0.75 ceiling once, README)
+    # host's noise: 0.787 against this 0.75 ceiling once, docs/testbed.md)
     removed = device_slowdown_removed(out)
     print(f"S2 removed {removed} of the slowdown on the devices' records, {summary['slowdown_removed']} "
           f"by the wall clock; the best plan: {summary['slowdown_removed_max']}")

@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from falconext.config import FalconConfig
-from falconext.experiments.des import Fault, Job, MitigationCosts, Variant, run, slowdown_reduced, story
+from falconext.experiments.des import Fault, Job, MitigationCosts, Variant, run, story
+from falconext.mitigate.planner import slowdown_removed
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
 from falconext.sim.itertime import JobCosts
@@ -93,7 +94,7 @@ def measure(quick: bool) -> ExperimentResult:
     rows: list[Row] = [{"variant": "healthy", "jct_s": round(h, 1), "slowdown": 1.0, "slowdown_reduced": ""}]
     for name, jcts in per.items():
         jct = sum(jcts) / len(jcts)
-        red = slowdown_reduced(h, slow, jct)
+        red = slowdown_removed(h, slow, jct)
         rows.append({"variant": name, "jct_s": round(jct, 1), "slowdown": round(jct / h, 4),
                      "slowdown_reduced": "" if red is None else round(red, 4)})
     comparisons = [Comparison(r["variant"], "-", f"JCT {r['jct_s']} s, {r['slowdown']:.3f}x"

@@ -613,14 +613,6 @@ def throughput(times: list[tuple[float, float]], bin_s: float, until: float) -> 
     return [((b + 0.5) * bin_s, counts[b] * 60.0 / bin_s) for b in range(bins)]
 
 
-def slowdown_reduced(healthy_s: float, slow_s: float, mitigated_s: float) -> float | None:
-    """(slow - mitigated) / (slow - healthy) of three job completion times; None
-    without a slowdown."""
-    if slow_s <= healthy_s:
-        return None
-    return (slow_s - mitigated_s) / (slow_s - healthy_s)
-
-
 def fault_outcomes(faults: list[Fault], events: list[dict[str, Any]]) -> list[str]:
     """Per fault, whether the controller localized it while it lasted (and when), one line each."""
     out = []

@@ -31,11 +31,11 @@ from falconext.experiments.des import (
     Variant,
     fault_outcomes,
     run,
-    slowdown_reduced,
     story,
     throughput,
 )
 from falconext.experiments.result import Comparison, ExperimentResult
+from falconext.mitigate.planner import slowdown_removed
 from falconext.mitigate.topology import Layout
 from falconext.sim.itertime import JobCosts
 
@@ -109,7 +109,7 @@ def measure(quick: bool) -> ExperimentResult:
     duration = QUICK_S if quick else FULL_S
     out = runs(duration)
     h, s, m = (out[k] for k in ("healthy", "slow", "mitigated"))
-    reduced = slowdown_reduced(h.jct_s, s.jct_s, m.jct_s)
+    reduced = slowdown_removed(h.jct_s, s.jct_s, m.jct_s)
     rows = []
     for name, r in out.items():
         rows.append({"run": name, "iterations": r.iterations, "jct_s": round(r.jct_s, 1),
