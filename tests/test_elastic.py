@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from falconext.control.eventlog import ForwardingEventLog
+from falconext.protocol.eventlog import ForwardingEventLog
 from falconext.control.messages import MessageError, RankEvent, decode, encode
 from falconext.elastic import join, rendezvous
 from falconext.elastic.restart import NodeLeave, read_leave, write_leave

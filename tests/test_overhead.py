@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from falconext.config import FalconConfig
-from falconext.control.eventlog import EventLog
+from falconext.protocol.eventlog import EventLog
 from falconext.control.messages import Command, SessionAck, ValidationPlan
 from falconext.runtime.monitor import RankMonitor
 from falconext.testbed import report

@@ -17,7 +17,7 @@ from falconext.config import FalconConfig
 from falconext.control.bus import FIELD, Bus
 from falconext.control.client import CMD_STREAM, CTL_STREAM, REDIS_URL_ENV, RankClient
 from falconext.control.controller import Controller, State
-from falconext.control.eventlog import EventLog
+from falconext.protocol.eventlog import EventLog
 from falconext.control.messages import (
     MAX_MESSAGE_BYTES,
     Command,

@@ -207,7 +207,7 @@ def test_topology_inputs_fit_the_healthy_time_and_read_factors_from_training():
     assert got.roles == [0, 1, 2, 3] and got.layout.dp == 2 and got.layout.pp == 2
     assert got.gpu_factors == {3: pytest.approx(3.0)}
     assert got.costs.grad_bytes == (GRAD, GRAD) and got.costs.act_bytes == ACT
-    from falconext.sim.itertime import iteration_time
+    from falconext.model.itertime import iteration_time
 
     assert iteration_time(got.layout, got.roles, got.costs) == pytest.approx(0.5)
     # the model overshooting the healthy time scales compute down instead
@@ -287,7 +287,7 @@ def test_the_networks_time_per_byte_is_the_reference_message_over_its_bytes():
 def test_topology_inputs_price_the_network_before_the_fit():
     """With the network's time per byte, the model's transfers between nodes cost it and
     the fit still meets the healthy time: what moves onto the network costs there."""
-    from falconext.sim.itertime import iteration_time
+    from falconext.model.itertime import iteration_time
 
     bare = topology_inputs(_beats(), 0.5)
     priced = topology_inputs(_beats(), 0.5, net_s_per_byte=1e-7)

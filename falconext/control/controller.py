@@ -101,7 +101,7 @@ from falconext.mitigate.room import RestartRoom
 from falconext.mitigate.planner import Decision, Planner, slowdown_removed
 from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
-from falconext.sim.itertime import check_roles
+from falconext.model.roles import check_roles
 from falconext.validate.plan import nccl_allows_trees, on_nccl, split_plan, validation_plan
 from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 

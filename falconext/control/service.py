@@ -30,7 +30,7 @@ from falconext.control.client import (
     reply_key,
 )
 from falconext.control.controller import Controller
-from falconext.control.eventlog import EventLog
+from falconext.protocol.eventlog import EventLog
 from falconext.control.messages import MessageError, RankEvent, encode
 
 #: an operator's reply stays this long in Redis (``falconext ctl`` waits less)

@@ -12,7 +12,7 @@ falconext's own decision code is run on it, in process, on a simulated clock:
   ``detect/tracking.RankTracking`` feeds it once the period is known (a rank whose call
   stream grows, more micro-batches or a new role, starts a fresh detector, as
   RankTracking does on a longer period);
-* simulated: the iteration times, from ``falconext.sim.itertime`` (1F1B per replica, DP
+* simulated: the iteration times, from ``falconext.model.itertime`` (1F1B per replica, DP
   rings, slow GPUs as compute factors, slow links as excess seconds per byte) under the
   fault trace, the micro-batch plan and the roles in force, times a shared jitter; the
   ranks' answers to the controller's commands, as ``runtime/runtime.py``,
@@ -63,7 +63,7 @@ from falconext.detect.verify import VerifiedBOCD
 from falconext.experiments.scale import job_groups
 from falconext.mitigate.restart import RestartCost
 from falconext.mitigate.topology import Layout
-from falconext.sim.itertime import IterationBreakdown, IterationModel, JobCosts
+from falconext.model.itertime import IterationBreakdown, IterationModel, JobCosts
 from falconext.validate.plan import join_shares
 
 #: one hop on the bus (rank -> node agent -> controller, or back), seconds

@@ -3,7 +3,7 @@
 For each job size, a private password-protected Redis (``control/redis_server.py``) and
 the real controller process (``python -m falconext.control.service controller``) run;
 the ranks are simulated in this process, without torch: their iteration times come from
-``falconext.sim.itertime`` (1F1B per replica, DP all-reduce rings) for a TP1 x DP(N/4) x
+``falconext.model.itertime`` (1F1B per replica, DP all-reduce rings) for a TP1 x DP(N/4) x
 PP4 job on nodes of 8, with rank 1's GPU 2x slow. They post real messages of the real
 schema (``control/messages.py``) the way the per-node agents pass them on: heartbeats
 through one real :class:`~falconext.control.agent.HeartbeatAggregator` per node, as one
@@ -56,7 +56,7 @@ from falconext.control.messages import (
 )
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
-from falconext.sim.itertime import JobCosts, iteration_time
+from falconext.model.itertime import JobCosts, iteration_time
 from falconext.validate.plan import join_shares
 
 QUICK_SIZES = (64, 256, 1024)
@@ -489,7 +489,7 @@ def measure(quick: bool) -> ExperimentResult:
                                       f"{min(sizes)} ranks" if sizes else f"none up to {rows[-1]['ranks']} ranks"))
     notes = [
         f"Layout TP1 x DP(N/{PP}) x PP{PP}, {RANKS_PER_NODE} ranks per node, rank {SLOW_RANK} {SLOW_FACTOR:g}x slow; "
-        "iteration times from falconext.sim.itertime.",
+        "iteration times from falconext.model.itertime.",
         "One real Redis and the real controller process per size; ranks simulated in one process. Their "
         "heartbeats go through one real HeartbeatAggregator per node (control/agent.py, run in this process: "
         "thousands of agent processes do not fit on two cores) to the beats stream, one NodeHeartbeats per "

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches, parse_topology
 from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange
-from falconext.sim.itertime import check_roles
+from falconext.model.roles import check_roles
 
 #: the environment variable holding the launcher's ``--falcon*`` flags (a JSON list)
 FLAGS_ENV = "FALCONEXT_MEGATRON_FLAGS"
@@ -148,7 +148,7 @@ class Session:
     def __init__(self, cfg: FalconConfig, flags: argparse.Namespace, margs: argparse.Namespace) -> None:
         import torch
 
-        from falconext.control.eventlog import EventLog, ForwardingEventLog
+        from falconext.protocol.eventlog import EventLog, ForwardingEventLog
         from falconext.megatron_lm import contract
         from falconext.testbed.nodes import node_name
 

@@ -18,7 +18,7 @@ from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Planner
 from falconext.mitigate.topology import Layout, TopologyPlan, plan_topology
-from falconext.sim.itertime import JobCosts, iteration_time
+from falconext.model.itertime import JobCosts, iteration_time
 
 
 @dataclass

@@ -42,7 +42,7 @@ import torch
 from falconext.config import FalconConfig
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
 from falconext.control.messages import Command, FailSlowReport, MitigationAction, SessionAck, ValidationShare
-from falconext.control.eventlog import EventLog
+from falconext.protocol.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
 from falconext.validate.gemm import gemm_benchmark
 from falconext.validate.p2p import run_passes
