@@ -27,7 +27,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from falconext.config import config_from_args, parse_microbatches, parse_topology  # noqa: E402
-from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange  # noqa: E402
+from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 from falconext.mitigate import restart  # noqa: E402
 from falconext.testbed.options import add_train_arguments, check_train_arguments  # noqa: E402
 

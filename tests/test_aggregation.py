@@ -16,19 +16,10 @@ from falconext.control.agent import HeartbeatAggregator, NodeAgent
 from falconext.control.bus import Bus
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_stream
 from falconext.control.controller import Controller
-from falconext.control.messages import (
-    HEARTBEAT_COLUMNS,
-    MAX_MESSAGE_BYTES,
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    MessageError,
-    NodeHeartbeats,
-    ProfileData,
-    decode,
-    encode,
-    pack_heartbeats,
-)
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode, pack_heartbeats
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import HEARTBEAT_COLUMNS, FailSlowReport, Heartbeat, NodeHeartbeats, ProfileData
 from falconext.detect.scores import peer_medians
 from falconext.profile.window import analyze_window
 

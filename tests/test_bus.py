@@ -13,7 +13,10 @@ import pytest
 import redis
 
 from falconext.control.bus import Bus
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, FailSlowReport, Localized, MessageError, encode
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import FailSlowReport, Localized
 from falconext.control.redis_client import redis_client
 from falconext.control.redis_server import RedisServer, RedisUnavailable, start_redis
 from wallclock import LOADED_HOST_SLACK_S

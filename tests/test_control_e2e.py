@@ -18,7 +18,7 @@ import pytest
 
 from falconext.control.bus import Bus
 from falconext.control.client import CMD_STREAM, CTL_STREAM, node_stream
-from falconext.control.messages import Command, ValidationPlan
+from falconext.protocol.commands import Command, ValidationPlan
 from falconext.control.redis_server import start_redis
 from jobs import LANE, JobCache
 

@@ -7,15 +7,8 @@ import pytest
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
 from falconext.validate.plan import join_shares
-from falconext.control.messages import (
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    NodeHealth,
-    ProfileData,
-    SessionAck,
-    ValidationResult,
-)
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import FailSlowReport, Heartbeat, NodeHealth, ProfileData, SessionAck, ValidationResult
 
 #: the fail-slow paths start from tracking; the two-node link baseline has its own tests
 CFG = FalconConfig(link_baseline_iteration=0)
@@ -315,7 +308,8 @@ def test_a_verdict_too_large_for_the_bus_travels_cut_and_whole_in_the_event():
     """At thousands of ranks the evidence (GEMM rates per rank) outgrows the bus's cap:
     posting it whole raised in the controller's loop."""
     from falconext.control.controller import for_bus
-    from falconext.control.messages import MAX_MESSAGE_BYTES, Localized, decode, encode
+    from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+    from falconext.protocol.messages import Localized
 
     evidence = {"session": 7, "trigger": "fail_slow", "scope": "suspects",
                 "gemm_gflops": {str(r): 123.456 for r in range(8192)}}

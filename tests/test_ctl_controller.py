@@ -7,7 +7,9 @@ import json
 
 from falconext.config import FalconConfig
 from falconext.control.controller import RUNTIME_SETTABLE, Controller, State
-from falconext.control.messages import Command, CommandReply, FailSlowReport, StatusSnapshot, decode, encode
+from falconext.protocol.codec import decode, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import CommandReply, FailSlowReport, StatusSnapshot
 from test_controller import commands, events
 from test_mitigation_controller import EVEN, HEALTHY, Job, _operator_job
 

@@ -6,19 +6,11 @@ import json
 
 import pytest
 
-from falconext.control.messages import (
-    MAX_MESSAGE_BYTES,
-    Command,
-    FailSlowReport,
-    Localized,
-    MessageError,
-    MicrobatchPlan,
-    Restart,
-    TopologyChange,
-    action_details,
-    decode,
-    encode,
-)
+from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange, action_details
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import FailSlowReport, Localized
 
 REPORT = FailSlowReport(rank=3, onset=150, detected_at=164, slowdown=1.4, baseline_s=0.34, time=1795338456.5)
 
@@ -134,7 +126,7 @@ def test_action_details_are_the_fields_the_events_had():
 def test_a_verdict_resume_carries_its_action_and_a_plan_its_wait():
     """The verdict's "resume" brings the action to apply from the next iteration; the
     validation plan says how long the ranks wait for it (0 to 300 s, 0 when not given)."""
-    from falconext.control.messages import ValidationPlan
+    from falconext.protocol.commands import ValidationPlan
 
     cmd = Command("resume", 4.0, args={"session": 7}, action=ACTIONS[0])
     assert decode(encode(cmd)) == cmd

@@ -15,14 +15,9 @@ import pytest
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
-from falconext.control.messages import (
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    MicrobatchPlan,
-    SessionAck,
-    ValidationResult,
-)
+from falconext.protocol.actions import MicrobatchPlan
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import FailSlowReport, Heartbeat, SessionAck, ValidationResult
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.mitigation import cap_by_gemm
 from test_controller import commands, events, profile

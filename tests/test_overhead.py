@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from falconext.config import FalconConfig
 from falconext.protocol.eventlog import EventLog
-from falconext.control.messages import Command, SessionAck, ValidationPlan
+from falconext.protocol.commands import Command, ValidationPlan
+from falconext.protocol.messages import SessionAck
 from falconext.runtime.monitor import RankMonitor
 from falconext.testbed import report
 from falconext.trace.hooks import CallTracer, HookCost

@@ -18,18 +18,10 @@ from falconext.control.bus import FIELD, Bus
 from falconext.control.client import CMD_STREAM, CTL_STREAM, REDIS_URL_ENV, RankClient
 from falconext.control.controller import Controller, State
 from falconext.protocol.eventlog import EventLog
-from falconext.control.messages import (
-    MAX_MESSAGE_BYTES,
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    MessageError,
-    ProfileData,
-    SessionAck,
-    ValidationResult,
-    decode,
-    encode,
-)
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
 from falconext.control.redis_client import redis_client
 from falconext.control.service import guarded
 from falconext.testbed.report import reliability_figures

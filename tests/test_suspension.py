@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from falconext.control.messages import MicrobatchPlan, SessionAck, ValidationResult
+from falconext.protocol.actions import MicrobatchPlan
+from falconext.protocol.messages import SessionAck, ValidationResult
 from falconext.trace.trap import Trap
 from falconext.validate.plan import split_plan, rank_work
 from falconext.validate.suspension import Bench, Suspension

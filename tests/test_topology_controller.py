@@ -12,8 +12,9 @@ import pytest
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
-from falconext.control.messages import (Command, FailSlowReport, Heartbeat, ProfileData, SessionAck, TopologyChange,
-                                         ValidationResult)
+from falconext.protocol.actions import TopologyChange
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
 from falconext.mitigate.mitigation import healthy_mb_s, link_excess, network_s_per_byte, topology_inputs
 from test_controller import commands, events
 

@@ -22,7 +22,8 @@ import pytest
 
 from falconext.config import ConfigError, FalconConfig, add_config_arguments, config_from_args
 from falconext.control.controller import RUNTIME_SETTABLE, Controller
-from falconext.control.messages import ProfileData, decode, encode
+from falconext.protocol.codec import decode, encode
+from falconext.protocol.messages import ProfileData
 from falconext.validate.passes import (
     binary_tree_edges,
     btree_children,
@@ -385,7 +386,8 @@ def _controller_session(setting, fabric, nccl_algo=None, slow=(0, 2)):
     """A validation session the controller runs on a DP4 job with one rank per node: the
     profiles carry ``fabric``/``nccl_algo``, every pair of the plan is reported (the
     ``slow`` node pair at 50 ms, the rest at 10 ms). The plan's pairs and the verdict."""
-    from falconext.control.messages import Command, Heartbeat, SessionAck, ValidationResult
+    from falconext.protocol.commands import Command
+    from falconext.protocol.messages import Heartbeat, SessionAck, ValidationResult
     from falconext.validate.plan import join_shares
 
     dp = "dp:0,1,2,3"

@@ -11,7 +11,9 @@ import pytest
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, ValidationResult, decode, encode
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import ValidationResult
 from falconext.validate.p2p import run_passes
 from falconext.validate.passes import split_rounds
 from falconext.validate.plan import rank_work, split_plan, validation_plan
@@ -147,7 +149,7 @@ def test_a_small_job_runs_the_same_transfers_gemms_and_barriers_as_with_the_whol
 
 def test_a_rank_keeps_only_the_shares_that_cover_it_for_its_suspend(tmp_path):
     from falconext.control.client import RankClient
-    from falconext.control.messages import ValidationShare
+    from falconext.protocol.commands import ValidationShare
 
     class Runtime:
         def __init__(self) -> None:

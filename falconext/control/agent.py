@@ -12,7 +12,7 @@ Two paths to the controller. The control flow (fail-slow reports, profiles, susp
 acks, validation results) goes on at once, one message each, to the ``ctl`` stream,
 which the controller reads first. Heartbeats, the bulk (one per rank every
 ``heartbeat_s``), are combined per node (:class:`HeartbeatAggregator`): the latest of
-each rank, in one :class:`~falconext.control.messages.NodeHeartbeats` per heartbeat
+each rank, in one :class:`~falconext.protocol.messages.NodeHeartbeats` per heartbeat
 period on the ``beats`` stream, so the controller reads one message per node rather than
 one per rank, and a backlog of heartbeats never stands in front of a profile.
 """
@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 from falconext.control.bus import Bus
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_stream
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, Heartbeat, NodeHeartbeats, NodeHealth, pack_heartbeats
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, pack_heartbeats
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import Heartbeat, NodeHealth, NodeHeartbeats
 
 #: what a rank may post to its node stream
 RANK_MESSAGES = {"Heartbeat", "FailSlowReport", "ProfileData", "SessionAck", "ValidationResult", "RankEvent"}

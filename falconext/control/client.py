@@ -20,7 +20,10 @@ from typing import Any, Callable
 
 from falconext.config import FalconConfig
 from falconext.control.bus import FIELD, Bus
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, Heartbeat, MessageError, ProfileData, SessionAck, encode
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import Heartbeat, ProfileData, SessionAck
 
 #: how a job's processes learn the bus: the URL (it holds the password) and the job id
 REDIS_URL_ENV = "FALCON_REDIS_URL"

@@ -64,25 +64,20 @@ from enum import Enum
 from typing import Any
 
 from falconext.config import ConfigError, FalconConfig, field_value
-from falconext.control.messages import (
-    MAX_MESSAGE_BYTES,
-    Command,
+from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange, action_details
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import (
     CommandReply,
     FailSlowReport,
     Heartbeat,
     Localized,
-    MicrobatchPlan,
-    MitigationAction,
     NodeHealth,
     NodeHeartbeats,
     ProfileData,
-    Restart,
     SessionAck,
     StatusSnapshot,
-    TopologyChange,
     ValidationResult,
-    action_details,
-    encode,
 )
 from falconext.mitigate.mitigation import (
     Mitigation,

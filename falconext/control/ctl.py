@@ -23,15 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from falconext.control.client import CONTROLLER_KEY, CTL_STREAM, STATUS_KEY, reply_key
-from falconext.control.messages import (
-    MAX_STATUS_BYTES,
-    Command,
-    CommandReply,
-    MessageError,
-    StatusSnapshot,
-    decode,
-    encode,
-)
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_STATUS_BYTES, decode, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import CommandReply, StatusSnapshot
 from falconext.control.plane import ACCESS_FILE
 from falconext.inputs import InputError
 

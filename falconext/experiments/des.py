@@ -46,18 +46,9 @@ import numpy as np
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, Output
-from falconext.control.messages import (
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    MicrobatchPlan,
-    MitigationAction,
-    ProfileData,
-    Restart,
-    SessionAck,
-    TopologyChange,
-    ValidationResult,
-)
+from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
 from falconext.detect.baselines import PlainBOCD
 from falconext.detect.verify import VerifiedBOCD
 from falconext.experiments.scale import job_groups

@@ -43,17 +43,9 @@ import numpy as np
 
 from falconext.config import FalconConfig
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM
-from falconext.control.messages import (
-    MAX_MESSAGE_BYTES,
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    Localized,
-    ProfileData,
-    SessionAck,
-    ValidationResult,
-    encode,
-)
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, ProfileData, SessionAck, ValidationResult
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
 from falconext.model.itertime import JobCosts, iteration_time

@@ -33,7 +33,7 @@ import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches, parse_topology
-from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange
+from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 from falconext.model.roles import check_roles
 
 #: the environment variable holding the launcher's ``--falcon*`` flags (a JSON list)
@@ -296,7 +296,7 @@ class Session:
         self.runtime.set_role(self.rank, self.stage, self.tp, self.pp, *self._traffic())
         client = self.runtime.client
         if self.multi_node and client is not None:
-            from falconext.control.messages import RankEvent
+            from falconext.protocol.messages import RankEvent
 
             process = self.process
             self.events.forward_to(lambda record: client.post(RankEvent.of(process, record)))  # type: ignore[attr-defined]

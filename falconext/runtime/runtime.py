@@ -41,7 +41,9 @@ import torch
 
 from falconext.config import FalconConfig
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
-from falconext.control.messages import Command, FailSlowReport, MitigationAction, SessionAck, ValidationShare
+from falconext.protocol.actions import MitigationAction
+from falconext.protocol.commands import Command, ValidationShare
+from falconext.protocol.messages import FailSlowReport, SessionAck
 from falconext.protocol.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
 from falconext.validate.gemm import gemm_benchmark

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, ValidationPlan, ValidationShare, encode
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Command, ValidationPlan, ValidationShare
 from falconext.validate.passes import double_tree_passes, merge_passes, one_per_link, ring_passes, split_rounds, without
 
 #: roles whose groups partition the ranks: their rings carry the job's traffic

@@ -39,7 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from falconext.control.messages import MitigationAction, SessionAck, ValidationPlan, ValidationResult
+from falconext.protocol.actions import MitigationAction
+from falconext.protocol.commands import ValidationPlan
+from falconext.protocol.messages import SessionAck, ValidationResult
 from falconext.validate.plan import RankWork
 
 
