@@ -25,7 +25,7 @@ from typing import Any, Callable
 from falconext.control.bus import Bus
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_stream
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, pack_heartbeats
-from falconext.protocol.commands import Command
+from falconext.protocol.commands import Suspend
 from falconext.protocol.messages import Heartbeat, NodeHealth, NodeHeartbeats
 
 #: what a rank may post to its node stream
@@ -103,17 +103,15 @@ class NodeAgent:
         """Handle what arrived within ``block_ms`` milliseconds (less when heartbeats are
         due sooner), then return: forward rank messages from this node, refuse the
         others, send the node's heartbeats when due, and post a NodeHealth for every
-        suspend command that carries an integer session. Never raises for a bad message
+        suspend command. Never raises for a bad message
         (the bus drops and counts it)."""
         wait = self.beats.wait_s(time.monotonic())
         if wait is not None:
             block_ms = min(block_ms, int(wait * 1000))
         for stream, msg in self.bus.read([node_stream(self.node), CMD_STREAM], block_ms=block_ms):
             if stream == CMD_STREAM:
-                if isinstance(msg, Command) and msg.kind == "suspend":
-                    session = msg.args.get("session")
-                    if isinstance(session, int) and not isinstance(session, bool):
-                        self.bus.post(CTL_STREAM, NodeHealth(self.node, session, self.health()))
+                if isinstance(msg, Suspend):
+                    self.bus.post(CTL_STREAM, NodeHealth(self.node, msg.session, self.health()))
                 continue
             if type(msg).__name__ not in RANK_MESSAGES:
                 continue

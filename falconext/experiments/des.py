@@ -47,7 +47,7 @@ import numpy as np
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, Output
 from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
-from falconext.protocol.commands import Command
+from falconext.protocol.commands import Command, Go, ProfileRequest, Release, Resume, Share, Suspend
 from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
 from falconext.detect.baselines import PlainBOCD
 from falconext.detect.verify import VerifiedBOCD
@@ -344,29 +344,30 @@ class _Sim:
 
     def command(self, cmd: Command, at: float) -> None:
         """What the ranks do with one command (control/client.py, runtime.schedule/signal)."""
-        session = cmd.args.get("session")
-        if cmd.kind == "profile":
-            self.post(self.profiles(int(session), float(cmd.args.get("window_s", 3.0)), at), at)
-        elif cmd.kind == "share" and cmd.share is not None:
-            self.shares.setdefault(int(session), []).append(cmd.share)
-        elif cmd.kind == "suspend":
-            shares = self.shares.pop(int(session), [])
-            if self.it >= int(cmd.iteration or 0):  # already past it: every rank missed it
-                self.post([SessionAck(r, int(session), "missed", self.it, at) for r in range(self.job.world)], at)
-                return
-            plan = join_shares(cmd.validation, shares) if cmd.validation is not None else {}
-            wait = cmd.validation.verdict_wait_s if cmd.validation is not None else 0.0
-            self.suspension = {"session": session, "iteration": int(cmd.iteration), "plan": plan,
-                               "action": cmd.action, "go": None, "release": None, "deadline_s": cmd.deadline_s,
-                               "verdict_wait_s": wait, "resume": None, "resume_action": None}
-        elif cmd.kind in ("go", "release", "resume"):
-            sus = self.suspension
-            if sus is not None and sus["session"] == session and sus[cmd.kind] is None:
-                sus[cmd.kind] = at
-                if cmd.kind == "resume":
-                    sus["resume_action"] = cmd.action
-                if cmd.kind == "release" and "held_at" not in sus:
-                    self.suspension = None  # dropped before it trapped
+        match cmd:
+            case ProfileRequest(session=session, window_s=window_s):
+                self.post(self.profiles(session, window_s, at), at)
+            case Share(session=session, share=share):
+                self.shares.setdefault(session, []).append(share)
+            case Suspend(session=session):
+                shares = self.shares.pop(session, [])
+                if self.it >= cmd.iteration:  # already past it: every rank missed it
+                    self.post([SessionAck(r, session, "missed", self.it, at) for r in range(self.job.world)], at)
+                    return
+                plan = join_shares(cmd.validation, shares) if cmd.validation is not None else {}
+                wait = cmd.validation.verdict_wait_s if cmd.validation is not None else 0.0
+                self.suspension = {"session": session, "iteration": cmd.iteration, "plan": plan,
+                                   "action": cmd.action, "go": None, "release": None, "deadline_s": cmd.deadline_s,
+                                   "verdict_wait_s": wait, "resume": None, "resume_action": None}
+            case Go() | Release() | Resume():
+                sus = self.suspension
+                # when each signal came, under its kind
+                if sus is not None and sus["session"] == cmd.session and sus[cmd.KIND] is None:
+                    sus[cmd.KIND] = at
+                    if isinstance(cmd, Resume):
+                        sus["resume_action"] = cmd.action
+                    if isinstance(cmd, Release) and "held_at" not in sus:
+                        self.suspension = None  # dropped before it trapped
 
     # --- what the ranks send ----------------------------------------------------------
 

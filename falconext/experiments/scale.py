@@ -44,7 +44,7 @@ import numpy as np
 from falconext.config import FalconConfig
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
-from falconext.protocol.commands import Command
+from falconext.protocol.commands import Go, ProfileRequest, Share, Suspend
 from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, ProfileData, SessionAck, ValidationResult
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
@@ -285,28 +285,26 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             row["localized_gpus"] = json.dumps(msg.gpus)
             row["localized_right"] = msg.gpus == [SLOW_RANK] and not msg.links
             break
-        if not isinstance(msg, Command):
-            continue
-        if msg.kind == "profile":
-            session = int(msg.args["session"])
+        if isinstance(msg, ProfileRequest):
+            session = msg.session
             row["report_to_profile_cmd_s"] = round(now - t_report, 3)
             t0 = time.perf_counter()
             made = profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng)
             sim.busy_s += time.perf_counter() - t0
             sim.post(made)
-        elif msg.kind == "share" and msg.share is not None:
-            shares.setdefault(int(msg.args["session"]), []).append(msg.share)
-        elif msg.kind == "suspend":
-            session = int(msg.args["session"])
+        elif isinstance(msg, Share):
+            shares.setdefault(msg.session, []).append(msg.share)
+        elif isinstance(msg, Suspend):
+            session = msg.session
             plan = join_shares(msg.validation, shares.pop(session, [])) if msg.validation is not None else {}
-            suspend_at = int(msg.iteration or 0)
+            suspend_at = msg.iteration
             row["report_to_suspend_cmd_s"] = round(now - t_report, 3)
             row["suspend_command_bytes"] = len(encode(msg))
             reached = iteration + (time.monotonic() - clock0) / slow_s
             time.sleep(max(0.0, (suspend_at - reached) * slow_s))  # the ranks reach the agreed iteration
             held = time.time()
             sim.post([SessionAck(r, session, "held", suspend_at, held) for r in range(ranks)])
-        elif msg.kind == "go" and msg.args.get("session") == session:
+        elif isinstance(msg, Go) and msg.session == session:
             row["report_to_go_s"] = round(now - t_report, 3)
             t0 = time.perf_counter()
             made = validation_results(ranks, session, plan, rng)

@@ -15,11 +15,12 @@ import math
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Union
 
+from falconext.protocol.actions import MitigationAction
 from falconext.protocol.base import MessageError
-from falconext.protocol.commands import Command
+from falconext.protocol.commands import COMMAND_KINDS, ENVELOPE, Command, ValidationPlan, ValidationShare
 from falconext.protocol.messages import (
     HEARTBEAT_COLUMNS,
     CommandReply,
@@ -41,21 +42,100 @@ MAX_MESSAGE_BYTES = 64 * 1024
 MAX_STATUS_BYTES = 8 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class CommandWire:
+    """The body of every command on the wire (message type ``Command``), whatever its kind:
+    ``kind`` names the class (:data:`~falconext.protocol.commands.COMMAND_KINDS`), the
+    command's fields of :data:`~falconext.protocol.commands.ENVELOPE` are at the top, its
+    others in ``args``. Decoded strictly like any message, then into the command by
+    :func:`_command`."""
+
+    kind: str
+    deadline_s: float
+    iteration: int | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+    action: MitigationAction | None = None
+    validation: ValidationPlan | None = None
+    share: ValidationShare | None = None
+
+
+#: the message types by their name on the wire (every command travels as "Command")
 MESSAGE_TYPES: dict[str, type] = {
-    cls.__name__: cls
+    "Command" if cls is CommandWire else cls.__name__: cls
     for cls in (FailSlowReport, Heartbeat, NodeHeartbeats, ProfileData, SessionAck, ValidationResult, RankEvent, NodeHealth,
-                Localized, Command, CommandReply, StatusSnapshot)
+                Localized, CommandWire, CommandReply, StatusSnapshot)
 }
+_COMMAND_CLASSES = frozenset(COMMAND_KINDS.values())
 
 
 def encode(msg: Any) -> str:
     """The JSON text of ``msg`` with the schema version and type name, as :func:`decode`
     reads it. Raises MessageError for an object that is not one of the message types,
     and ValueError for a NaN or infinite number in it."""
-    name = type(msg).__name__
-    if MESSAGE_TYPES.get(name) is not type(msg):
-        raise MessageError(f"not a message type: {name}")
+    if type(msg) in _COMMAND_CLASSES:
+        name, msg = "Command", command_wire(msg)
+    else:
+        name = type(msg).__name__
+        if MESSAGE_TYPES.get(name) is not type(msg):
+            raise MessageError(f"not a message type: {name}")
     return json.dumps({"v": SCHEMA_VERSION, "type": name, "body": _data(msg)}, separators=(",", ":"), allow_nan=False)
+
+
+def command_args(cmd: Command) -> dict[str, Any]:
+    """A command's ``args`` as the wire has them: its fields outside the envelope, in their
+    order, an optional one left out while None."""
+    declared, _ = _schema(type(cmd))
+    out = {}
+    for name, f in declared.items():
+        value = getattr(cmd, name)
+        if name not in ENVELOPE and not (value is None and f.default is None):
+            out[name] = value
+    return out
+
+
+def command_wire(cmd: Command) -> CommandWire:
+    """``cmd`` in the one shape every command has on the wire."""
+    declared, _ = _schema(type(cmd))
+    envelope = {name: getattr(cmd, name) if name in declared else default for name, default in ENVELOPE.items()}
+    return CommandWire(type(cmd).KIND, args=command_args(cmd), **envelope)
+
+
+def _command(wire: CommandWire) -> Any:
+    """The command ``wire`` holds: its kind's class, with the envelope fields that class has
+    (the others must be as :data:`ENVELOPE` sends them) and exactly its other fields in
+    ``args``, each of its declared type, then the class's own ``check``."""
+    cls = COMMAND_KINDS.get(wire.kind)
+    if cls is None:
+        raise MessageError(f"Command: unknown kind {wire.kind!r} (expected one of {', '.join(sorted(COMMAND_KINDS))})")
+    where = f"Command({wire.kind})"
+    declared, hints = _schema(cls)
+    values: dict[str, Any] = {}
+    for name, default in ENVELOPE.items():
+        value = getattr(wire, name)
+        f = declared.get(name)
+        if f is None:
+            if value != default:
+                raise MessageError(f"{where}.{name}: a {wire.kind} command has none, got {value!r}")
+        elif value is None and f.default is MISSING:
+            raise MessageError(f"{where}: missing field {name}")
+        else:
+            values[name] = value
+    unknown = sorted(set(wire.args) - {name for name in declared if name not in ENVELOPE})
+    if unknown:
+        raise MessageError(f"{where}.args: unknown field(s) {', '.join(map(str, unknown))}")
+    for name, f in declared.items():
+        if name in ENVELOPE:
+            continue
+        if name not in wire.args:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise MessageError(f"{where}.args: missing field {name}")
+        values[name] = _check(wire.args[name], hints[name], f"{where}.args.{name}")
+    cmd = cls(**values)
+    check = getattr(cmd, "check", None)
+    if check is not None:
+        check()
+    return cmd
 
 
 def _data(obj: Any) -> Any:
@@ -110,7 +190,8 @@ def decode(data: str | bytes, accept: set[str] | None = None, max_bytes: int = M
     body = obj["body"]
     if not isinstance(body, dict):
         raise MessageError(f"{name}: body must be an object")
-    return _build(cls, body, name)
+    msg = _build(cls, body, name)
+    return _command(msg) if cls is CommandWire else msg
 
 
 def _build(cls: type, body: dict[str, Any], where: str) -> Any:
@@ -141,8 +222,6 @@ def _build(cls: type, body: dict[str, Any], where: str) -> Any:
     if check is not None:
         check()  # MessageError naming the problem
     return msg
-
-
 
 
 def _finite(value: int | float) -> bool:
