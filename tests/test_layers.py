@@ -1,6 +1,6 @@
-"""The house rules of shared/ARCHITECTURE.md, checked: the pure algorithms (detect, profile,
-mitigate's solvers and planner, validate's verdicts and schedules) and the controller
-import neither torch nor redis, so they run and are tested anywhere."""
+"""The house rules, checked: the protocol, the cost model, the pure algorithms (detect,
+profile, mitigate's solvers and planner, validate's verdicts and schedules) and the
+controller import neither torch nor redis, so they run and are tested anywhere."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import pytest
 
 PURE = [
+    "falconext.protocol.codec", "falconext.protocol.eventlog", "falconext.model.itertime", "falconext.model.roles",
     "falconext.detect.bocd", "falconext.detect.verify", "falconext.detect.baselines", "falconext.detect.itertime",
     "falconext.detect.period", "falconext.detect.tracking", "falconext.detect.scores", "falconext.detect.evaluate",
     "falconext.profile.analysis", "falconext.profile.window",

@@ -5,7 +5,7 @@ falconext's own decision code is run on it, in process, on a simulated clock:
 
 * real: :class:`falconext.control.controller.Controller` (profiling analysis, validation
   plan and verdict, the ski-rental planner, S2's micro-batch solver, S3's topology
-  planner, S4's node choice), fed the real messages of ``control/messages.py``; each
+  planner, S4's node choice), fed the real messages of ``protocol/``; each
   rank's detector is falconext's BOCD + verification (``detect/verify.VerifiedBOCD``, or
   the unverified ``detect/baselines.PlainBOCD`` for an ablation) fed that rank's own
   reading of every iteration's time, after ``tracking_warmup`` iterations, as

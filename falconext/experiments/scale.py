@@ -5,7 +5,7 @@ the real controller process (``python -m falconext.control.service controller``)
 the ranks are simulated in this process, without torch: their iteration times come from
 ``falconext.model.itertime`` (1F1B per replica, DP all-reduce rings) for a TP1 x DP(N/4) x
 PP4 job on nodes of 8, with rank 1's GPU 2x slow. They post real messages of the real
-schema (``control/messages.py``) the way the per-node agents pass them on: heartbeats
+schema (``protocol/``) the way the per-node agents pass them on: heartbeats
 through one real :class:`~falconext.control.agent.HeartbeatAggregator` per node, as one
 NodeHeartbeats per node and round on the beats stream, and the control flow (reports,
 profiles, acks, results) one message per rank on the ctl stream. The agents' processes
