@@ -25,7 +25,7 @@ from falconext.cli import main as cli_main
 from falconext.config import FalconConfig
 from falconext.control.bus import Bus
 from falconext.control.client import CTL_STREAM
-from falconext.control.messages import Heartbeat
+from falconext.protocol.messages import Heartbeat
 from falconext.control.plane import ACCESS_FILE, write_private_json
 from falconext.control.redis_server import start_redis
 from falconext.control.service import run_controller

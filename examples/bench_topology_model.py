@@ -1,4 +1,4 @@
-"""How well S3's iteration-time model (falconext/sim/itertime.py) predicts the test bed.
+"""How well S3's iteration-time model (falconext/model/itertime.py) predicts the test bed.
 
 Runs the S3 acceptance jobs (TP1 x DP2 x PP2, four virtual nodes, S3 only) and
 prints, for each, the model's prediction before and after the topology switch (as the

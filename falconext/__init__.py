@@ -1,7 +1,8 @@
 """falconext: find and fix fail-slows inside running Megatron-LM training jobs.
 
 The pipeline is track -> profile -> validate -> plan -> mitigate; each phase lives in the
-sub-package named after it (see shared/ARCHITECTURE.md).
+sub-package named after it (README.md, "Where things are: the phases and their folders";
+the design in docs/).
 """
 
 from falconext.config import ConfigError, FalconConfig

@@ -408,6 +408,14 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
     """``falconext ctl``: 0 done, 1 refused by the controller or failed in the job, 2 bad
     input or a job that cannot be reached (one line on stderr either way)."""
     from falconext.control import ctl
+    from falconext.protocol.commands import (
+        MitigateRequest,
+        MuteRequest,
+        OperatorCommand,
+        SetRequest,
+        UnmuteRequest,
+        ValidateRequest,
+    )
 
     wait = getattr(args, "wait", None) or 0.0
     if wait < 0:
@@ -422,26 +430,24 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
         from falconext.config import field_value
 
         value = field_value(args.name, args.value)  # ConfigError: exit 2, nothing sent
-        args_out: dict = {"name": args.name, "value": value}
+        request: OperatorCommand | None = SetRequest(args.name, value)
     elif cmd == "force":
         strategy = args.strategy.upper()
-        args_out = {"strategy": strategy}
         given = {"s2": "plan", "s3": "roles", "s4": "exclude_nodes"}[args.strategy]
         for opt in ("plan", "roles", "exclude_nodes"):
             if getattr(args, opt) is not None and opt != given:
                 raise InputError(f"--{opt.replace('_', '-')} does not go with force {args.strategy}")
-        if args.plan is not None:
-            args_out["plan"] = ctl.parse_counts(args.plan, "--plan")
-        if args.roles is not None:
-            args_out["roles"] = ctl.parse_counts(args.roles, "--roles")
-        elif strategy == "S3":
+        plan = ctl.parse_counts(args.plan, "--plan") if args.plan is not None else None
+        roles = ctl.parse_counts(args.roles, "--roles") if args.roles is not None else None
+        if roles is None and strategy == "S3":
             raise InputError("force s3 needs --roles (the torch rank each process plays)")
-        if args.exclude_nodes is not None:
-            args_out["exclude_nodes"] = ctl.parse_counts(args.exclude_nodes, "--exclude-nodes")
+        nodes = ctl.parse_counts(args.exclude_nodes, "--exclude-nodes") if args.exclude_nodes is not None else None
+        request = MitigateRequest(strategy, plan=plan, roles=roles, exclude_nodes=nodes)
     elif cmd == "revert":
-        args_out = {"strategy": "revert"}
+        request = MitigateRequest("revert")
     else:
-        args_out = {}
+        # validate, mute, unmute (status sends no command)
+        request = {"validate": ValidateRequest(), "mute": MuteRequest(), "unmute": UnmuteRequest()}.get(cmd)
     session = ctl.Session(run)
     try:
         if cmd == "status":
@@ -453,10 +459,9 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
             else:
                 print(ctl.format_status(snap))
             return 0
-        kind = {"force": "mitigate", "revert": "mitigate"}.get(cmd, cmd)
         tail = ctl.EventTail(run.events_path, from_end=True)
         try:
-            rep = session.send(kind, args_out)
+            rep = session.send(request)
         except ctl.Refused as exc:
             print(f"falconext ctl {cmd}: {exc}", file=sys.stderr)
             return 1
@@ -469,7 +474,7 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
                 return 1
             gflops = ev.get("evidence", {}).get("gemm_gflops", {})
             print(f"slow GPUs {ev['gpus']}, slow links {ev['links']}; GEMM GFLOP/s {json.dumps(gflops)}")
-        elif kind == "mitigate" and wait > 0:
+        elif isinstance(request, MitigateRequest) and wait > 0:
             ev = _await_outcome(tail, cmd, wait, "not applied", "mitigation_failed", lambda e: e.get("type") in (
                 "mitigation", "mitigation_failed") and e.get("session", -1) >= rep.session)
             if ev is None:

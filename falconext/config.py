@@ -1,9 +1,10 @@
 """The one configuration object of falconext.
 
 Every threshold the pipeline uses lives here, with the value the Falcon paper gives as
-the default (shared/FALCON-NOTES.md), so an experiment changes behaviour in one place and
-an ablation can name exactly what it changed. Megatron-style ``--falcon-*`` flags map onto
-these fields by name (``--falcon-acf-threshold`` -> ``acf_threshold``).
+the default (docs/paper.md, "The parameters falconext takes from it"), so an experiment
+changes behaviour in one place and an ablation can name exactly what it changed.
+Megatron-style ``--falcon-*`` flags map onto these fields by name
+(``--falcon-acf-threshold`` -> ``acf_threshold``).
 """
 
 from __future__ import annotations

@@ -16,19 +16,10 @@ from falconext.control.agent import HeartbeatAggregator, NodeAgent
 from falconext.control.bus import Bus
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_stream
 from falconext.control.controller import Controller
-from falconext.control.messages import (
-    HEARTBEAT_COLUMNS,
-    MAX_MESSAGE_BYTES,
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    MessageError,
-    NodeHeartbeats,
-    ProfileData,
-    decode,
-    encode,
-    pack_heartbeats,
-)
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode, pack_heartbeats
+from falconext.protocol.commands import Command
+from falconext.protocol.messages import HEARTBEAT_COLUMNS, FailSlowReport, Heartbeat, NodeHeartbeats, ProfileData
 from falconext.detect.scores import peer_medians
 from falconext.profile.window import analyze_window
 
@@ -212,7 +203,7 @@ def test_a_report_is_handled_before_a_backlog_of_heartbeats(redis_server, tmp_pa
         while got is None and time.monotonic() < deadline:
             got = next((m for _, m in bus.read([CMD_STREAM], block_ms=50) if isinstance(m, Command)), None)
         waiting = bus._client.xlen(bus.key(BEATS_STREAM))
-        assert got is not None and got.kind == "profile"
+        assert got is not None and got.KIND == "profile"
         assert waiting > 500, f"only {waiting} node messages were still waiting"
         while bus._client.xlen(bus.key(BEATS_STREAM)) and time.monotonic() < deadline:
             time.sleep(0.05)  # the backlog drains, and the controller trims what it read

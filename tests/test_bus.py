@@ -13,13 +13,16 @@ import pytest
 import redis
 
 from falconext.control.bus import Bus
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, FailSlowReport, Localized, MessageError, encode
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Suspend
+from falconext.protocol.messages import FailSlowReport, Localized
 from falconext.control.redis_client import redis_client
 from falconext.control.redis_server import RedisServer, RedisUnavailable, start_redis
 from wallclock import LOADED_HOST_SLACK_S
 
 REPORT = FailSlowReport(rank=3, onset=150, detected_at=164, slowdown=1.4, baseline_s=0.34, time=1795338456.5)
-SUSPEND = Command("suspend", 5.0, 200)
+SUSPEND = Suspend(1, 200, 5.0)
 LOCALIZED = Localized([1], [[0, 1]], {"pause_s": 1.2})
 
 #: run first, before any job runs ahead (conftest.py: RUN_FIRST):

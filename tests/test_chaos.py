@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from falconext.control.messages import Heartbeat, MessageError, decode, encode
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import decode, encode
+from falconext.protocol.messages import Heartbeat
 from falconext.testbed.chaos import BusChaos, ChaosError, ChaosSpec, Kill, parse_chaos
 
 from jobs import events, launch, train

@@ -18,7 +18,7 @@ import pytest
 
 from falconext.control.bus import Bus
 from falconext.control.client import CMD_STREAM, CTL_STREAM, node_stream
-from falconext.control.messages import Command, ValidationPlan
+from falconext.protocol.commands import Suspend, ValidateRequest, ValidationPlan
 from falconext.control.redis_server import start_redis
 from jobs import LANE, JobCache
 
@@ -75,7 +75,7 @@ def _scenario(folder: Path) -> tuple[Path, dict[str, float]]:
             while current_iteration(bus) < 25:
                 pass
             # 1. an operator asks for a validation of the healthy job
-            assert bus.post(CTL_STREAM, Command("validate", 0.0))
+            assert bus.post(CTL_STREAM, ValidateRequest())
             wait_for(out, lambda e: e["type"] in ("localized", "localization_failed"), "operator validation", proc=proc)
             # 1b. garbage on both streams: dropped with a message, nothing else happens
             assert bus.post_raw(CMD_STREAM, {"m": "{not json"})
@@ -85,8 +85,7 @@ def _scenario(folder: Path) -> tuple[Path, dict[str, float]]:
             # 2. a controller that sends "suspend" and then dies: nobody ever says "go"
             plan = ValidationPlan("all", [], 64, 1, 0, 1, 1, 1, 0)  # nothing to run
             it = current_iteration(bus) + 4
-            assert bus.post(CMD_STREAM, Command("suspend", DEADLINE_S, iteration=it, args={"session": 1000},
-                                                validation=plan))
+            assert bus.post(CMD_STREAM, Suspend(1000, it, DEADLINE_S, validation=plan))
             wait_for(out, lambda e: e["type"] == "suspension" and e["session"] == 1000 and e["rank"] == 3,
                      "the orphaned suspension to expire", proc=proc)
             # 3. the controller hangs (SIGSTOP), then dies: the launcher restarts it

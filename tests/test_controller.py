@@ -7,15 +7,8 @@ import pytest
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
 from falconext.validate.plan import join_shares
-from falconext.control.messages import (
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    NodeHealth,
-    ProfileData,
-    SessionAck,
-    ValidationResult,
-)
+from falconext.protocol.commands import ValidateRequest
+from falconext.protocol.messages import FailSlowReport, Heartbeat, NodeHealth, ProfileData, SessionAck, ValidationResult
 
 #: the fail-slow paths start from tracking; the two-node link baseline has its own tests
 CFG = FalconConfig(link_baseline_iteration=0)
@@ -24,14 +17,14 @@ DP = "dp:0,1,2,3"
 
 
 def commands(outs, kind=None):
-    return [o.message for o in outs if o.kind == "command" and (kind is None or o.message.kind == kind)]
+    return [o.message for o in outs if o.kind == "command" and (kind is None or o.message.KIND == kind)]
 
 
 def shared_plan(outs):
     """The validation plan the suspend in ``outs`` and the shares before it carry, put back
     together: (GEMM ranks, P2P rounds of (src, dst) pairs)."""
     (sus,) = commands(outs, "suspend")
-    shares = [c.share for c in commands(outs, "share") if c.args["session"] == sus.args["session"]]
+    shares = [c.share for c in commands(outs, "share") if c.session == sus.session]
     plan = join_shares(sus.validation, shares)
     return plan["gemm"], plan["passes"]
 
@@ -63,7 +56,7 @@ def to_profiling(ctl, late_rank=1):
     out = ctl.handle(report(), 101.0)
     assert ctl.state is State.PROFILING
     (cmd,) = commands(out, "profile")
-    assert cmd.args["session"] == ctl.session and cmd.args["window_s"] == CFG.profile_window_s
+    assert cmd.session == ctl.session and cmd.window_s == CFG.profile_window_s
     outs = []
     for r in NODES:
         outs += ctl.handle(profile(r, ctl.session, late_rank), 101.2)
@@ -80,7 +73,7 @@ def test_compute_fault_walks_the_states_and_names_the_gpu():
     assert sus.iteration >= 50 + CFG.suspend_margin_iterations
     assert sus.deadline_s == CFG.suspend_deadline_s
     assert shared_plan(outs)[0] == [0, 1, 2, 3] and sus.validation.scope == "suspects"
-    session = sus.args["session"]
+    session = sus.session
     outs = []
     for r in NODES:
         assert not commands(outs, "go")  # not before everyone is held
@@ -129,10 +122,10 @@ def test_a_rank_that_missed_the_iteration_gets_a_later_retry_then_an_abort():
         ctl.handle(SessionAck(0, s, "held", it, 102.0), 102.0)
         out = ctl.handle(SessionAck(2, s, "missed", it + 1, 102.0), 102.0)
         (rel,) = commands(out, "release")
-        assert rel.args["session"] == s
+        assert rel.session == s
         if attempt < FalconConfig().suspend_tries:
             (again,) = commands(out, "suspend")
-            assert again.args["session"] == s + 1 and again.iteration > it
+            assert again.session == s + 1 and again.iteration > it
             assert not commands(ctl.handle(SessionAck(1, s, "held", it, 102.0), 102.0))  # stale session
         else:
             assert events(out, "localization_failed") and ctl.state is State.TRACKING
@@ -145,7 +138,7 @@ def test_deadlines_release_everyone_and_give_up():
     ctl.handle(SessionAck(0, s, "held", ctl._iteration, 102.0), 102.0)
     assert ctl.tick(102.5) == []
     out = ctl.tick(1e6)
-    assert commands(out, "release")[0].args["session"] == s
+    assert commands(out, "release")[0].session == s
     assert events(out, "localization_failed") and ctl.state is State.TRACKING
 
     ctl = Controller(CFG, world=4)
@@ -170,7 +163,7 @@ def test_a_report_read_late_still_gets_its_whole_profiling_time():
 def test_operator_validation_of_a_healthy_job_localizes_nothing_and_tests_every_link():
     ctl = Controller(CFG, world=4)
     beats(ctl)
-    out = ctl.handle(Command("validate", 0.0), 101.0)
+    out = ctl.handle(ValidateRequest(), 101.0)
     assert commands(out, "profile")
     outs = []
     for r in NODES:
@@ -187,7 +180,7 @@ def test_operator_validation_of_a_healthy_job_localizes_nothing_and_tests_every_
     for ps in passes:
         ranks = [r for p in ps for r in p]
         assert len(ranks) == len(set(ranks))
-    s = sus.args["session"]
+    s = sus.session
     for r in NODES:
         ctl.handle(SessionAck(r, s, "held", sus.iteration, 102.0), 102.0)
     outs = []
@@ -205,7 +198,7 @@ def _validate_links(nodes, slow):
     ctl = Controller(CFG, world=4)
     for r, n in nodes.items():
         ctl.handle(Heartbeat(r, n, 50, 0.3, 100.0), 100.0)
-    ctl.handle(Command("validate", 0.0), 101.0)
+    ctl.handle(ValidateRequest(), 101.0)
     for r in nodes:
         ctl.handle(profile(r, ctl.session, None), 101.2)
     s, it = ctl.session, ctl._iteration
@@ -315,7 +308,8 @@ def test_a_verdict_too_large_for_the_bus_travels_cut_and_whole_in_the_event():
     """At thousands of ranks the evidence (GEMM rates per rank) outgrows the bus's cap:
     posting it whole raised in the controller's loop."""
     from falconext.control.controller import for_bus
-    from falconext.control.messages import MAX_MESSAGE_BYTES, Localized, decode, encode
+    from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+    from falconext.protocol.messages import Localized
 
     evidence = {"session": 7, "trigger": "fail_slow", "scope": "suspects",
                 "gemm_gflops": {str(r): 123.456 for r in range(8192)}}
@@ -564,9 +558,9 @@ def test_results_lost_on_the_bus_are_validated_again_not_judged_as_nothing_found
     (inc,) = events(outs, "validation_incomplete")
     assert inc["missing"] == [0, 2, 3] and inc["session"] == first
     assert not events(outs, "localized") and ctl.state is State.VALIDATING
-    assert [c.args["session"] for c in commands(outs, "resume")] == [first]  # the held ranks go on
+    assert [c.session for c in commands(outs, "resume")] == [first]  # the held ranks go on
     (sus,) = commands(outs, "suspend")
-    assert sus.args["session"] == ctl.session == first + 1
+    assert sus.session == ctl.session == first + 1
     outs = []
     for r in NODES:
         outs += ctl.handle(SessionAck(r, ctl.session, "held", sus.iteration, 111.0), 111.0)

@@ -27,7 +27,7 @@ from falconext.cli import main
 from falconext.config import FalconConfig
 from falconext.control.bus import Bus
 from falconext.control.client import CTL_STREAM
-from falconext.control.messages import FailSlowReport, Heartbeat
+from falconext.protocol.messages import FailSlowReport, Heartbeat
 from falconext.control.plane import ACCESS_FILE, write_private_json
 from falconext.control.redis_server import start_redis
 from falconext.control.service import run_controller
@@ -303,7 +303,7 @@ def _scrape(metrics) -> dict:
 
 
 def _snapshot(**changes):
-    from falconext.control.messages import StatusSnapshot
+    from falconext.protocol.messages import StatusSnapshot
 
     ranks = {str(r): {"node": r // 2, "iteration": 90 + r, "iter_s": 0.5, "est_iter_s": 0.49, "score_iteration": 89,
                       "score": 0.01 * r, "late_s": 0.001 * r, "compute_ratio": 1.0, "replica": r, "micro": m,

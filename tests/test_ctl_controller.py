@@ -7,13 +7,15 @@ import json
 
 from falconext.config import FalconConfig
 from falconext.control.controller import RUNTIME_SETTABLE, Controller, State
-from falconext.control.messages import Command, CommandReply, FailSlowReport, StatusSnapshot, decode, encode
+from falconext.protocol.codec import decode, encode
+from falconext.protocol.commands import COMMAND_KINDS, MuteRequest
+from falconext.protocol.messages import CommandReply, FailSlowReport, StatusSnapshot
 from test_controller import commands, events
 from test_mitigation_controller import EVEN, HEALTHY, Job, _operator_job
 
 
 def op(job: Job, kind: str, **args) -> list:
-    return job.ctl.handle(Command(kind, 0.0, args=dict(args, id=f"id-{kind}")), job.t)
+    return job.ctl.handle(COMMAND_KINDS[kind](**args, id=f"id-{kind}"), job.t)
 
 
 def reply(out: list) -> CommandReply:
@@ -41,7 +43,7 @@ def test_every_command_is_recorded_with_its_time_and_answered():
     assert ev["args"] == {"strategy": "S2", "plan": [6, 2, 4, 4]} and ev["id"] == "id-mitigate"
     r = reply(out)
     (sus,) = commands(out, "suspend")
-    assert r.ok and r.id == "id-mitigate" and r.session == sus.args["session"]
+    assert r.ok and r.id == "id-mitigate" and r.session == sus.session
     assert f"iteration {sus.iteration}" in r.text
     # the reply survives the wire
     assert decode(encode(r)) == r
@@ -69,7 +71,7 @@ def test_refused_commands_say_why():
 
 def test_a_command_without_an_id_gets_no_reply_but_is_recorded():
     job = _operator_job()
-    out = job.ctl.handle(Command("mute", 0.0), job.t)
+    out = job.ctl.handle(MuteRequest(), job.t)
     assert not [o for o in out if o.kind == "reply"]
     assert record(out)["command"] == "mute" and job.ctl.muted
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from falconext.control.eventlog import ForwardingEventLog
-from falconext.control.messages import MessageError, RankEvent, decode, encode
+from falconext.protocol.eventlog import ForwardingEventLog
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import decode, encode
+from falconext.protocol.messages import RankEvent
 from falconext.elastic import join, rendezvous
 from falconext.elastic.restart import NodeLeave, read_leave, write_leave
 from falconext.mitigate.room import RestartRoom, shrink_floor
@@ -245,7 +247,7 @@ def test_falconext_nodes_refuses_what_it_cannot_do() -> None:
 def test_the_controller_knows_the_nodes_spares_and_rounds_of_a_multi_node_job() -> None:
     from falconext.config import FalconConfig
     from falconext.control.controller import Controller
-    from falconext.control.messages import Heartbeat
+    from falconext.protocol.messages import Heartbeat
     from falconext.control.service import take_node
 
     ctl = Controller(FalconConfig(restart_floor_nodes=2), world=4)

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from falconext.control.messages import MicrobatchPlan, Restart, TopologyChange
+from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange
 from falconext.experiments import ablations, des, table7
 from falconext.mitigate.planner import slowdown_removed
 

@@ -1,17 +1,46 @@
-"""The house as drawn from its imports: each package imports only from layers below its own
-(or its own layer, without a cycle), so the flow stays one-way.
+"""The house rules, checked.
 
-Layers, bottom up: the protocol and the plain helpers; the tracer; the pipeline's phases
-(detect, profile, validate, mitigate) with the cost model and the simulators' generators;
-the control plane; the rank runtime, the run's report and the elastic launch; then what
-users run (the test bed, the Megatron-LM adapter, the experiments, the command line).
-Read from the source with ``ast`` (every import, also those inside functions)."""
+- The protocol, the cost model, the pure algorithms (detect, profile, mitigate's solvers and
+  planner, validate's verdicts and schedules) and the controller import neither torch nor
+  redis, so they run and are tested anywhere.
+- The house as drawn from its imports: each package imports only from layers below its own
+  (or its own layer, without a cycle), so the flow stays one-way. Layers, bottom up: the
+  protocol and the plain helpers; the tracer; the pipeline's phases (detect, profile,
+  validate, mitigate) with the models and the simulators' generators; the control plane; the
+  rank runtime, the run's report, the elastic launch and the emulated device; then what users
+  run (the test bed, the Megatron-LM adapter, the experiments, the command line). Read from
+  the source with ``ast`` (every import, also those inside functions).
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
+
+PURE = [
+    "falconext.protocol.codec", "falconext.protocol.eventlog", "falconext.model.itertime", "falconext.model.roles",
+    "falconext.detect.bocd", "falconext.detect.verify", "falconext.detect.baselines", "falconext.detect.itertime",
+    "falconext.detect.period", "falconext.detect.tracking", "falconext.detect.scores", "falconext.detect.evaluate",
+    "falconext.profile.analysis", "falconext.profile.window",
+    "falconext.mitigate.planner", "falconext.mitigate.microbatch", "falconext.mitigate.topology",
+    "falconext.mitigate.mitigation",
+    "falconext.validate.verdict", "falconext.validate.passes", "falconext.validate.plan",
+    "falconext.control.controller",
+]
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_modules_import_neither_torch_nor_redis(module):
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'redis') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"{module} pulls in {out.stdout.strip()}"
+
 
 PKG = Path(__file__).resolve().parent.parent / "falconext"
 

@@ -15,14 +15,9 @@ import pytest
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
-from falconext.control.messages import (
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    MicrobatchPlan,
-    SessionAck,
-    ValidationResult,
-)
+from falconext.protocol.actions import MicrobatchPlan
+from falconext.protocol.commands import MitigateRequest, Suspend, ValidateRequest
+from falconext.protocol.messages import FailSlowReport, Heartbeat, SessionAck, ValidationResult
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.mitigation import cap_by_gemm
 from test_controller import commands, events, profile
@@ -86,7 +81,7 @@ class Job:
         for r in NODES:
             outs += ctl.handle(profile(r, ctl.session, late_rank=1), self.t + 0.2)
         (sus,) = commands(outs, "suspend")
-        s = sus.args["session"]
+        s = sus.session
         for r in NODES:
             outs += ctl.handle(SessionAck(r, s, "held", sus.iteration, self.t + 0.5), self.t + 0.5)
         for r in NODES:
@@ -112,22 +107,22 @@ class Job:
                 return out, self.it
         raise AssertionError(f"no {type_} event within {limit} iterations (at {self.it})")
 
-    def hold_all(self, sus: Command, ranks=(0, 1, 2, 3)) -> list:
+    def hold_all(self, sus: Suspend, ranks=(0, 1, 2, 3)) -> list:
         outs = []
         for r in ranks:
-            outs += self.ctl.handle(SessionAck(r, sus.args["session"], "held", sus.iteration, self.t), self.t)
+            outs += self.ctl.handle(SessionAck(r, sus.session, "held", sus.iteration, self.t), self.t)
         return outs
 
-    def resume_all(self, sus: Command, committed=(True, True, True, True), pause: float = 0.3,
+    def resume_all(self, sus: Suspend, committed=(True, True, True, True), pause: float = 0.3,
                    ranks=tuple(NODES)) -> list:
         outs = []
         for r in ranks:
-            ack = SessionAck(r, sus.args["session"], "resumed", sus.iteration, self.t + pause,
+            ack = SessionAck(r, sus.session, "resumed", sus.iteration, self.t + pause,
                              pause_s=pause - 0.05 * r, committed=committed[r])
             outs += self.ctl.handle(ack, self.t + pause)
         return outs
 
-    def apply(self, sus: Command) -> list:
+    def apply(self, sus: Suspend) -> list:
         """The suspension goes through: everyone held, go, everyone resumed and committed."""
         outs = self.hold_all(sus)
         assert len(commands(outs, "go")) == 1
@@ -136,7 +131,7 @@ class Job:
         return outs
 
 
-def s2_decided(job: Job) -> tuple[list, Command]:
+def s2_decided(job: Job) -> tuple[list, Suspend]:
     job.localize()
     out, it = job.run_until("mitigation_decision")
     (sus,) = commands(out, "suspend")
@@ -189,7 +184,7 @@ def test_s2_is_decided_when_impact_crosses_the_overhead_and_applied_at_the_next_
     assert k > job.it  # an iteration no rank has started yet
     action = sus.action
     assert action.KIND == "microbatches" and action.strategy == "S2"
-    assert action.session == sus.args["session"] == ctl.session
+    assert action.session == sus.session == ctl.session
     assert action.replica_mb_s == [FAST_MB, SLOW_MB, FAST_MB, FAST_MB]
     plan = action.plan
     assert sum(plan) == TOTAL and len(plan) == 4 and all(m >= 1 for m in plan)
@@ -205,7 +200,7 @@ def test_s2_is_decided_when_impact_crosses_the_overhead_and_applied_at_the_next_
     assert not commands(out, "go")
     out = job.hold_all(sus, ranks=(3,))
     (go,) = commands(out, "go")
-    assert go.args["session"] == sus.args["session"]
+    assert go.session == sus.session
     assert events(out, "suspended")
     assert ctl.state is State.MITIGATING
 
@@ -236,7 +231,7 @@ def _s2_applied(job: Job) -> int:
     return mit["iteration"]
 
 
-def _validate_held(job: Job, it: int = 70) -> tuple[list, Command]:
+def _validate_held(job: Job, it: int = 70) -> tuple[list, Suspend]:
     """A report (onset ONSET) while the ranks are at iteration ``it``, profiling, and the
     validation up to the verdict: every rank held, GEMMs reported, no resumed ack yet (the
     ranks wait for the verdict)."""
@@ -248,7 +243,7 @@ def _validate_held(job: Job, it: int = 70) -> tuple[list, Command]:
     (sus,) = commands(outs, "suspend")
     outs += job.hold_all(sus)
     for r in NODES:
-        outs += ctl.handle(ValidationResult(r, sus.args["session"], 5e9 if r == 1 else 1e10, []), job.t + 1.0)
+        outs += ctl.handle(ValidationResult(r, sus.session, 5e9 if r == 1 else 1e10, []), job.t + 1.0)
     return outs, sus
 
 
@@ -264,13 +259,13 @@ def test_s2_decided_with_the_verdict_travels_with_the_resume_and_applies_after_t
     (dec,) = decisions(out)
     assert loc["gpus"] == [1] and (dec["action"], dec["strategy"]) == ("apply", "S2")
     (resume,) = commands(out, "resume")
-    assert resume.args["session"] == sus.args["session"] and resume.action.KIND == "microbatches"
+    assert resume.session == sus.session and resume.action.KIND == "microbatches"
     assert resume.action.plan == plan_microbatches([FAST_MB, SLOW_MB, FAST_MB, FAST_MB], TOTAL)
-    assert resume.action.session == sus.args["session"]
+    assert resume.action.session == sus.session
     assert len(commands(out, "suspend")) == 1 and job.ctl.state is State.MITIGATING
     out = job.resume_all(sus, pause=1.2)
     (mit,) = events(out, "mitigation")
-    assert mit["strategy"] == "S2" and mit["iteration"] == sus.iteration + 1 and mit["session"] == sus.args["session"]
+    assert mit["strategy"] == "S2" and mit["iteration"] == sus.iteration + 1 and mit["session"] == sus.session
     assert job.ctl.state is State.TRACKING and not commands(out)
     planner = job.ctl.episode.mitigation.planner
     assert planner.current == "S2" and planner.pending() is None
@@ -287,7 +282,7 @@ def test_an_action_with_the_verdict_that_no_rank_committed_is_agreed_on_in_its_o
     (retry,) = events(out, "mitigation_retry")
     assert retry["strategy"] == "S2" and not events(out, "mitigation_failed")
     (again,) = commands(out, "suspend")
-    assert again.action.plan == resume.action.plan and again.args["session"] > sus.args["session"]
+    assert again.action.plan == resume.action.plan and again.session > sus.session
     assert job.ctl.episode.mitigation.planner.pending() == "S2"
     out = job.apply(again)
     (mit,) = events(out, "mitigation")
@@ -308,15 +303,15 @@ def test_ranks_that_resumed_before_the_verdict_get_the_action_in_a_suspension_of
     job.hold_all(sus)
     for r in NODES:  # the results of rank 0 are late
         if r:
-            ctl.handle(ValidationResult(r, sus.args["session"], 5e9 if r == 1 else 1e10, []), job.t + 1.0)
+            ctl.handle(ValidationResult(r, sus.session, 5e9 if r == 1 else 1e10, []), job.t + 1.0)
     job.resume_all(sus)
-    out = ctl.handle(ValidationResult(0, sus.args["session"], 1e10, []), job.t + 3.0)
+    out = ctl.handle(ValidationResult(0, sus.session, 1e10, []), job.t + 3.0)
     assert events(out, "localized") and not commands(out, "resume") and not decisions(out)
     job.it = 70
     out = job.advance()  # the next heartbeat: the planner decides, as before the hold path
     (dec,) = decisions(out)
     (again,) = commands(out, "suspend")
-    assert dec["strategy"] == "S2" and again.action.KIND == "microbatches" and again.args["session"] > sus.args["session"]
+    assert dec["strategy"] == "S2" and again.action.KIND == "microbatches" and again.session > sus.session
 
 
 def test_without_a_verdict_wait_the_ranks_resume_after_validating():
@@ -328,7 +323,7 @@ def test_without_a_verdict_wait_the_ranks_resume_after_validating():
     ctl = Controller(CFG, world=4)
     for r in NODES:
         ctl.handle(Heartbeat(r, NODES[r], 50, SLOW, 100.0, replica=r, mb_s=FAST_MB, micro=4), 100.0)
-    out = ctl.handle(Command("validate", 0.0), 100.0)
+    out = ctl.handle(ValidateRequest(), 100.0)
     for r in NODES:
         out += ctl.handle(profile(r, ctl.session, late_rank=1), 100.2)
     (sus,) = commands(out, "suspend")
@@ -607,7 +602,7 @@ def test_a_suspension_past_its_deadline_releases_everyone_and_fails():
     assert ctl.tick(job.t + 0.1) == []
     out = ctl.tick(job.t + 1e4)
     (rel,) = commands(out, "release")
-    assert rel.args["session"] == sus.args["session"]
+    assert rel.session == sus.session
     (fail,) = events(out, "mitigation_failed")
     assert fail["reason"] == "timed out" and fail["strategy"] == "S2"
     assert not events(out, "mitigation") and ctl.state is State.TRACKING
@@ -620,15 +615,15 @@ def test_a_rank_that_missed_the_iteration_gets_a_retry_with_a_new_session():
     job = Job()
     _, sus = s2_decided(job)
     ctl = job.ctl
-    s, k = sus.args["session"], sus.iteration
+    s, k = sus.session, sus.iteration
     ctl.handle(SessionAck(0, s, "held", k, job.t), job.t)
     out = ctl.handle(SessionAck(2, s, "missed", k + 1, job.t), job.t)
     (rel,) = commands(out, "release")
-    assert rel.args["session"] == s
+    assert rel.session == s
     (missed,) = events(out, "suspend_missed")
     assert missed["rank"] == 2 and missed["at"] == k + 1
     (again,) = commands(out, "suspend")
-    assert again.args["session"] == s + 1 and again.iteration > k
+    assert again.session == s + 1 and again.iteration > k
     assert again.action.plan == sus.action.plan
     assert ctl.state is State.MITIGATING and not events(out, "mitigation_failed")
     # a stale ack of the old session is ignored
@@ -641,10 +636,10 @@ def test_a_rank_that_missed_the_iteration_gets_a_retry_with_a_new_session():
 def test_the_retried_action_carries_the_retry_session():
     job = Job()
     _, sus = s2_decided(job)
-    s, k = sus.args["session"], sus.iteration
+    s, k = sus.session, sus.iteration
     out = job.ctl.handle(SessionAck(2, s, "missed", k + 1, job.t), job.t)
     (again,) = commands(out, "suspend")
-    assert again.action.session == again.args["session"]
+    assert again.action.session == again.session
 
 
 def test_a_rank_that_keeps_missing_fails_the_mitigation():
@@ -675,7 +670,7 @@ def _operator_job() -> Job:
 
 
 def mitigate(job: Job, **args) -> list:
-    return job.ctl.handle(Command("mitigate", 0.0, args=args), job.t)
+    return job.ctl.handle(MitigateRequest(**args), job.t)
 
 
 def test_operator_s2_with_an_explicit_plan_suspends_with_that_plan():
@@ -685,12 +680,12 @@ def test_operator_s2_with_an_explicit_plan_suspends_with_that_plan():
     (ev,) = events(out, "operator_mitigate")
     assert ev["strategy"] == "S2"
     (sus,) = commands(out, "suspend")
-    assert sus.action == MicrobatchPlan("S2", [6, 2, 4, 4], session=sus.args["session"])
+    assert sus.action == MicrobatchPlan("S2", [6, 2, 4, 4], session=sus.session)
     assert ctl.state is State.MITIGATING
     # busy: a second request is ignored
     (ign,) = events(mitigate(job, strategy="S2", plan=[4, 4, 4, 4]), "operator_ignored")
     assert ign["reason"] == "busy (mitigating)"
-    (ign,) = events(ctl.handle(Command("validate", 0.0), job.t), "operator_ignored")
+    (ign,) = events(ctl.handle(ValidateRequest(), job.t), "operator_ignored")
     assert "busy" in ign["reason"]
     out = job.apply(sus)
     (mit,) = events(out, "mitigation")
@@ -748,7 +743,7 @@ def test_operator_unknown_strategy_is_ignored(strategy):
 
 def test_operator_s2_before_any_heartbeat_is_ignored():
     ctl = Controller(CFG, world=4)
-    (ign,) = events(ctl.handle(Command("mitigate", 0.0, args={"strategy": "S2"}), 1.0), "operator_ignored")
+    (ign,) = events(ctl.handle(MitigateRequest("S2"), 1.0), "operator_ignored")
     assert "replica layout" in ign["reason"]
     assert ctl.state is State.TRACKING
 
@@ -843,7 +838,7 @@ def test_mitigation_off_starts_no_planner():
     (sus,) = commands(outs, "suspend")
     job.hold_all(sus)
     for r in NODES:
-        outs += ctl.handle(ValidationResult(r, sus.args["session"], 5e9 if r == 1 else 1e10, []), job.t)
+        outs += ctl.handle(ValidationResult(r, sus.session, 5e9 if r == 1 else 1e10, []), job.t)
     assert events(outs, "localized") and not events(outs, "planner_started")
     out = job.advance(30)
     assert not decisions(out) and not commands(out)
@@ -966,7 +961,7 @@ def _revalidate(job: Job, out: list, slow: tuple[int, ...]) -> list:
     (sus,) = commands(out, "suspend")
     out += job.hold_all(sus)
     for r in NODES:
-        out += ctl.handle(ValidationResult(r, sus.args["session"], 5e9 if r in slow else 1e10, []), job.t + 0.4)
+        out += ctl.handle(ValidationResult(r, sus.session, 5e9 if r in slow else 1e10, []), job.t + 0.4)
     out += job.resume_all(sus, pause=0.2)
     assert ctl.state is State.TRACKING
     return out

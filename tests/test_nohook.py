@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from falconext.config import FalconConfig
-from falconext.control.eventlog import EventLog
+from falconext.protocol.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
 from falconext.trace.trap import Trap
 from falconext.trace.records import CallRecord

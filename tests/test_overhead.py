@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from falconext.config import FalconConfig
-from falconext.control.eventlog import EventLog
-from falconext.control.messages import Command, SessionAck, ValidationPlan
+from falconext.protocol.eventlog import EventLog
+from falconext.protocol.commands import Suspend, ValidationPlan
+from falconext.protocol.messages import SessionAck
 from falconext.runtime.monitor import RankMonitor
 from falconext.report import summary as report
 from falconext.trace.hooks import CallTracer, HookCost
@@ -298,7 +299,7 @@ def test_turning_off_drops_an_armed_suspension_as_missed(runtime: Any) -> None:
     assert [(m.session, m.status) for m in runtime.client.posted if isinstance(m, SessionAck)] == [(7, "missed")]
     # while off, a suspend command is answered "missed" at once and nothing is armed
     nothing = ValidationPlan("all", [], 64, 1, 0, 1, 1, 1, 0)
-    cmd = Command("suspend", 4.0, iteration=9, args={"session": 8}, validation=nothing)
+    cmd = Suspend(8, 9, 4.0, validation=nothing)
     assert runtime.schedule(cmd) == 5
     runtime._pending = Pending()  # one that slipped in as falconext turned off
     runtime.before_iteration(6)

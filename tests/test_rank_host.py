@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from falconext.control.messages import MicrobatchPlan, Restart, TopologyChange
+from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange
 from falconext.runtime.host import PlanRefused, apply_action, versions
 
 

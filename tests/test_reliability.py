@@ -17,19 +17,11 @@ from falconext.config import FalconConfig
 from falconext.control.bus import FIELD, Bus
 from falconext.control.client import CMD_STREAM, CTL_STREAM, REDIS_URL_ENV, RankClient
 from falconext.control.controller import Controller, State
-from falconext.control.eventlog import EventLog
-from falconext.control.messages import (
-    MAX_MESSAGE_BYTES,
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    MessageError,
-    ProfileData,
-    SessionAck,
-    ValidationResult,
-    decode,
-    encode,
-)
+from falconext.protocol.eventlog import EventLog
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+from falconext.protocol.commands import Command, ValidateRequest
+from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
 from falconext.control.redis_client import redis_client
 from falconext.control.service import guarded
 from falconext.report.summary import reliability_figures
@@ -152,11 +144,11 @@ def test_a_200k_message_burst_at_the_controller_is_counted_and_the_next_message_
             assert time.monotonic() - t0 < BURST_BUDGET_S, f"counted {_controller_dropped(events)} of {BURST}"
             time.sleep(0.1)
         assert _controller_dropped(events) == BURST
-        assert bus.post(CTL_STREAM, Command("validate", 0.0))
+        assert bus.post(CTL_STREAM, ValidateRequest())
         answer = None
         while answer is None and time.monotonic() - t0 < BURST_BUDGET_S:
             answer = next((m for _, m in bus.read([CMD_STREAM], block_ms=200) if isinstance(m, Command)), None)
-        assert answer is not None and answer.kind == "profile", "the valid message after the burst got no answer"
+        assert answer is not None and answer.KIND == "profile", "the valid message after the burst got no answer"
         assert ctl.poll() is None
     finally:
         raw.close()

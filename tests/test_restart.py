@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from falconext.control.messages import Heartbeat
+from falconext.protocol.messages import Heartbeat
 from falconext.mitigate import restart
 from falconext.mitigate.mitigation import exclude_nodes, replica_view, replicas_of, straggler_recovered
 from falconext.mitigate.restart import (

@@ -11,7 +11,8 @@ import pytest
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller
-from falconext.control.messages import Heartbeat, decode, encode
+from falconext.protocol.codec import decode, encode
+from falconext.protocol.messages import Heartbeat
 from falconext.detect.scores import (
     BusyClock,
     RankSample,

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from falconext.control.messages import MicrobatchPlan, SessionAck, ValidationResult
+from falconext.protocol.actions import MicrobatchPlan
+from falconext.protocol.messages import SessionAck, ValidationResult
 from falconext.trace.trap import Trap
 from falconext.validate.plan import split_plan, rank_work
 from falconext.validate.suspension import Bench, Suspension
@@ -57,7 +58,7 @@ def test_without_go_the_deadline_resumes_training():
 
 def test_release_ends_the_hold_at_once():
     sus, posted, events, _ = make()
-    threading.Timer(0.05, sus.signal, args=("release",)).start()
+    threading.Timer(0.05, sus.release).start()
     t0 = time.monotonic()
     sus.run(t0 + 5.0)
     assert time.monotonic() - t0 < 0.05 + LOADED_HOST_SLACK_S  # not the 5 s deadline
@@ -66,7 +67,7 @@ def test_release_ends_the_hold_at_once():
 
 def test_go_runs_the_gemm_rounds_and_passes_then_reports():
     sus, posted, events, calls = make(rank=0)
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     # three GEMM rounds of one rank each, a barrier before each, then the passes
     assert calls == [("barrier",), ("gemm", 64, 2), ("barrier",), ("barrier",), ("passes", 2)]
@@ -78,7 +79,7 @@ def test_go_runs_the_gemm_rounds_and_passes_then_reports():
 
 def test_a_rank_outside_the_gemm_still_joins_every_round():
     sus, _, _, calls = make(rank=3)
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     assert calls.count(("barrier",)) == 3 and not any(c[0] == "gemm" for c in calls)
 
@@ -86,7 +87,7 @@ def test_a_rank_outside_the_gemm_still_joins_every_round():
 def test_validation_sweeps_run_every_round_again_and_keep_the_best():
     readings = iter([0.7e9, 1.2e9, 0.9e9])  # a neighbour shared the core during the first
     sus, posted, _, calls = make(rank=1, plan={**PLAN, "validation_sweeps": 3}, gemm=lambda: next(readings))
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     assert calls.count(("barrier",)) == 9 and calls.count(("gemm", 64, 2)) == 3
     (result,) = [m for m in posted if isinstance(m, ValidationResult)]
@@ -94,7 +95,7 @@ def test_validation_sweeps_run_every_round_again_and_keep_the_best():
     # the passes ran three times too, and each pair kept its fastest message time
     readings = iter([[(0, 1, 0.05)], [(0, 1, 0.002)], [(0, 1, 0.04)]])
     sus, posted, _, calls = make(rank=1, plan={**PLAN, "validation_sweeps": 3}, passes=lambda: next(readings))
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     assert calls.count(("passes", 2)) == 3
     (result,) = [m for m in posted if isinstance(m, ValidationResult)]
@@ -103,7 +104,7 @@ def test_validation_sweeps_run_every_round_again_and_keep_the_best():
 
 def test_a_failing_benchmark_is_reported_not_raised():
     sus, posted, _, _ = make(gemm=lambda: 1 / 0)
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     (result,) = [m for m in posted if isinstance(m, ValidationResult)]
     assert result.gemm_flops is None and "ZeroDivisionError" in result.error
@@ -133,7 +134,7 @@ def test_a_held_rank_says_held_again_until_go_so_one_lost_ack_costs_nothing():
     posted = []
     bench = Bench(lambda n, r: 1e9, lambda *a: [], lambda: None)
     sus = Suspension(0, 7, 40, None, bench, posted.append, lambda *a, **k: None, resend_s=0.1)
-    threading.Timer(0.45, sus.signal, args=("go",)).start()
+    threading.Timer(0.45, sus.go).start()
     sus.run(time.monotonic() + 3.0)
     held = [m for m in posted if m.status == "held"]
     assert 4 <= len(held) <= 6, len(held)
@@ -172,7 +173,7 @@ def test_validation_stops_when_its_budget_is_spent_and_reports_what_it_measured(
     sus, posted, events, calls = make(rank=0, plan=SLOW_PLAN, gemm=slow_gemm)
     sus.clock = clock
     sus.budget_s = 0.2
-    sus.signal("go")
+    sus.go()
     t0 = clock()
     sus.run(clock() + 5.0)
     # without the budget: 20 sweeps of a 62.5 ms GEMM, 1.25 s; with it: every step whose
@@ -201,7 +202,7 @@ def test_a_step_that_would_overrun_the_budget_is_not_begun():
     sus.clock = clock
     sus.bench.passes = slow_passes
     sus.budget_s = 0.5
-    sus.signal("go")
+    sus.go()
     t0 = clock()
     sus.run(clock() + 5.0)
     assert clock() - t0 == pytest.approx(0.3)  # one sweep: the second would have ended at 0.6 s
@@ -219,7 +220,7 @@ def test_every_rank_stops_at_the_step_where_any_rank_ran_out():
     sus, posted, _, calls = make(rank=0, plan=SLOW_PLAN)
     sus.bench.agree_stop = agree_stop
     sus.budget_s = 60.0
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     # this rank had budget left, and asked before each step of the repeat sweeps (the first
     # sweep is never cut): the GEMM and the passes of sweep 2, then the GEMM of sweep 3
@@ -232,7 +233,7 @@ def test_every_rank_stops_at_the_step_where_any_rank_ran_out():
 def test_a_budget_that_is_not_reached_changes_nothing():
     sus, posted, events, calls = make(rank=0)
     sus.budget_s = 60.0
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     assert calls == [("barrier",), ("gemm", 64, 2), ("barrier",), ("barrier",), ("passes", 2)]
     (result,) = [m for m in posted if isinstance(m, ValidationResult)]
@@ -245,13 +246,13 @@ def test_an_action_is_committed_typed_once_every_rank_holds_go():
     bench = Bench(lambda n, r: 0.0, lambda *a: [], lambda: calls.append("barrier"))
     sus = Suspension(0, 5, 40, None, bench, posted.append, lambda t, **f: events.append((t, f)),
                      commit=committed.append, action=action)
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     assert committed == [action] and calls == ["barrier"]  # the agreement, no validation
     assert posted[-1].committed and events[0][1]["committed"] is True
     # without the action nothing is committed and the event says nothing of it
     sus = Suspension(0, 6, 40, None, bench, posted.append, lambda t, **f: events.append((t, f)), commit=committed.append)
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     assert committed == [action] and "committed" not in events[-1][1]
 
@@ -263,7 +264,7 @@ def test_a_rank_without_a_share_joins_every_barrier_and_says_so():
                   lambda sched, *a: calls.append(("passes", [list(p) for p in sched])) or [],
                   lambda: calls.append("barrier"))
     sus = Suspension(0, 5, 40, validation, bench, posted.append, lambda *a, **k: None)
-    sus.signal("go")
+    sus.go()
     sus.run(time.monotonic() + 5.0)
     assert calls == ["barrier"] * 3 + [("passes", [[], []])]  # every round, nothing of its own
     (result,) = [m for m in posted if isinstance(m, ValidationResult)]
@@ -295,8 +296,8 @@ def test_a_resume_with_an_action_after_validating_is_committed_once_every_rank_h
     action = MicrobatchPlan("S2", [3, 5], session=5)
     votes = []
     sus, posted, events, calls, committed = held_for_verdict(votes=votes)
-    sus.signal("go")
-    timer = threading.Timer(0.1, sus.signal, args=("resume", action))
+    sus.go()
+    timer = threading.Timer(0.1, sus.resume, args=(action,))
     timer.start()
     t0 = time.monotonic()
     sus.run(t0 + 5.0)
@@ -309,8 +310,8 @@ def test_a_resume_with_an_action_after_validating_is_committed_once_every_rank_h
 def test_a_resume_without_an_action_ends_the_wait_and_commits_nothing():
     votes = []
     sus, posted, events, _, committed = held_for_verdict(votes=votes)
-    sus.signal("go")
-    sus.signal("resume")
+    sus.go()
+    sus.resume()
     sus.run(time.monotonic() + 5.0)
     assert votes == [True] and committed == [] and not posted[-1].committed
     assert "committed" not in events[0][1]
@@ -321,15 +322,15 @@ def test_a_rank_whose_wait_ran_out_votes_no_and_nobody_applies_the_action():
     and the rank that got the action does not commit it either (all or nothing)."""
     votes = []
     sus, posted, events, _, committed = held_for_verdict(wait_s=0.1, votes=votes)
-    sus.signal("go")
+    sus.go()
     t0 = time.monotonic()
     sus.run(t0 + 5.0)
     assert 0.09 <= time.monotonic() - t0 < 1.0 and votes == [True] and committed == []
     action = MicrobatchPlan("S2", [3, 5], session=5)
     votes = []
     sus, posted, events, _, committed = held_for_verdict(votes=votes, lacking=True)
-    sus.signal("go")
-    sus.signal("resume", action)
+    sus.go()
+    sus.resume(action)
     sus.run(time.monotonic() + 5.0)
     assert votes == [False] and committed == [] and not posted[-1].committed
     (ev,) = [f for t, f in events if t == "suspension"]
@@ -340,8 +341,8 @@ def test_a_rank_whose_wait_ran_out_votes_no_and_nobody_applies_the_action():
 def test_without_a_vote_the_action_of_the_verdict_is_agreed_by_the_barrier():
     action = MicrobatchPlan("S2", [3, 5], session=5)
     sus, posted, events, calls, committed = held_for_verdict(votes=None)
-    sus.signal("go")
-    sus.signal("resume", action)
+    sus.go()
+    sus.resume(action)
     sus.run(time.monotonic() + 5.0)
     assert committed == [action] and calls[-1] == "barrier" and posted[-1].committed
 
@@ -349,7 +350,7 @@ def test_without_a_vote_the_action_of_the_verdict_is_agreed_by_the_barrier():
 def test_a_plan_without_a_verdict_wait_resumes_right_after_reporting():
     votes = []
     sus, posted, events, _, committed = held_for_verdict(wait_s=0.0, votes=votes)
-    sus.signal("go")
+    sus.go()
     t0 = time.monotonic()
     sus.run(t0 + 5.0)
     assert time.monotonic() - t0 < 0.5 and votes == [] and committed == []

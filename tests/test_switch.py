@@ -14,7 +14,7 @@ from falconext.config import ConfigError, parse_topology
 from falconext.runtime.switch import handover_pairs
 from falconext.mitigate.topology import check_tp_in_nodes
 from falconext.ports import free_port
-from falconext.sim.itertime import check_roles
+from falconext.model.roles import check_roles
 from falconext.trace import groups
 from jobs import (
     TP2_PP2_JOB,

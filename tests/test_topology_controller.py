@@ -12,8 +12,9 @@ import pytest
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, State
-from falconext.control.messages import (Command, FailSlowReport, Heartbeat, ProfileData, SessionAck, TopologyChange,
-                                         ValidationResult)
+from falconext.protocol.actions import TopologyChange
+from falconext.protocol.commands import MitigateRequest
+from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
 from falconext.mitigate.mitigation import healthy_mb_s, link_excess, network_s_per_byte, topology_inputs
 from test_controller import commands, events
 
@@ -57,7 +58,7 @@ def localized_job(slow_link: bool = True, slow_gpus: tuple[int, ...] = (), healt
     for p in range(4):
         out += ctl.handle(ProfileData(p, ctl.session, {}, {}, {}), t + 0.2)
     (sus,) = commands(out, "suspend")
-    s = sus.args["session"]
+    s = sus.session
     for p in range(4):
         out += ctl.handle(SessionAck(p, s, "held", sus.iteration, t + 0.5), t + 0.5)
     return ctl, out + validated(ctl, out, t, slow_link, slow_gpus)
@@ -68,7 +69,7 @@ def validated(ctl: Controller, out: list, t: float, slow_link: bool = True, slow
     """The validation the suspend in ``out`` asked for (see :func:`localized_job`), then
     the resumed acks (``resumed``)."""
     (sus,) = commands(out, "suspend")
-    s = sus.args["session"]
+    s = sus.session
     out = []
     nbytes = sus.validation.nbytes
     slow_s = 0.001 + 3 * nbytes / 20e6 if slow_link else 0.001  # x4: 3 x bytes / 20 MB/s more per message
@@ -123,7 +124,7 @@ def test_s3_decided_with_the_verdict_travels_with_the_resume():
     (sus,) = commands(out, "suspend")
     assert sus.validation.verdict_wait_s == 2.0
     for p in range(4):
-        out += ctl.handle(SessionAck(p, sus.args["session"], "held", sus.iteration, t + 0.5), t + 0.5)
+        out += ctl.handle(SessionAck(p, sus.session, "held", sus.iteration, t + 0.5), t + 0.5)
     out = validated(ctl, out, t, resumed=False)
     (d,) = events(out, "mitigation_decision")
     assert d["strategy"] == "S3" and d["action"] == "apply"
@@ -131,10 +132,10 @@ def test_s3_decided_with_the_verdict_travels_with_the_resume():
     # t + 1.0): the job's first suspension, so no earlier pause was measured
     assert abs(d["overhead_s"] - (SWITCH_S + 0.5)) < 1e-6
     (resume,) = commands(out, "resume")
-    assert resume.args["session"] == sus.args["session"] and resume.action.KIND == "topology"
+    assert resume.session == sus.session and resume.action.KIND == "topology"
     assert not commands(out, "suspend") and ctl.state is State.MITIGATING
     for p in range(4):
-        out += ctl.handle(SessionAck(p, sus.args["session"], "resumed", sus.iteration, t + 1.6, pause_s=PAUSE,
+        out += ctl.handle(SessionAck(p, sus.session, "resumed", sus.iteration, t + 1.6, pause_s=PAUSE,
                                      committed=True), t + 1.6)
     (mit,) = events(out, "mitigation")
     assert mit["strategy"] == "S3" and mit["iteration"] == sus.iteration + 1 and mit["roles"] == resume.action.roles
@@ -185,12 +186,12 @@ def test_two_stragglers_in_different_stages_are_consolidated_by_s3(case):
 def test_operator_s3_checks_the_roles():
     ctl = Controller(CFG, world=4)
     beats(ctl, 10)
-    (ign,) = events(ctl.handle(Command("mitigate", 0.0, args={"strategy": "S3", "roles": [0, 1, 1, 3]}), 111.0),
+    (ign,) = events(ctl.handle(MitigateRequest("S3", roles=[0, 1, 1, 3]), 111.0),
                     "operator_ignored")
     assert "must be a permutation of the 4 ranks" in ign["reason"]
-    out = ctl.handle(Command("mitigate", 0.0, args={"strategy": "S3", "roles": [0, 2, 1, 3]}), 111.0)
+    out = ctl.handle(MitigateRequest("S3", roles=[0, 2, 1, 3]), 111.0)
     (sus,) = commands(out, "suspend")
-    assert sus.action == TopologyChange([0, 2, 1, 3], session=sus.args["session"])
+    assert sus.action == TopologyChange([0, 2, 1, 3], session=sus.session)
 
 
 # --- pure inputs ------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_topology_inputs_fit_the_healthy_time_and_read_factors_from_training():
     assert got.roles == [0, 1, 2, 3] and got.layout.dp == 2 and got.layout.pp == 2
     assert got.gpu_factors == {3: pytest.approx(3.0)}
     assert got.costs.grad_bytes == (GRAD, GRAD) and got.costs.act_bytes == ACT
-    from falconext.sim.itertime import iteration_time
+    from falconext.model.itertime import iteration_time
 
     assert iteration_time(got.layout, got.roles, got.costs) == pytest.approx(0.5)
     # the model overshooting the healthy time scales compute down instead
@@ -287,7 +288,7 @@ def test_the_networks_time_per_byte_is_the_reference_message_over_its_bytes():
 def test_topology_inputs_price_the_network_before_the_fit():
     """With the network's time per byte, the model's transfers between nodes cost it and
     the fit still meets the healthy time: what moves onto the network costs there."""
-    from falconext.sim.itertime import iteration_time
+    from falconext.model.itertime import iteration_time
 
     bare = topology_inputs(_beats(), 0.5)
     priced = topology_inputs(_beats(), 0.5, net_s_per_byte=1e-7)

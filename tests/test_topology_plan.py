@@ -5,7 +5,7 @@ These tests never take its word for what that is:
 
 * For every job small enough, the answer is computed here by exhaustive search over every
   distinguishable layout, scored with the same iteration-time model
-  (:mod:`falconext.sim.itertime`, tested on its own in ``test_sim_itertime.py``). The
+  (:mod:`falconext.model.itertime`, tested on its own in ``test_model_itertime.py``). The
   plan must reach that optimum (within the planner's documented ``REL_EPS``); where the
   optimum is no better than the current layout, the test says that staying put *is* the
   right answer and asserts the plan moves nothing.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import pytest
 
 from falconext.mitigate.topology import REL_EPS, Layout, TopologyPlan, plan_topology
-from falconext.sim.itertime import IterationModel, JobCosts, iteration_time
+from falconext.model.itertime import IterationModel, JobCosts, iteration_time
 
 # ---------------------------------------------------------------------------------------
 # references, computed without the planner

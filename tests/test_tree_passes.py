@@ -22,7 +22,8 @@ import pytest
 
 from falconext.config import ConfigError, FalconConfig, add_config_arguments, config_from_args
 from falconext.control.controller import RUNTIME_SETTABLE, Controller
-from falconext.control.messages import ProfileData, decode, encode
+from falconext.protocol.codec import decode, encode
+from falconext.protocol.messages import ProfileData
 from falconext.validate.passes import (
     binary_tree_edges,
     btree_children,
@@ -385,24 +386,25 @@ def _controller_session(setting, fabric, nccl_algo=None, slow=(0, 2)):
     """A validation session the controller runs on a DP4 job with one rank per node: the
     profiles carry ``fabric``/``nccl_algo``, every pair of the plan is reported (the
     ``slow`` node pair at 50 ms, the rest at 10 ms). The plan's pairs and the verdict."""
-    from falconext.control.messages import Command, Heartbeat, SessionAck, ValidationResult
+    from falconext.protocol.commands import Share, Suspend, ValidateRequest
+    from falconext.protocol.messages import Heartbeat, SessionAck, ValidationResult
     from falconext.validate.plan import join_shares
 
     dp = "dp:0,1,2,3"
     ctl = Controller(FalconConfig(link_baseline_iteration=0, validation_trees=setting), world=4)
     for r in range(4):
         ctl.handle(Heartbeat(r, r, 50, 0.3, 100.0), 100.0)
-    ctl.handle(Command("validate", 0.0), 101.0)
+    ctl.handle(ValidateRequest(), 101.0)
     outs = []
     for r in range(4):
         rows = [[k, 10.0 + 0.3 * k + 0.001 * r, 10.0 + 0.3 * k + 0.005, 4096] for k in range(20)]
         p = ProfileData(r, ctl.session, {dp: "dp"}, {dp: [0, 1, 2, 3]}, {dp: rows}, fabric=fabric,
                         nccl_algo=nccl_algo)
         outs += ctl.handle(p, 101.2)
-    (sus,) = [o.message for o in outs if o.kind == "command" and o.message.kind == "suspend"]
-    shares = [o.message.share for o in outs if o.kind == "command" and o.message.kind == "share"]
+    (sus,) = [o.message for o in outs if o.kind == "command" and isinstance(o.message, Suspend)]
+    shares = [o.message.share for o in outs if o.kind == "command" and isinstance(o.message, Share)]
     passes = join_shares(sus.validation, shares)["passes"]
-    s = sus.args["session"]
+    s = sus.session
     for r in range(4):
         ctl.handle(SessionAck(r, s, "held", sus.iteration, 102.0), 102.0)
     outs = []

@@ -5,13 +5,16 @@ rank runs exactly the transfers and barriers the whole plan gave it before."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, ValidationResult, decode, encode
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+from falconext.protocol.commands import Share, Suspend
+from falconext.protocol.messages import ValidationResult
 from falconext.validate.p2p import run_passes
 from falconext.validate.passes import split_rounds
 from falconext.validate.plan import rank_work, split_plan, validation_plan
@@ -45,10 +48,9 @@ def suspend_outputs(plan: dict, world: int) -> list:
 def test_no_suspend_message_exceeds_the_bus_cap_at_16384_ranks(suspects):
     world = 16384
     plan = validation_plan(layout_groups(world, 2, 4), list(range(world)), suspects)
-    whole = Command("suspend", 5.0, iteration=100, args={"session": 1, "plan": plan})
-    assert len(encode(whole).encode()) > MAX_MESSAGE_BYTES  # the plan in one message: refused by the bus
+    assert len(json.dumps(plan, separators=(",", ":")).encode()) > MAX_MESSAGE_BYTES  # the plan in one message: too large
     msgs = suspend_outputs(plan, world)
-    assert [m.kind for m in msgs] == ["share"] * (len(msgs) - 1) + ["suspend"]
+    assert [m.KIND for m in msgs] == ["share"] * (len(msgs) - 1) + ["suspend"]
     sizes = []
     for m in msgs:
         data = encode(m)
@@ -138,7 +140,7 @@ def test_a_small_job_runs_the_same_transfers_gemms_and_barriers_as_with_the_whol
         posted: list = []
         sus = Suspension(rank, 1, 40, sus_cmd.validation, bench, posted.append, lambda *a, **k: None,
                          work=rank_work(shares, rank))
-        sus.signal("go")
+        sus.go()
         sus.run(time.monotonic() + 5.0)
         (result,) = [m for m in posted if isinstance(m, ValidationResult)]
         assert result.error == ""
@@ -147,7 +149,7 @@ def test_a_small_job_runs_the_same_transfers_gemms_and_barriers_as_with_the_whol
 
 def test_a_rank_keeps_only_the_shares_that_cover_it_for_its_suspend(tmp_path):
     from falconext.control.client import RankClient
-    from falconext.control.messages import ValidationShare
+    from falconext.protocol.commands import ValidationShare
 
     class Runtime:
         def __init__(self) -> None:
@@ -165,7 +167,7 @@ def test_a_rank_keeps_only_the_shares_that_cover_it_for_its_suspend(tmp_path):
     client = RankClient("redis://127.0.0.1:1/0", "job", 5, 1, FalconConfig(), rt, lambda *a, **k: None)
     mine, other = ValidationShare(4, 7, [[4, 7, 0]], [[0, 5, 6]]), ValidationShare(0, 3, [[0, 3, 0]], [])
     for share in (other, mine):
-        client._command(Command("share", 0.0, args={"session": 9}, share=share))
-    client._command(Command("suspend", 1.0, 40, {"session": 9}))
+        client._command(Share(9, share))
+    client._command(Suspend(9, 40, 1.0))
     assert rt.shares == [(9, mine)] and len(rt.scheduled) == 1
     assert rank_work([s for _, s in rt.shares], 5).gemm_round == 0

@@ -12,7 +12,7 @@ Two paths to the controller. The control flow (fail-slow reports, profiles, susp
 acks, validation results) goes on at once, one message each, to the ``ctl`` stream,
 which the controller reads first. Heartbeats, the bulk (one per rank every
 ``heartbeat_s``), are combined per node (:class:`HeartbeatAggregator`): the latest of
-each rank, in one :class:`~falconext.control.messages.NodeHeartbeats` per heartbeat
+each rank, in one :class:`~falconext.protocol.messages.NodeHeartbeats` per heartbeat
 period on the ``beats`` stream, so the controller reads one message per node rather than
 one per rank, and a backlog of heartbeats never stands in front of a profile.
 """
@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 from falconext.control.bus import Bus
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_stream
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, Heartbeat, NodeHeartbeats, NodeHealth, pack_heartbeats
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, pack_heartbeats
+from falconext.protocol.commands import Suspend
+from falconext.protocol.messages import Heartbeat, NodeHealth, NodeHeartbeats
 
 #: what a rank may post to its node stream
 RANK_MESSAGES = {"Heartbeat", "FailSlowReport", "ProfileData", "SessionAck", "ValidationResult", "RankEvent"}
@@ -101,17 +103,15 @@ class NodeAgent:
         """Handle what arrived within ``block_ms`` milliseconds (less when heartbeats are
         due sooner), then return: forward rank messages from this node, refuse the
         others, send the node's heartbeats when due, and post a NodeHealth for every
-        suspend command that carries an integer session. Never raises for a bad message
+        suspend command. Never raises for a bad message
         (the bus drops and counts it)."""
         wait = self.beats.wait_s(time.monotonic())
         if wait is not None:
             block_ms = min(block_ms, int(wait * 1000))
         for stream, msg in self.bus.read([node_stream(self.node), CMD_STREAM], block_ms=block_ms):
             if stream == CMD_STREAM:
-                if isinstance(msg, Command) and msg.kind == "suspend":
-                    session = msg.args.get("session")
-                    if isinstance(session, int) and not isinstance(session, bool):
-                        self.bus.post(CTL_STREAM, NodeHealth(self.node, session, self.health()))
+                if isinstance(msg, Suspend):
+                    self.bus.post(CTL_STREAM, NodeHealth(self.node, msg.session, self.health()))
                 continue
             if type(msg).__name__ not in RANK_MESSAGES:
                 continue

@@ -11,7 +11,7 @@ every iteration. What does raise is a programming error on this side: posting
 something that is not a message (:class:`MessageError`), a bad name, a bad ``seek``.
 
 Everything read is untrusted: an entry that is not exactly one field ``m`` holding a
-valid message (see :mod:`falconext.control.messages`) is dropped, counted in
+valid message (see :mod:`falconext.protocol.codec`) is dropped, counted in
 ``dropped`` and described in ``errors``; the entries around it still arrive.
 
 Where a reader starts. XREAD's ``$`` means "after whatever is last when this call
@@ -46,7 +46,8 @@ from typing import Any
 
 import redis
 
-from falconext.control import messages
+from falconext.protocol import codec
+from falconext.protocol.base import MessageError
 from falconext.control.redis_client import redis_client
 
 log = logging.getLogger(__name__)
@@ -114,11 +115,11 @@ class Bus:
 
     def post(self, stream: str, msg: Any) -> bool:
         """Append one message; False when Redis is unreachable or refuses it."""
-        data = messages.encode(msg)
+        data = codec.encode(msg)
         size = len(data.encode("utf-8"))
-        if size > messages.MAX_MESSAGE_BYTES:
+        if size > codec.MAX_MESSAGE_BYTES:
             # Every reader would drop it; better the sender learns here.
-            raise messages.MessageError(f"{type(msg).__name__} of {size} bytes exceeds {messages.MAX_MESSAGE_BYTES}")
+            raise MessageError(f"{type(msg).__name__} of {size} bytes exceeds {codec.MAX_MESSAGE_BYTES}")
         return self.post_raw(stream, {FIELD: data}) is not None
 
     def post_raw(self, stream: str, fields: dict[str, str | bytes]) -> str | None:
@@ -399,8 +400,8 @@ class Bus:
         else:
             raw = next(iter(fields.values()))
             try:
-                return messages.decode(raw, accept)
-            except messages.MessageError as exc:
+                return codec.decode(raw, accept)
+            except MessageError as exc:
                 problem = str(exc)
         self.dropped += 1
         self.errors.append(f"dropped {stream} entry {entry_id}: {problem}")

@@ -20,7 +20,10 @@ from typing import Any, Callable
 
 from falconext.config import FalconConfig
 from falconext.control.bus import FIELD, Bus
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, Heartbeat, MessageError, ProfileData, SessionAck, encode
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Command, Go, ProfileRequest, Release, Resume, Share, Suspend
+from falconext.protocol.messages import Heartbeat, ProfileData, SessionAck
 
 #: how a job's processes learn the bus: the URL (it holds the password) and the job id
 REDIS_URL_ENV = "FALCON_REDIS_URL"
@@ -51,7 +54,7 @@ class RankClient:
     """``runtime`` supplies: ``iteration()``, ``iter_s()``, ``beat_fields()`` (the
     heartbeat's optional fields), ``profile(window_s)`` (the
     fields of ProfileData) and ``share(session, share)`` (this rank's part of a validation
-    plan, before its suspend), ``schedule(cmd) -> str | None`` / ``signal(kind, session)``
+    plan, before its suspend), ``schedule(suspend) -> int | None`` / ``signal(go_release_or_resume)``
     for suspensions; ``emit(type, **fields)`` writes events.jsonl."""
 
     def __init__(
@@ -237,26 +240,20 @@ class RankClient:
 
     def _command(self, cmd: Command) -> None:
         self.commands += 1
-        session = cmd.args.get("session")
-        if not isinstance(session, int) or isinstance(session, bool):
-            self.emit("control_error", rank=self.rank, error=f"command {cmd.kind} without an integer session")
-            return
-        if cmd.kind == "profile":
-            window = cmd.args.get("window_s")
-            if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 < window <= 600:
-                self.emit("control_error", rank=self.rank, error=f"profile window {window!r} out of range")
-                return
-            self.post(self._profile(session, float(window)))
-        elif cmd.kind == "share":
-            share = cmd.share
-            if share is not None and share.first <= self.rank <= share.last:
-                self.runtime.share(session, share)
-        elif cmd.kind == "suspend":
-            missed = self.runtime.schedule(cmd)
-            if missed is not None:
-                self.post(SessionAck(self.rank, session, "missed", missed, time.time()))
-        elif cmd.kind in ("go", "release"):
-            self.runtime.signal(cmd.kind, session)
-        elif cmd.kind == "resume":  # a validation's verdict, with the action to apply or none
-            self.runtime.signal(cmd.kind, session, cmd.action)
-        # other kinds are for other listeners (agents, operators)
+        match cmd:
+            case ProfileRequest(session=session, window_s=window):
+                if not 0 < window <= 600:
+                    self.emit("control_error", rank=self.rank, error=f"profile window {window!r} out of range")
+                    return
+                self.post(self._profile(session, float(window)))
+            case Share(session=session, share=share):
+                if share.first <= self.rank <= share.last:
+                    self.runtime.share(session, share)
+            case Suspend(session=session):
+                missed = self.runtime.schedule(cmd)
+                if missed is not None:
+                    self.post(SessionAck(self.rank, session, "missed", missed, time.time()))
+            case Go() | Release() | Resume():  # a resume: a validation's verdict, with the action to apply or none
+                self.runtime.signal(cmd)
+            case _:
+                pass  # operators' commands are for the controller

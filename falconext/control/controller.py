@@ -41,8 +41,9 @@ strategy that was enough gets an episode of its own (the first stays mitigated);
 found while nothing had helped joins the episode, whose planner goes on with the
 strategies for both (a slow GPU under a congested link: S3 -> S2 -> S4).
 
-Operators (``falconext ctl``) send :data:`OPERATOR_COMMANDS`: validate now, apply or
-revert a mitigation, mute and unmute, set a threshold. Every one is an
+Operators (``falconext ctl``) send the commands of
+:data:`~falconext.protocol.commands.OperatorCommand`: validate now, apply or revert a
+mitigation, mute and unmute, set a threshold. Every one is an
 ``operator_command`` event naming the command, its arguments, the time and whether it
 was accepted (a refusal says why), and, when the command carries an ``id``, a
 :class:`CommandReply`. While muted, the controller keeps tracking (heartbeats, scores,
@@ -64,25 +65,34 @@ from enum import Enum
 from typing import Any
 
 from falconext.config import ConfigError, FalconConfig, field_value
-from falconext.control.messages import (
-    MAX_MESSAGE_BYTES,
-    Command,
+from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange, action_details
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, command_args, encode
+from falconext.protocol.commands import (
+    OPERATOR_COMMANDS,
+    Go,
+    MitigateRequest,
+    MuteRequest,
+    OperatorCommand,
+    ProfileRequest,
+    Release,
+    Resume,
+    SetRequest,
+    Share,
+    Suspend,
+    UnmuteRequest,
+    ValidateRequest,
+)
+from falconext.protocol.messages import (
     CommandReply,
     FailSlowReport,
     Heartbeat,
     Localized,
-    MicrobatchPlan,
-    MitigationAction,
     NodeHealth,
     NodeHeartbeats,
     ProfileData,
-    Restart,
     SessionAck,
     StatusSnapshot,
-    TopologyChange,
     ValidationResult,
-    action_details,
-    encode,
 )
 from falconext.mitigate.mitigation import (
     Mitigation,
@@ -101,13 +111,10 @@ from falconext.mitigate.room import RestartRoom
 from falconext.mitigate.planner import Decision, Planner, slowdown_removed
 from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest
 from falconext.profile.window import Findings, analyze_window
-from falconext.sim.itertime import check_roles
+from falconext.model.roles import check_roles
 from falconext.validate.plan import nccl_allows_trees, on_nccl, split_plan, validation_plan
 from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
 
-
-#: the commands an operator may send the controller (``falconext ctl``)
-OPERATOR_COMMANDS = ("validate", "mitigate", "mute", "unmute", "set")
 
 #: the thresholds the controller itself decides with, which ``ctl set`` changes at run time
 #: (the next decision uses the new value); the others are read by the ranks' detectors or
@@ -286,7 +293,7 @@ class Controller:
             return self._observe(msg, now) + self._maybe_baseline(msg, now)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
-        if isinstance(msg, Command) and msg.kind in OPERATOR_COMMANDS:
+        if isinstance(msg, OPERATOR_COMMANDS):
             return self._operator(msg, now)
         if isinstance(msg, ProfileData) and self.state is State.PROFILING and msg.session == self.session:
             self._profiles[msg.rank] = msg
@@ -434,11 +441,11 @@ class Controller:
             return self._profiled(now)
         if self.state is State.VALIDATING:
             if not self._go_sent:
-                out = [Output("command", Command("release", 0.0, args={"session": self.session}))]
+                out = [Output("command", Release(self.session))]
                 return out + self._abort(now, "not every rank reached the suspension in time")
             return self._verdict(now)
         if self.state is State.MITIGATING:
-            out = [] if self._go_sent else [Output("command", Command("release", 0.0, args={"session": self.session}))]
+            out = [] if self._go_sent else [Output("command", Release(self.session))]
             return out + self._mitigated(now, timed_out=True)
         return []
 
@@ -574,7 +581,7 @@ class Controller:
         self._tries = 0
         self._go_sent = False
         self._deadline = max(t_event, now if now is not None else t_event) + self.cfg.profile_timeout_s
-        cmd = Command("profile", self.cfg.profile_timeout_s, args={"session": self.session, "window_s": self.cfg.profile_window_s})
+        cmd = ProfileRequest(self.session, self.cfg.profile_window_s, self.cfg.profile_timeout_s)
         return [self._set(State.PROFILING, t_event, trigger=trigger), Output("command", cmd)]
 
     def _maybe_baseline(self, beat: Heartbeat, now: float) -> list[Output]:
@@ -690,13 +697,11 @@ class Controller:
             self._wait_s = self._verdict_wait(validation)
             if self._wait_s > 0:
                 validation = dataclasses.replace(validation, verdict_wait_s=self._wait_s)
-            posts = [Output("command", Command("share", 0.0, args={"session": self.session}, share=sh))
+            posts = [Output("command", Share(self.session, sh))
                      for sh in shares]
-            cmd = Command("suspend", self.cfg.suspend_deadline_s, iteration=self._iteration,
-                          args={"session": self.session}, validation=validation)
+            cmd = Suspend(self.session, self._iteration, self.cfg.suspend_deadline_s, validation=validation)
         else:
-            cmd = Command("suspend", self.cfg.suspend_deadline_s, iteration=self._iteration,
-                          args={"session": self.session}, action=self._action)
+            cmd = Suspend(self.session, self._iteration, self.cfg.suspend_deadline_s, action=self._action)
         change = [] if self.state is state else [self._set(state, now, iteration=self._iteration, margin=margin)]
         return change + posts + [Output("command", cmd)]
 
@@ -715,7 +720,7 @@ class Controller:
         session, self._awaiting = self._awaiting, None
         if session is None or set(self._acks.get("resumed", {})) >= self.ranks():
             return []
-        return [Output("command", Command("resume", self.cfg.suspend_deadline_s, args={"session": session}))]
+        return [Output("command", Resume(session, self.cfg.suspend_deadline_s))]
 
     def _decide_while_held(self, now: float) -> list[Output]:
         """The ranks are still held for the verdict: let the planner that just started (or
@@ -746,7 +751,7 @@ class Controller:
         suspended = self.state in (State.VALIDATING, State.MITIGATING)
         if ack.status == "missed" and suspended and not self._go_sent:
             out = [
-                Output("command", Command("release", 0.0, args={"session": self.session})),
+                Output("command", Release(self.session)),
                 _event("suspend_missed", session=self.session, rank=ack.rank, iteration=self._iteration, at=ack.iteration),
             ]
             if self._tries >= self.cfg.suspend_tries:
@@ -765,7 +770,7 @@ class Controller:
             self._held_since = now
             if self.state is State.VALIDATING and self._wait_s > 0:
                 self._awaiting = self.session  # they validate, report, and wait for the verdict
-            out.append(Output("command", Command("go", self.cfg.suspend_deadline_s, args={"session": self.session})))
+            out.append(Output("command", Go(self.session, self.cfg.suspend_deadline_s)))
             out.append(_event("suspended", session=self.session, iteration=self._iteration, ranks=len(acks)))
         if ack.status == "resumed" and self._covers(acks):
             pauses = [a.pause_s for a in acks.values()]
@@ -1101,7 +1106,7 @@ class Controller:
             self._via_resume = True
             self._action = dataclasses.replace(action, session=held)
             self._deadline = now + self.cfg.suspend_deadline_s + self.cfg.control_slack_s
-            cmd = Command("resume", self.cfg.suspend_deadline_s, args={"session": held}, action=self._action)
+            cmd = Resume(held, self.cfg.suspend_deadline_s, action=self._action)
             return [self._set(State.MITIGATING, now, iteration=self._iteration, with_verdict=True),
                     Output("command", cmd)]
         self._via_resume = False
@@ -1188,39 +1193,42 @@ class Controller:
 
     # --- operators (falconext ctl) ---------------------------------------------------
 
-    def _operator(self, cmd: Command, now: float) -> list[Output]:
+    def _operator(self, cmd: OperatorCommand, now: float) -> list[Output]:
         """One operator command: do it or refuse it, record it as an ``operator_command``
         event (command, arguments, time, accepted or the reason it was refused) and, when
         it carries an ``id``, answer with a CommandReply."""
-        cid = cmd.args.get("id")
-        args = {k: v for k, v in cmd.args.items() if k != "id"}
+        cid = cmd.id
+        args = {k: v for k, v in command_args(cmd).items() if k != "id"}
         text = ""
-        if cmd.kind == "validate":
-            if self.state is not State.TRACKING:
-                out = [_event("operator_ignored", reason=f"busy ({self.state.value})")]
-            else:
-                out = self._start("operator", now)
-                text = f"validation started (session {self.session})"
-        elif cmd.kind == "mitigate":
-            out = self._operator_mitigate(cmd, now)
-            text = (f"{args.get('strategy')} applies after the suspension at iteration {self._iteration} "
-                    f"(session {self.session})")
-        elif cmd.kind == "mute":
-            text = "already muted" if self.muted else "muted: fail-slow reports are held, the planner waits"
-            out = [] if self.muted else [_event("muted")]
-            self.muted = True
-        elif cmd.kind == "unmute":
-            out, text = self._unmute(now)
-        else:
-            out, text = self._set_threshold(args)
+        match cmd:
+            case ValidateRequest():
+                if self.state is not State.TRACKING:
+                    out = [_event("operator_ignored", reason=f"busy ({self.state.value})")]
+                else:
+                    out = self._start("operator", now)
+                    text = f"validation started (session {self.session})"
+            case MitigateRequest():
+                out = self._operator_mitigate(cmd, now)
+                text = (f"{cmd.strategy} applies after the suspension at iteration {self._iteration} "
+                        f"(session {self.session})")
+            case MuteRequest():
+                text = "already muted" if self.muted else "muted: fail-slow reports are held, the planner waits"
+                out = [] if self.muted else [_event("muted")]
+                self.muted = True
+            case UnmuteRequest():
+                out, text = self._unmute(now)
+            case SetRequest():
+                out, text = self._set_threshold(args)
+            case _:
+                raise TypeError(f"not an operator command: {cmd!r}")
         refused = next((o.event.get("reason") for o in out
                         if o.kind == "event" and o.event.get("type") == "operator_ignored"), None)
-        record = _event("operator_command", command=cmd.kind, args=args, at=round(now, 3),
+        record = _event("operator_command", command=cmd.KIND, args=args, at=round(now, 3),
                         accepted=refused is None, **({"reason": refused} if refused is not None else {}),
                         **({"id": cid} if isinstance(cid, str) else {}))
         out = [record] + out
         if isinstance(cid, str) and cid:
-            reply = CommandReply(cid, cmd.kind, refused is None, str(refused) if refused is not None else text, now,
+            reply = CommandReply(cid, cmd.KIND, refused is None, str(refused) if refused is not None else text, now,
                                  self.session)
             out.append(Output("reply", reply))
         return out
@@ -1337,17 +1345,17 @@ class Controller:
             ranks=ranks, plan=plan, episode=episode, planner=planner, config=config, last_event=last_event,
         )
 
-    def _operator_mitigate(self, cmd: Command, now: float) -> list[Output]:
+    def _operator_mitigate(self, cmd: MitigateRequest, now: float) -> list[Output]:
         """An operator's override: apply S2 (a given plan, or the balanced one), S4, or revert."""
         if self.state is not State.TRACKING:
             return [_event("operator_ignored", reason=f"busy ({self.state.value})")]
-        strategy = cmd.args.get("strategy")
+        strategy = cmd.strategy
         view = replica_view(self.beats.values())
         if strategy in ("S2", "revert"):
             if view is None:
                 return [_event("operator_ignored", reason="replica layout not known yet (no heartbeats)")]
             n = len(view.plan)
-            plan = cmd.args.get("plan")
+            plan = cmd.plan
             if strategy == "revert":
                 plan = [view.total // n] * n
             elif plan is None:
@@ -1360,14 +1368,14 @@ class Controller:
                 return [_event("operator_ignored", reason=f"plan {plan!r} must give {n} replicas >= 1 each, {view.total} in all")]
             action: MitigationAction = MicrobatchPlan(strategy, plan)
         elif strategy == "S3":
-            roles = cmd.args.get("roles")
+            roles = cmd.roles
             world = len(self.beats)
             try:
                 action = TopologyChange(list(check_roles(roles, world)))
             except ValueError:
                 return [_event("operator_ignored", reason=f"roles {roles!r} must be a permutation of the {world} ranks")]
         elif strategy == "S4":
-            nodes = cmd.args.get("exclude_nodes", [])
+            nodes = cmd.exclude_nodes if cmd.exclude_nodes is not None else []
             if not isinstance(nodes, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in nodes):
                 return [_event("operator_ignored", reason=f"exclude_nodes {nodes!r} must be node numbers")]
             action = Restart(nodes, reason="operator")

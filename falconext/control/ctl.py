@@ -4,9 +4,9 @@ DIR is the run directory of ``falconext train`` (``--out``) or ``falconext launc
 (``--falcon-out``). Its ``access.json`` (mode 0600, written by the control plane) names
 the job and its Redis URL; the password never appears on a command line. Reading goes
 through the controller's status snapshot (a Redis key it refreshes every second) and
-``events.jsonl``; commands go on the controller's ``ctl`` stream, as a typed
-:class:`Command` with an id, and the controller answers with a :class:`CommandReply`
-under that id. Every wait here has a deadline. A problem is one line (:class:`CtlError`):
+``events.jsonl``; commands go on the controller's ``ctl`` stream, each an operator
+command (:data:`~falconext.protocol.commands.OperatorCommand`) with an id, and the
+controller answers with a :class:`CommandReply` under that id. Every wait here has a deadline. A problem is one line (:class:`CtlError`):
 a directory that is not a run, a job that has ended or does not answer, a password that
 Redis refuses; a command the controller refuses is :class:`Refused`, with its reason.
 """
@@ -19,19 +19,14 @@ import secrets
 import stat
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from falconext.control.client import CONTROLLER_KEY, CTL_STREAM, STATUS_KEY, reply_key
-from falconext.control.messages import (
-    MAX_STATUS_BYTES,
-    Command,
-    CommandReply,
-    MessageError,
-    StatusSnapshot,
-    decode,
-    encode,
-)
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_STATUS_BYTES, decode, encode
+from falconext.protocol.commands import OperatorCommand
+from falconext.protocol.messages import CommandReply, StatusSnapshot
 from falconext.control.plane import ACCESS_FILE
 from falconext.inputs import InputError
 
@@ -140,13 +135,13 @@ class Session:
             raise CtlError(f"{self.run.dir}: the job is not running (its controller's status is {age:.0f} s old)")
         return snap
 
-    def send(self, kind: str, args: dict[str, Any], timeout_s: float = REPLY_TIMEOUT_S) -> CommandReply:
-        """Post one operator command and wait (``timeout_s`` at most) for the reply;
-        Refused when the controller refused it."""
+    def send(self, request: OperatorCommand, timeout_s: float = REPLY_TIMEOUT_S) -> CommandReply:
+        """Post one operator command (with an id of its own) and wait (``timeout_s`` at
+        most) for the reply; Refused when the controller refused it."""
         if not self._call(self.client.exists, self.prefix + CONTROLLER_KEY):
             raise CtlError(f"{self.run.dir}: the job is not running (no live controller)")
         cid = secrets.token_hex(8)
-        cmd = Command(kind, 0.0, args=dict(args, id=cid))
+        cmd = replace(request, id=cid)
         self._call(self.client.xadd, self.prefix + CTL_STREAM, {"m": encode(cmd)}, maxlen=10000, approximate=True)
         deadline = time.monotonic() + timeout_s
         key = self.prefix + reply_key(cid)
@@ -161,7 +156,7 @@ class Session:
                     raise Refused(f"refused: {rep.text}")
                 return rep
             time.sleep(POLL_S)
-        raise CtlError(f"{self.run.dir}: the controller did not answer {kind!r} within {timeout_s:g} s")
+        raise CtlError(f"{self.run.dir}: the controller did not answer {request.KIND!r} within {timeout_s:g} s")
 
 
 # --- events.jsonl -------------------------------------------------------------------------

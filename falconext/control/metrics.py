@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from falconext.control.messages import StatusSnapshot
+from falconext.protocol.messages import StatusSnapshot
 
 STATES = ("tracking", "profiling", "validating", "mitigating")
 STRATEGIES = ("S1", "S2", "S3", "S4")

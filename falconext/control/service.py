@@ -30,8 +30,10 @@ from falconext.control.client import (
     reply_key,
 )
 from falconext.control.controller import Controller
-from falconext.control.eventlog import EventLog
-from falconext.control.messages import MessageError, RankEvent, encode
+from falconext.protocol.eventlog import EventLog
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import encode
+from falconext.protocol.messages import RankEvent
 
 #: an operator's reply stays this long in Redis (``falconext ctl`` waits less)
 REPLY_TTL_S = 60.0

@@ -112,7 +112,7 @@ def plane_teller(url: str | None, job: str) -> Callable[..., None] | None:
     def tell(type_: str, **fields: object) -> None:
         from falconext.control.bus import Bus
         from falconext.control.client import CTL_STREAM
-        from falconext.control.messages import RankEvent
+        from falconext.protocol.messages import RankEvent
 
         try:
             bus = Bus(url, job)

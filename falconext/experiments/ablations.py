@@ -28,7 +28,7 @@ from falconext.experiments.des import Fault, Job, MitigationCosts, Variant, run,
 from falconext.mitigate.planner import slowdown_removed
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
-from falconext.sim.itertime import JobCosts
+from falconext.model.itertime import JobCosts
 
 DP, PP, RANKS_PER_NODE = 4, 4, 8
 ACT_BYTES = 1024 * 5120 * 2

@@ -5,14 +5,14 @@ falconext's own decision code is run on it, in process, on a simulated clock:
 
 * real: :class:`falconext.control.controller.Controller` (profiling analysis, validation
   plan and verdict, the ski-rental planner, S2's micro-batch solver, S3's topology
-  planner, S4's node choice), fed the real messages of ``control/messages.py``; each
+  planner, S4's node choice), fed the real messages of ``protocol/``; each
   rank's detector is falconext's BOCD + verification (``detect/verify.VerifiedBOCD``, or
   the unverified ``detect/baselines.PlainBOCD`` for an ablation) fed that rank's own
   reading of every iteration's time, after ``tracking_warmup`` iterations, as
   ``detect/tracking.RankTracking`` feeds it once the period is known (a rank whose call
   stream grows, more micro-batches or a new role, starts a fresh detector, as
   RankTracking does on a longer period);
-* simulated: the iteration times, from ``falconext.sim.itertime`` (1F1B per replica, DP
+* simulated: the iteration times, from ``falconext.model.itertime`` (1F1B per replica, DP
   rings, slow GPUs as compute factors, slow links as excess seconds per byte) under the
   fault trace, the micro-batch plan and the roles in force, times a shared jitter; the
   ranks' answers to the controller's commands, as ``runtime/runtime.py``,
@@ -46,24 +46,15 @@ import numpy as np
 
 from falconext.config import FalconConfig
 from falconext.control.controller import Controller, Output
-from falconext.control.messages import (
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    MicrobatchPlan,
-    MitigationAction,
-    ProfileData,
-    Restart,
-    SessionAck,
-    TopologyChange,
-    ValidationResult,
-)
+from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
+from falconext.protocol.commands import Command, Go, ProfileRequest, Release, Resume, Share, Suspend
+from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
 from falconext.detect.baselines import PlainBOCD
 from falconext.detect.verify import VerifiedBOCD
 from falconext.experiments.scale import job_groups
 from falconext.mitigate.restart import RestartCost
 from falconext.mitigate.topology import Layout
-from falconext.sim.itertime import IterationBreakdown, IterationModel, JobCosts
+from falconext.model.itertime import IterationBreakdown, IterationModel, JobCosts
 from falconext.validate.plan import join_shares
 
 #: one hop on the bus (rank -> node agent -> controller, or back), seconds
@@ -353,29 +344,30 @@ class _Sim:
 
     def command(self, cmd: Command, at: float) -> None:
         """What the ranks do with one command (control/client.py, runtime.schedule/signal)."""
-        session = cmd.args.get("session")
-        if cmd.kind == "profile":
-            self.post(self.profiles(int(session), float(cmd.args.get("window_s", 3.0)), at), at)
-        elif cmd.kind == "share" and cmd.share is not None:
-            self.shares.setdefault(int(session), []).append(cmd.share)
-        elif cmd.kind == "suspend":
-            shares = self.shares.pop(int(session), [])
-            if self.it >= int(cmd.iteration or 0):  # already past it: every rank missed it
-                self.post([SessionAck(r, int(session), "missed", self.it, at) for r in range(self.job.world)], at)
-                return
-            plan = join_shares(cmd.validation, shares) if cmd.validation is not None else {}
-            wait = cmd.validation.verdict_wait_s if cmd.validation is not None else 0.0
-            self.suspension = {"session": session, "iteration": int(cmd.iteration), "plan": plan,
-                               "action": cmd.action, "go": None, "release": None, "deadline_s": cmd.deadline_s,
-                               "verdict_wait_s": wait, "resume": None, "resume_action": None}
-        elif cmd.kind in ("go", "release", "resume"):
-            sus = self.suspension
-            if sus is not None and sus["session"] == session and sus[cmd.kind] is None:
-                sus[cmd.kind] = at
-                if cmd.kind == "resume":
-                    sus["resume_action"] = cmd.action
-                if cmd.kind == "release" and "held_at" not in sus:
-                    self.suspension = None  # dropped before it trapped
+        match cmd:
+            case ProfileRequest(session=session, window_s=window_s):
+                self.post(self.profiles(session, window_s, at), at)
+            case Share(session=session, share=share):
+                self.shares.setdefault(session, []).append(share)
+            case Suspend(session=session):
+                shares = self.shares.pop(session, [])
+                if self.it >= cmd.iteration:  # already past it: every rank missed it
+                    self.post([SessionAck(r, session, "missed", self.it, at) for r in range(self.job.world)], at)
+                    return
+                plan = join_shares(cmd.validation, shares) if cmd.validation is not None else {}
+                wait = cmd.validation.verdict_wait_s if cmd.validation is not None else 0.0
+                self.suspension = {"session": session, "iteration": cmd.iteration, "plan": plan,
+                                   "action": cmd.action, "go": None, "release": None, "deadline_s": cmd.deadline_s,
+                                   "verdict_wait_s": wait, "resume": None, "resume_action": None}
+            case Go() | Release() | Resume():
+                sus = self.suspension
+                # when each signal came, under its kind
+                if sus is not None and sus["session"] == cmd.session and sus[cmd.KIND] is None:
+                    sus[cmd.KIND] = at
+                    if isinstance(cmd, Resume):
+                        sus["resume_action"] = cmd.action
+                    if isinstance(cmd, Release) and "held_at" not in sus:
+                        self.suspension = None  # dropped before it trapped
 
     # --- what the ranks send ----------------------------------------------------------
 

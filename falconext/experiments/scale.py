@@ -3,9 +3,9 @@
 For each job size, a private password-protected Redis (``control/redis_server.py``) and
 the real controller process (``python -m falconext.control.service controller``) run;
 the ranks are simulated in this process, without torch: their iteration times come from
-``falconext.sim.itertime`` (1F1B per replica, DP all-reduce rings) for a TP1 x DP(N/4) x
+``falconext.model.itertime`` (1F1B per replica, DP all-reduce rings) for a TP1 x DP(N/4) x
 PP4 job on nodes of 8, with rank 1's GPU 2x slow. They post real messages of the real
-schema (``control/messages.py``) the way the per-node agents pass them on: heartbeats
+schema (``protocol/``) the way the per-node agents pass them on: heartbeats
 through one real :class:`~falconext.control.agent.HeartbeatAggregator` per node, as one
 NodeHeartbeats per node and round on the beats stream, and the control flow (reports,
 profiles, acks, results) one message per rank on the ctl stream. The agents' processes
@@ -43,20 +43,12 @@ import numpy as np
 
 from falconext.config import FalconConfig
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM
-from falconext.control.messages import (
-    MAX_MESSAGE_BYTES,
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    Localized,
-    ProfileData,
-    SessionAck,
-    ValidationResult,
-    encode,
-)
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Go, ProfileRequest, Share, Suspend
+from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, ProfileData, SessionAck, ValidationResult
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
-from falconext.sim.itertime import JobCosts, iteration_time
+from falconext.model.itertime import JobCosts, iteration_time
 from falconext.validate.plan import join_shares
 
 QUICK_SIZES = (64, 256, 1024)
@@ -293,28 +285,26 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             row["localized_gpus"] = json.dumps(msg.gpus)
             row["localized_right"] = msg.gpus == [SLOW_RANK] and not msg.links
             break
-        if not isinstance(msg, Command):
-            continue
-        if msg.kind == "profile":
-            session = int(msg.args["session"])
+        if isinstance(msg, ProfileRequest):
+            session = msg.session
             row["report_to_profile_cmd_s"] = round(now - t_report, 3)
             t0 = time.perf_counter()
             made = profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng)
             sim.busy_s += time.perf_counter() - t0
             sim.post(made)
-        elif msg.kind == "share" and msg.share is not None:
-            shares.setdefault(int(msg.args["session"]), []).append(msg.share)
-        elif msg.kind == "suspend":
-            session = int(msg.args["session"])
+        elif isinstance(msg, Share):
+            shares.setdefault(msg.session, []).append(msg.share)
+        elif isinstance(msg, Suspend):
+            session = msg.session
             plan = join_shares(msg.validation, shares.pop(session, [])) if msg.validation is not None else {}
-            suspend_at = int(msg.iteration or 0)
+            suspend_at = msg.iteration
             row["report_to_suspend_cmd_s"] = round(now - t_report, 3)
             row["suspend_command_bytes"] = len(encode(msg))
             reached = iteration + (time.monotonic() - clock0) / slow_s
             time.sleep(max(0.0, (suspend_at - reached) * slow_s))  # the ranks reach the agreed iteration
             held = time.time()
             sim.post([SessionAck(r, session, "held", suspend_at, held) for r in range(ranks)])
-        elif msg.kind == "go" and msg.args.get("session") == session:
+        elif isinstance(msg, Go) and msg.session == session:
             row["report_to_go_s"] = round(now - t_report, 3)
             t0 = time.perf_counter()
             made = validation_results(ranks, session, plan, rng)
@@ -489,7 +479,7 @@ def measure(quick: bool) -> ExperimentResult:
                                       f"{min(sizes)} ranks" if sizes else f"none up to {rows[-1]['ranks']} ranks"))
     notes = [
         f"Layout TP1 x DP(N/{PP}) x PP{PP}, {RANKS_PER_NODE} ranks per node, rank {SLOW_RANK} {SLOW_FACTOR:g}x slow; "
-        "iteration times from falconext.sim.itertime.",
+        "iteration times from falconext.model.itertime.",
         "One real Redis and the real controller process per size; ranks simulated in one process. Their "
         "heartbeats go through one real HeartbeatAggregator per node (control/agent.py, run in this process: "
         "thousands of agent processes do not fit on two cores) to the beats stream, one NodeHeartbeats per "

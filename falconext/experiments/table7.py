@@ -37,7 +37,7 @@ from falconext.experiments.des import (
 from falconext.experiments.result import Comparison, ExperimentResult
 from falconext.mitigate.planner import slowdown_removed
 from falconext.mitigate.topology import Layout
-from falconext.sim.itertime import JobCosts
+from falconext.model.itertime import JobCosts
 
 DP, PP, RANKS_PER_NODE = 16, 4, 8
 MICROBATCHES = 8

@@ -33,9 +33,9 @@ import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches, parse_topology
-from falconext.control.messages import MicrobatchPlan, Restart, TopologyChange
+from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange
 from falconext.runtime.host import PlanRefused, apply_action, versions
-from falconext.sim.itertime import check_roles
+from falconext.model.roles import check_roles
 
 #: the environment variable holding the launcher's ``--falcon*`` flags (a JSON list)
 FLAGS_ENV = "FALCONEXT_MEGATRON_FLAGS"
@@ -149,7 +149,7 @@ class Session:
     def __init__(self, cfg: FalconConfig, flags: argparse.Namespace, margs: argparse.Namespace) -> None:
         import torch
 
-        from falconext.control.eventlog import EventLog, ForwardingEventLog
+        from falconext.protocol.eventlog import EventLog, ForwardingEventLog
         from falconext.megatron_lm import contract
         from falconext.elastic.hosts import node_name
 
@@ -297,7 +297,7 @@ class Session:
         self.runtime.set_role(self.rank, self.stage, self.tp, self.pp, *self._traffic())
         client = self.runtime.client
         if self.multi_node and client is not None:
-            from falconext.control.messages import RankEvent
+            from falconext.protocol.messages import RankEvent
 
             process = self.process
             self.events.forward_to(lambda record: client.post(RankEvent.of(process, record)))  # type: ignore[attr-defined]

@@ -409,7 +409,7 @@ CUDA_GEMM_SIZE = 4096
 def checked_roles(roles: object, world: int, name: str) -> list[int]:
     """``roles`` if it is a permutation of the job's ``world`` ranks; else an
     :class:`InputError` naming ``name``."""
-    from falconext.sim.itertime import check_roles
+    from falconext.model.roles import check_roles
 
     try:
         return list(check_roles(roles, world, name))  # type: ignore[arg-type]

@@ -128,7 +128,7 @@ def resumed_roles(extra: dict, environ: Any) -> str | None:
     (then a line says so). ``LOCAL_RANK``, the process's device, is left alone. Returns a
     line to print, or None."""
     from falconext.megatron_lm import hooks
-    from falconext.sim.itertime import check_roles
+    from falconext.model.roles import check_roles
     from falconext.elastic.hosts import node_name
 
     roles = extra.get("roles")

@@ -14,11 +14,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange
+from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Planner
 from falconext.mitigate.topology import Layout, TopologyPlan, plan_topology
-from falconext.sim.itertime import JobCosts, iteration_time
+from falconext.model.itertime import JobCosts, iteration_time
 
 
 @dataclass

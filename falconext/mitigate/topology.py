@@ -15,7 +15,7 @@ where it costs least recovers much of the loss without giving up a node (S4):
   embedding and the loss.
 
 How. Candidates are scored with the iteration-time model of
-:mod:`falconext.sim.itertime` (a discrete-event 1F1B pipeline plus ring all-reduces),
+:mod:`falconext.model.itertime` (a discrete-event 1F1B pipeline plus ring all-reduces),
 so the planner trades the two effects above, and anything else the model sees, in one
 currency: predicted seconds per iteration. Constructive candidates for both ideas are
 built first, then a best-improvement local search over pairwise swaps refines the
@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from falconext.integers import is_int
-from falconext.sim.itertime import IterationModel, JobCosts, check_roles
+from falconext.model.itertime import IterationModel, JobCosts
+from falconext.model.roles import check_roles
 
 __all__ = ["Layout", "TopologyPlan", "plan_topology", "rank0_on_first_node"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import platform
 from typing import Any, Protocol
 
-from falconext.control.messages import MicrobatchPlan, MitigationAction, Restart, TopologyChange
+from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 
 
 class PlanRefused(ValueError):

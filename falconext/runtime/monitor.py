@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig
-from falconext.control.eventlog import EventLog
+from falconext.protocol.eventlog import EventLog
 from falconext.detect.events import FailSlowEvent
 from falconext.detect.scores import BusyClock, RankSample, recent_sample, split_iteration
 from falconext.detect.itertime import IterationTime

@@ -41,8 +41,10 @@ import torch
 
 from falconext.config import FalconConfig
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
-from falconext.control.messages import Command, FailSlowReport, MitigationAction, SessionAck, ValidationShare
-from falconext.control.eventlog import EventLog
+from falconext.protocol.actions import MitigationAction
+from falconext.protocol.commands import Go, Release, Resume, Suspend, ValidationShare
+from falconext.protocol.messages import FailSlowReport, SessionAck
+from falconext.protocol.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
 from falconext.validate.gemm import gemm_benchmark
 from falconext.validate.p2p import run_passes
@@ -418,11 +420,11 @@ class FalconRuntime:
         while len(self._shares) > 4:
             self._shares.pop(min(self._shares))
 
-    def schedule(self, cmd: Command) -> int | None:
+    def schedule(self, cmd: Suspend) -> int | None:
         """Arm a suspension for ``cmd.iteration``; the current iteration if already past it."""
-        session = cmd.args["session"]
-        if cmd.iteration is None or (cmd.validation is None and cmd.action is None):
-            self.events.emit("control_error", rank=self.rank, error="suspend without iteration, plan or action")
+        session = cmd.session
+        if cmd.validation is None and cmd.action is None:
+            self.events.emit("control_error", rank=self.rank, error="suspend without plan or action")
             return None
         if not self.hooked:
             return self._schedule_by_calls(cmd, session)
@@ -433,7 +435,7 @@ class FalconRuntime:
             self._pending = sus
         return None
 
-    def _suspension(self, cmd: Command, session: int) -> Suspension:
+    def _suspension(self, cmd: Suspend, session: int) -> Suspension:
         """This rank's side of the suspension ``cmd`` asks for (either way of trapping), with
         its share of the validation plan."""
         work = rank_work(self._shares.get(session, []), self.rank) if cmd.validation is not None else None
@@ -441,7 +443,7 @@ class FalconRuntime:
                           self.events.emit, commit=self._commit, resend_s=self.cfg.heartbeat_s,
                           budget_s=self.cfg.validation_budget_s, action=cmd.action, work=work)
 
-    def _schedule_by_calls(self, cmd: Command, session: int) -> int | None:
+    def _schedule_by_calls(self, cmd: Suspend, session: int) -> int | None:
         """No loop hooks: trap the first call of ``cmd.iteration`` as this rank's calls
         count iterations; the latest counted iteration if that call is already past."""
         trap = self.tracer.trap
@@ -454,15 +456,22 @@ class FalconRuntime:
         trap.arm(self.cfg.suspend_deadline_s, on_hold=sus.run, at_seq=target)
         return None
 
-    def signal(self, kind: str, session: int, action: MitigationAction | None = None) -> None:
+    def signal(self, cmd: Go | Release | Resume) -> None:
         """A suspension signal from the controller (control client's thread): passed to the
-        suspension of ``session`` (active or pending), a ``resume`` with the ``action`` it
+        suspension of ``cmd.session`` (active or pending), a ``resume`` with the ``action`` it
         carries; ``release`` also drops a pending one and, without loop hooks, disarms a
         trap that has not caught its call yet. Signals of other sessions are ignored."""
+        session = cmd.session
         for sus in (self._active, self._pending):
             if sus is not None and sus.session == session:
-                sus.signal(kind, action)
-        if kind == "release":
+                match cmd:
+                    case Go():
+                        sus.go()
+                    case Release():
+                        sus.release()
+                    case Resume(action=action):
+                        sus.resume(action)
+        if isinstance(cmd, Release):
             with self._lock:
                 if self._pending is not None and self._pending.session == session:
                     self._pending = None

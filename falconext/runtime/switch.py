@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from falconext.mitigate import restart
-from falconext.sim import itertime
+from falconext.model.roles import check_roles
 from falconext.trace import groups
 
 #: prefix of the rendezvous keys of re-created world groups (one per switch)
@@ -107,7 +107,7 @@ def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str,
     t0 = time.perf_counter()
     times = SwitchTimes()
     world = dist.get_world_size()
-    after = list(itertime.check_roles(after, world))
+    after = list(check_roles(after, world))
     me = dist.get_rank()
     now = [groups.to_rank(p) for p in range(world)]
     if now[process] != me:

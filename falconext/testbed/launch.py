@@ -160,7 +160,7 @@ def restored_roles(req, world: int) -> list[int] | None:
     """The roles (process -> role) a restart request says were in force, when they are
     not the launch's own; None otherwise. Raises InputError for roles that are not a
     permutation of the job's ranks."""
-    from falconext.sim.itertime import check_roles
+    from falconext.model.roles import check_roles
 
     roles = req.extra.get("roles")
     if roles is None:

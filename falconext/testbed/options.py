@@ -125,7 +125,7 @@ def check_train_arguments(args: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--falcon-force-topology: {exc}") from None
     if topo is not None:
         from falconext.mitigate.topology import check_tp_in_nodes
-        from falconext.sim.itertime import check_roles
+        from falconext.model.roles import check_roles
 
         roles = check_roles(topo[1], world, "--falcon-force-topology roles")
         check_tp_in_nodes(roles, args.tp, args.ranks_per_node, "--falcon-force-topology")

@@ -19,7 +19,8 @@ import time
 from typing import Any, TextIO
 
 from falconext.control.client import STATUS_KEY
-from falconext.control.messages import MAX_STATUS_BYTES, StatusSnapshot, decode
+from falconext.protocol.codec import MAX_STATUS_BYTES, decode
+from falconext.protocol.messages import StatusSnapshot
 
 #: plain lines (not a terminal): one per this many iterations ...
 EVERY_ITERATIONS = 10

@@ -26,7 +26,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from falconext.config import config_from_args, parse_microbatches, parse_topology  # noqa: E402
-from falconext.control.messages import MicrobatchPlan, Restart, TopologyChange  # noqa: E402
+from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange  # noqa: E402
 from falconext.runtime.host import PlanRefused, apply_action, versions  # noqa: E402
 from falconext.mitigate import restart  # noqa: E402
 from falconext.testbed.options import add_train_arguments, check_train_arguments  # noqa: E402
@@ -164,7 +164,7 @@ def _open_output(out: str, rank: int):
     """Create ``out``'s folders and return the event log; a stale events.jsonl of an
     earlier run is removed unless the launcher's controller may have written it."""
     from falconext.control.client import JOB_ENV
-    from falconext.control.eventlog import EventLog
+    from falconext.protocol.eventlog import EventLog
 
     os.makedirs(os.path.join(out, "ranks"), exist_ok=True)
     os.makedirs(os.path.join(out, "calls"), exist_ok=True)
@@ -410,7 +410,7 @@ def _switch(action: TopologyChange, it: int, trainer, opts, epoch: int, events, 
     from falconext.runtime.switch import SwitchRefused, switch_roles
     from falconext.testbed.trainer import Trainer
     from falconext.mitigate.topology import check_tp_in_nodes
-    from falconext.sim.itertime import check_roles
+    from falconext.model.roles import check_roles
     from falconext.trace.groups import to_rank
 
     world = layout["world"]

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from falconext.control.messages import MAX_MESSAGE_BYTES, Command, ValidationPlan, ValidationShare, encode
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.commands import Share, ValidationPlan, ValidationShare
 from falconext.validate.passes import double_tree_passes, merge_passes, one_per_link, ring_passes, split_rounds, without
 
 #: roles whose groups partition the ranks: their rings carry the job's traffic
@@ -186,7 +187,7 @@ def split_plan(plan: Mapping[str, Any], ranks: Sequence[int],
                max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[ValidationPlan, list[ValidationShare]]:
     """``plan`` (from :func:`validation_plan`) as it travels: what every rank needs alike,
     and the shares of blocks of consecutive ``ranks`` (all of them covered), each of which
-    encodes, inside a "share" Command, to at most ``max_bytes``.
+    encodes, inside a :class:`Share` command, to at most ``max_bytes``.
 
     GEMM round of the i-th GEMM rank (in rank order): i // gemm_concurrency (0: one round);
     P2P rounds: the passes cut by ``p2p_concurrency`` (:func:`split_rounds`), in order.
@@ -210,7 +211,7 @@ def split_plan(plan: Mapping[str, Any], ranks: Sequence[int],
             pairs_of.setdefault(src, []).append(row)
             pairs_of.setdefault(dst, []).append(row)
     everyone = sorted(set(int(r) for r in ranks) | set(gemm_round) | set(pairs_of))
-    budget = max(1024, max_bytes - 1024)  # the envelope and the Command around the share
+    budget = max(1024, max_bytes - 1024)  # the envelope and the Share command around the share
     shares: list[ValidationShare] = []
     block: list[int] = []
     size = 0
@@ -250,7 +251,7 @@ def _shares(block: list[int], gemm_round: Mapping[int, int], pairs_of: Mapping[i
                 seen.add(key)
                 pairs.append(row)
     share = ValidationShare(block[0], block[-1], runs, pairs)
-    if len(block) > 1 and len(encode(Command("share", 0.0, args={"session": 2**62}, share=share))) > max_bytes:
+    if len(block) > 1 and len(encode(Share(2**62, share))) > max_bytes:
         half = len(block) // 2
         return _shares(block[:half], gemm_round, pairs_of, max_bytes) + _shares(block[half:], gemm_round, pairs_of,
                                                                                   max_bytes)

@@ -39,7 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from falconext.control.messages import MitigationAction, SessionAck, ValidationPlan, ValidationResult
+from falconext.protocol.actions import MitigationAction
+from falconext.protocol.commands import ValidationPlan
+from falconext.protocol.messages import SessionAck, ValidationResult
 from falconext.validate.plan import RankWork
 
 
@@ -59,8 +61,9 @@ class Bench:
 
 class Suspension:
     """One rank's part in suspension ``session`` (module docstring): built when the trap is
-    armed, with the validation ``plan`` and/or the mitigation ``action`` it carries, :meth:`run` on the trapped training thread, :meth:`signal` from the control
-    client. However it ends, it posts a final "resumed" acknowledgement and a
+    armed, with the validation ``plan`` and/or the mitigation ``action`` it carries,
+    :meth:`run` on the trapped training thread, :meth:`go`, :meth:`release` and
+    :meth:`resume` from the control client. However it ends, it posts a final "resumed" acknowledgement and a
     "suspension" event; after "go" it posts a ValidationResult (a benchmark's error, or
     the note that ``budget_s`` ran out and the result is partial, goes into it, never to
     training)."""
@@ -113,14 +116,21 @@ class Suspension:
         self.pause_s: float | None = None
         self.expired = False
 
-    def signal(self, kind: str, action: MitigationAction | None = None) -> None:
-        """``go``, ``release`` or ``resume`` (the verdict, with the ``action`` to apply from
-        the next iteration or none) from the controller (any thread)."""
-        if kind == "resume":
-            self._resume_action = action
-            self._resume.set()
-        else:
-            (self._go if kind == "go" else self._release).set()
+    def go(self) -> None:
+        """The controller's ``go``: every rank is held (any thread)."""
+        self._go.set()
+        self._wake.set()
+
+    def release(self) -> None:
+        """The controller's ``release``: the session is off (any thread)."""
+        self._release.set()
+        self._wake.set()
+
+    def resume(self, action: MitigationAction | None = None) -> None:
+        """The controller's ``resume``: the verdict, with the ``action`` to apply from the
+        next iteration or none (any thread)."""
+        self._resume_action = action
+        self._resume.set()
         self._wake.set()
 
     def run(self, end: float) -> None:

@@ -66,13 +66,13 @@ from typing import Protocol
 import numpy as np
 
 from falconext.integers import is_int
+from falconext.model.roles import check_roles
 
 __all__ = [
     "IterationBreakdown",
     "IterationModel",
     "JobCosts",
     "LayoutLike",
-    "check_roles",
     "check_slow_gpus",
     "check_slow_links",
     "iteration_time",
@@ -127,26 +127,6 @@ def _layout_sizes(layout: LayoutLike) -> tuple[int, int, int, int]:
             raise ValueError(f"layout.{field} must be a positive int, got {v!r}")
         sizes.append(int(v))  # type: ignore[arg-type]
     return sizes[0], sizes[1], sizes[2], sizes[3]
-
-
-def check_roles(roles: Sequence[int], world: int, name: str = "roles") -> tuple[int, ...]:
-    """Return ``roles`` as a tuple after checking it is a permutation of ``range(world)``."""
-    if isinstance(roles, (str, bytes)):
-        raise ValueError(f"{name} must be a sequence of ints, not a string")
-    try:
-        rs = list(roles)
-    except TypeError:
-        raise ValueError(f"{name} must be a sequence of ints, got {roles!r}") from None
-    if len(rs) != world:
-        raise ValueError(f"{name} has {len(rs)} entries, expected world = {world}")
-    seen = [False] * world
-    for p, r in enumerate(rs):
-        if not is_int(r) or not 0 <= r < world:
-            raise ValueError(f"{name}[{p}] = {r!r} is not a role in range({world})")
-        if seen[r]:
-            raise ValueError(f"{name} is not a permutation: role {r} is played twice")
-        seen[r] = True
-    return tuple(int(r) for r in rs)
 
 
 def check_slow_gpus(slow_gpus: Mapping[int, float] | None, world: int) -> dict[int, float]:

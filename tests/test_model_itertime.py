@@ -1,4 +1,4 @@
-"""Tests of the iteration-time model (falconext.sim.itertime).
+"""Tests of the iteration-time model (falconext.model.itertime).
 
 Besides closed forms for simple cases, the model is checked against a small reference
 written independently here: plain loops and a recursive longest path over the 1F1B
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from falconext.sim.itertime import (
+from falconext.model.itertime import (
     IterationModel,
     JobCosts,
     iteration_time,

@@ -1,0 +1,360 @@
+"""The wire: the protocol's dataclasses as JSON, with a schema version and a size cap.
+
+Everything on the bus comes from the network, so decoding is strict and never
+evaluates anything: a size limit, one JSON object ``{"v": version, "type": name,
+"body": {...}}``, a known type, exactly the dataclass's fields, and every field of the
+declared type (finite numbers, no bool passing for int). A message that fails any of
+this raises :class:`MessageError` naming the problem; the agent logs and drops it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Union
+
+from falconext.protocol.actions import MitigationAction
+from falconext.protocol.base import MessageError
+from falconext.protocol.commands import COMMAND_KINDS, ENVELOPE, Command, ValidationPlan, ValidationShare
+from falconext.protocol.messages import (
+    HEARTBEAT_COLUMNS,
+    CommandReply,
+    FailSlowReport,
+    Heartbeat,
+    Localized,
+    NodeHealth,
+    NodeHeartbeats,
+    ProfileData,
+    RankEvent,
+    SessionAck,
+    StatusSnapshot,
+    ValidationResult,
+)
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+#: a status snapshot lists every rank: it is stored in a key, not a stream, and may be larger
+MAX_STATUS_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CommandWire:
+    """The body of every command on the wire (message type ``Command``), whatever its kind:
+    ``kind`` names the class (:data:`~falconext.protocol.commands.COMMAND_KINDS`), the
+    command's fields of :data:`~falconext.protocol.commands.ENVELOPE` are at the top, its
+    others in ``args``. Decoded strictly like any message, then into the command by
+    :func:`_command`."""
+
+    kind: str
+    deadline_s: float
+    iteration: int | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+    action: MitigationAction | None = None
+    validation: ValidationPlan | None = None
+    share: ValidationShare | None = None
+
+
+#: the message types by their name on the wire (every command travels as "Command")
+MESSAGE_TYPES: dict[str, type] = {
+    "Command" if cls is CommandWire else cls.__name__: cls
+    for cls in (FailSlowReport, Heartbeat, NodeHeartbeats, ProfileData, SessionAck, ValidationResult, RankEvent, NodeHealth,
+                Localized, CommandWire, CommandReply, StatusSnapshot)
+}
+_COMMAND_CLASSES = frozenset(COMMAND_KINDS.values())
+
+
+def encode(msg: Any) -> str:
+    """The JSON text of ``msg`` with the schema version and type name, as :func:`decode`
+    reads it. Raises MessageError for an object that is not one of the message types,
+    and ValueError for a NaN or infinite number in it."""
+    if type(msg) in _COMMAND_CLASSES:
+        name, msg = "Command", command_wire(msg)
+    else:
+        name = type(msg).__name__
+        if MESSAGE_TYPES.get(name) is not type(msg):
+            raise MessageError(f"not a message type: {name}")
+    return json.dumps({"v": SCHEMA_VERSION, "type": name, "body": _data(msg)}, separators=(",", ":"), allow_nan=False)
+
+
+def command_args(cmd: Command) -> dict[str, Any]:
+    """A command's ``args`` as the wire has them: its fields outside the envelope, in their
+    order, an optional one left out while None."""
+    declared, _ = _schema(type(cmd))
+    out = {}
+    for name, f in declared.items():
+        value = getattr(cmd, name)
+        if name not in ENVELOPE and not (value is None and f.default is None):
+            out[name] = value
+    return out
+
+
+def command_wire(cmd: Command) -> CommandWire:
+    """``cmd`` in the one shape every command has on the wire."""
+    declared, _ = _schema(type(cmd))
+    envelope = {name: getattr(cmd, name) if name in declared else default for name, default in ENVELOPE.items()}
+    return CommandWire(type(cmd).KIND, args=command_args(cmd), **envelope)
+
+
+def _command(wire: CommandWire) -> Any:
+    """The command ``wire`` holds: its kind's class, with the envelope fields that class has
+    (the others must be as :data:`ENVELOPE` sends them) and exactly its other fields in
+    ``args``, each of its declared type, then the class's own ``check``."""
+    cls = COMMAND_KINDS.get(wire.kind)
+    if cls is None:
+        raise MessageError(f"Command: unknown kind {wire.kind!r} (expected one of {', '.join(sorted(COMMAND_KINDS))})")
+    where = f"Command({wire.kind})"
+    declared, hints = _schema(cls)
+    values: dict[str, Any] = {}
+    for name, default in ENVELOPE.items():
+        value = getattr(wire, name)
+        f = declared.get(name)
+        if f is None:
+            if value != default:
+                raise MessageError(f"{where}.{name}: a {wire.kind} command has none, got {value!r}")
+        elif value is None and f.default is MISSING:
+            raise MessageError(f"{where}: missing field {name}")
+        else:
+            values[name] = value
+    unknown = sorted(set(wire.args) - {name for name in declared if name not in ENVELOPE})
+    if unknown:
+        raise MessageError(f"{where}.args: unknown field(s) {', '.join(map(str, unknown))}")
+    for name, f in declared.items():
+        if name in ENVELOPE:
+            continue
+        if name not in wire.args:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise MessageError(f"{where}.args: missing field {name}")
+        values[name] = _check(wire.args[name], hints[name], f"{where}.args.{name}")
+    cmd = cls(**values)
+    check = getattr(cmd, "check", None)
+    if check is not None:
+        check()
+    return cmd
+
+
+def _data(obj: Any) -> Any:
+    """``obj`` as plain JSON data: a dataclass as the object of its fields (a tagged one,
+    such as an action, led by its ``kind``), lists and objects item by item."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: _data(getattr(obj, f.name)) for f in fields(obj)}
+        kind = getattr(type(obj), "KIND", None)
+        return {"kind": kind, **out} if kind is not None else out
+    if isinstance(obj, (list, tuple)):
+        return [_data(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _data(v) for k, v in obj.items()}
+    return obj
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A message class's fields by name and their resolved type hints, worked out once per
+    class (resolving hints took three quarters of decoding a message: at thousands of
+    ranks' heartbeats a second, the controller's main cost)."""
+    return {f.name: f for f in fields(cls)}, typing.get_type_hints(cls)
+
+
+
+def decode(data: str | bytes, accept: set[str] | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
+    """Parse one message; ``accept`` limits the types this receiver handles; ``max_bytes``
+    bounds its size (only a status snapshot's reader raises it)."""
+    if isinstance(data, bytes):
+        if len(data) > max_bytes:
+            raise MessageError(f"message of {len(data)} bytes exceeds {max_bytes}")
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MessageError("message is not UTF-8") from None
+    if len(data) > max_bytes:
+        raise MessageError(f"message of {len(data)} characters exceeds {max_bytes}")
+    try:
+        obj = json.loads(data, parse_constant=_no_constant)
+    except (json.JSONDecodeError, MessageError) as exc:
+        raise MessageError(f"malformed JSON: {exc}") from None
+    if not isinstance(obj, dict) or set(obj) != {"v", "type", "body"}:
+        raise MessageError("expected an object with exactly v, type and body")
+    if obj["v"] != SCHEMA_VERSION or isinstance(obj["v"], bool):
+        raise MessageError(f"unsupported schema version {obj['v']!r} (this side speaks {SCHEMA_VERSION})")
+    name = obj["type"]
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {name!r}")
+    if accept is not None and name not in accept:
+        raise MessageError(f"message type {name} is not accepted here")
+    body = obj["body"]
+    if not isinstance(body, dict):
+        raise MessageError(f"{name}: body must be an object")
+    msg = _build(cls, body, name)
+    return _command(msg) if cls is CommandWire else msg
+
+
+def _build(cls: type, body: dict[str, Any], where: str) -> Any:
+    """An instance of the dataclass ``cls`` from the JSON object ``body``: exactly its
+    fields (and, for a tagged class, its ``kind``), each of its declared type, then its
+    own ``check`` (the shape of rows inside lists, allowed values)."""
+    declared, hints = _schema(cls)
+    kind = getattr(cls, "KIND", None)
+    if kind is not None:
+        if body.get("kind") != kind:
+            raise MessageError(f"{where}: kind {body.get('kind')!r} is not {kind!r}")
+        body = {k: v for k, v in body.items() if k != "kind"}
+    unknown = sorted(set(body) - set(declared))
+    if unknown:
+        raise MessageError(f"{where}: unknown field(s) {', '.join(map(str, unknown))}")
+    values = {}
+    for fname, f in declared.items():
+        if fname not in body:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue  # optional: the dataclass default applies
+            raise MessageError(f"{where}: missing field {fname}")
+        values[fname] = _check(body[fname], hints[fname], f"{where}.{fname}")
+    try:
+        msg = cls(**values)
+    except TypeError as exc:
+        raise MessageError(f"{where}: {exc}") from None
+    check = getattr(msg, "check", None)
+    if check is not None:
+        check()  # MessageError naming the problem
+    return msg
+
+
+def _finite(value: int | float) -> bool:
+    """A finite number, also for an integer too large for a float (which is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _no_constant(name: str) -> float:
+    raise MessageError(f"{name} is not allowed")
+
+
+@functools.lru_cache(maxsize=None)
+def _union_parts(hint: Any) -> tuple[dict[str, type], type | None]:
+    """A union hint's tagged classes by ``kind`` (the actions), and its one dataclass when
+    it is an optional part (``X | None``); resolved once per hint, not per message."""
+    options = typing.get_args(hint)
+    tagged = {getattr(o, "KIND"): o for o in options if is_dataclass(o) and hasattr(o, "KIND")}
+    rest = [o for o in options if o is not type(None)]
+    return tagged, rest[0] if len(rest) == 1 and is_dataclass(rest[0]) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _hint(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A type hint's origin and arguments, worked out once per hint."""
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    origin, args = _hint(hint)
+    if origin in (Union, types.UnionType):
+        options = args
+        if value is None and type(None) in options:
+            return None
+        tagged, part = _union_parts(hint)
+        if tagged:  # a tagged union (the actions): "kind" names the class, whose errors are kept
+            if not isinstance(value, dict):
+                raise MessageError(f"{where}: expected an object")
+            kind = value.get("kind")
+            cls = tagged.get(kind) if isinstance(kind, str) else None
+            if cls is None:
+                raise MessageError(f"{where}: unknown kind {kind!r} (expected one of {', '.join(sorted(tagged))})")
+            return _build(cls, value, f"{where}({kind})")
+        if part is not None:  # an optional part: its own errors are kept
+            return _check(value, part, where)
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _check(value, opt, where)
+            except MessageError:
+                continue
+        raise MessageError(f"{where}: {value!r} is not a {hint}")
+    if hint is Any:
+        return _check_json_value(value, where)
+    if is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected an object")
+        return _build(hint, value, where)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise MessageError(f"{where}: expected true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise MessageError(f"{where}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
+            return float(value)
+        raise MessageError(f"{where}: expected a finite number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise MessageError(f"{where}: expected a string")
+    if origin is list:
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list")
+        (item,) = args
+        # fast paths for the long lists (group members, call rows, heartbeat rows); any
+        # doubt goes the slow way, which names the bad item
+        if item is int and all(type(v) is int for v in value):
+            return value
+        if item is float and all(type(v) is float or type(v) is int for v in value):
+            try:
+                out = [float(v) for v in value]
+            except OverflowError:
+                out = None
+            if out is not None and all(map(math.isfinite, out)):
+                return out
+        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected an object")
+        _, item = args
+        return {k: _check(v, item, f"{where}.{k}") for k, v in value.items()}
+    raise MessageError(f"{where}: unsupported field type {hint}")  # pragma: no cover
+
+
+def _check_json_value(value: Any, where: str, depth: int = 0) -> Any:
+    """Plain JSON data (evidence, command args), bounded in depth; numbers finite."""
+    if depth > 8:
+        raise MessageError(f"{where}: nested too deeply")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise MessageError(f"{where}: numbers must be finite")
+        return value
+    if isinstance(value, list):
+        return [_check_json_value(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {str(k): _check_json_value(v, f"{where}.{k}", depth + 1) for k, v in value.items()}
+    raise MessageError(f"{where}: not JSON data")  # pragma: no cover
+
+
+def pack_heartbeats(node: int, beats: Sequence[Heartbeat], max_bytes: int = MAX_MESSAGE_BYTES) -> list[NodeHeartbeats]:
+    """``beats`` (of ranks of node ``node``, one per rank) as few NodeHeartbeats as fit
+    ``max_bytes`` each, in rank order; [] for none. Raises MessageError for a beat that
+    names another node."""
+    if any(b.node != node for b in beats):
+        raise MessageError(f"pack_heartbeats: a heartbeat of another node than {node}")
+    rows = [[getattr(b, c) for c in HEARTBEAT_COLUMNS] for b in sorted(beats, key=lambda b: b.rank)]
+    out: list[NodeHeartbeats] = []
+    todo = [rows] if rows else []
+    while todo:
+        part = todo.pop(0)
+        msg = NodeHeartbeats(node, list(HEARTBEAT_COLUMNS), part)
+        if len(part) > 1 and len(encode(msg).encode("utf-8")) > max_bytes:
+            half = len(part) // 2
+            todo[:0] = [part[:half], part[half:]]
+            continue
+        out.append(msg)
+    return out

@@ -1,0 +1,374 @@
+"""The messages between ranks, node agents, the controller and operators: plain frozen
+dataclasses (no I/O), sent as JSON by :mod:`falconext.protocol.codec`, which decodes them
+strictly (exactly these fields, each of its declared type, then the class's own ``check``).
+
+Rank -> controller: :class:`Heartbeat` (through its node's agent, as
+:class:`NodeHeartbeats`), :class:`FailSlowReport`, :class:`ProfileData`,
+:class:`SessionAck`, :class:`ValidationResult`, :class:`RankEvent`; agent -> controller:
+:class:`NodeHealth`; controller -> everyone: :class:`Localized` (the verdict); controller
+-> operators: :class:`CommandReply`, :class:`StatusSnapshot`. The commands the other way
+are in :mod:`falconext.protocol.commands`, the actions they carry in
+:mod:`falconext.protocol.actions`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from falconext.protocol.base import MessageError, is_rank
+
+
+@dataclass(frozen=True)
+class FailSlowReport:
+    """A rank's verified fail-slow, in training-loop iteration numbers.
+
+    ``end`` is set on the report that says the fail-slow is over; ``event_id`` lets the
+    controller pair the two.
+    """
+
+    rank: int
+    onset: int
+    detected_at: int
+    slowdown: float
+    baseline_s: float
+    time: float
+    event_id: int = 0
+    end: int | None = None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Rank -> controller: alive, where its loop is, and how fast it goes.
+
+    The controller picks the iteration at which every rank suspends from these, so
+    they carry the loop iteration and the recent iteration time.
+    """
+
+    rank: int
+    node: int
+    iteration: int
+    iter_s: float
+    time: float
+    #: the rank's DP replica, and its recent compute seconds per micro-batch (what S2
+    #: balances on; 0: not measured yet)
+    replica: int = -1
+    mb_s: float = 0.0
+    micro: int = 0  # micro-batches the replica runs per global batch now
+    #: this rank's measured cost of S4: checkpoint save + load + process start-up
+    restart_s: float = 0.0
+    #: this rank's measured pause of the last topology switch (S3's cost; 0: none yet)
+    switch_s: float = 0.0
+    #: the role it plays (torch rank, pipeline stage) in a TP x DP x PP job of these
+    #: sizes, and its traffic: gradient bytes all-reduced over its DP group per
+    #: iteration, bytes of one pipeline message (what S3 plans with; -1/0: unknown)
+    role: int = -1
+    stage: int = -1
+    tp: int = 0
+    pp: int = 0
+    grad_bytes: int = 0
+    act_bytes: int = 0
+    #: medians over its latest iterations estimated from calls (detect/scores.py): the
+    #: iteration time, the time outside calls (compute) and inside them (waiting and
+    #: transfer), and the loop iteration of the newest of them (-1: none yet)
+    score_iteration: int = -1
+    est_iter_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    #: seconds its loop iteration had been running when the heartbeat was made (-1:
+    #: unknown, e.g. no loop hooks): with it the controller knows when the rank's next
+    #: iteration starts, not only which iteration it is in
+    into_s: float = -1.0
+
+
+@dataclass(frozen=True)
+class ProfileData:
+    """Rank -> controller: its recent collective calls, for the wait/transfer split.
+
+    ``calls[group]`` holds ``[k, t_issue, t_end, bytes]`` rows, k being the call's index
+    among this rank's calls on that group (the same collective has the same k on every
+    member). ``members[group]`` lists the group's global ranks in group order; a group
+    whose ranks are evenly spaced (Megatron's always are) may come instead as
+    ``spans[group] = [first, step, count]``: a DP group of 4096 ranks is then 20 bytes,
+    not 25 KB in every member's profile (:meth:`compact` makes them). Read both with
+    :meth:`group_members`.
+
+    ``fabric`` (the torch.distributed backend its collectives run on, e.g. ``nccl`` or
+    ``gloo``; empty: unknown) and ``nccl_algo`` (its ``NCCL_ALGO``; None: unset) say
+    whether its collectives may run as NCCL's trees, which the validation plan then
+    covers (:func:`falconext.validate.plan.trees_apply`).
+    """
+
+    rank: int
+    session: int
+    roles: dict[str, str]
+    members: dict[str, list[int]]
+    calls: dict[str, list[list[float]]]
+    spans: dict[str, list[int]] = field(default_factory=dict)
+    fabric: str = ""
+    nccl_algo: str | None = None
+
+    def check(self) -> None:
+        """Each call row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0;
+        each span is [first >= 0, step >= 1, count >= 1], of a group not also in members."""
+        for gid, rows in self.calls.items():
+            for i, row in enumerate(rows):
+                if len(row) != 4 or not (is_rank(row[0]) and is_rank(row[3])) or row[2] < row[1]:
+                    raise MessageError(f"ProfileData.calls[{gid}][{i}]: expected [k, t_issue, t_end, bytes], got {row!r}")
+        for gid, span in self.spans.items():
+            if len(span) != 3 or span[0] < 0 or span[1] < 1 or span[2] < 1 or gid in self.members:
+                raise MessageError(f"ProfileData.spans[{gid}]: expected [first >= 0, step >= 1, count >= 1] of a "
+                                   f"group not in members, got {span!r}")
+
+    def group_members(self) -> dict[str, Sequence[int]]:
+        """Every group's members in group order, spans as ``range`` objects (not expanded)."""
+        if not self.spans:
+            return self.members
+        out: dict[str, Sequence[int]] = dict(self.members)
+        out.update({g: range(f, f + s * c, s) for g, (f, s, c) in self.spans.items()})
+        return out
+
+    @classmethod
+    def compact(cls, rank: int, session: int, roles: dict[str, str], members: dict[str, list[int]],
+                calls: dict[str, list[list[float]]], fabric: str = "", nccl_algo: str | None = None) -> ProfileData:
+        """The profile with every group of three or more evenly spaced, ascending ranks as a span."""
+        spans: dict[str, list[int]] = {}
+        rest: dict[str, list[int]] = {}
+        for gid, ranks in members.items():
+            r = list(ranks)
+            step = r[1] - r[0] if len(r) >= 3 else 0
+            if step >= 1 and r[0] >= 0 and r == list(range(r[0], r[0] + step * len(r), step)):
+                spans[gid] = [r[0], step, len(r)]
+            else:
+                rest[gid] = r
+        return cls(rank, session, roles, rest, calls, spans, fabric, nccl_algo)
+
+
+@dataclass(frozen=True)
+class SessionAck:
+    """Rank -> controller: where this rank is in a suspension.
+
+    status: ``held`` (trapped at the agreed iteration), ``missed`` (was already past
+    it), ``resumed`` (training goes on; ``pause_s`` is how long it was held).
+    ``committed``: the session carried an action (a mitigation) and every rank agreed
+    to apply it from the next iteration.
+    """
+
+    rank: int
+    session: int
+    status: str
+    iteration: int
+    time: float
+    pause_s: float = 0.0
+    expired: bool = False
+    committed: bool = False
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """Rank -> controller: its GEMM FLOP/s (if it ran one) and the links it received on.
+
+    ``links`` rows are ``[src, dst, seconds]`` per message, median of repeats.
+    """
+
+    rank: int
+    session: int
+    gemm_flops: float | None
+    links: list[list[float]]
+    error: str = ""
+
+    def check(self) -> None:
+        """Each links row is [src, dst, seconds]: two ranks and a time >= 0."""
+        for i, row in enumerate(self.links):
+            if len(row) != 3 or not (is_rank(row[0]) and is_rank(row[1])) or row[2] < 0:
+                raise MessageError(f"ValidationResult.links[{i}]: expected [src, dst, seconds], got {row!r}")
+
+
+#: what a RankEvent's type may be: a lower-case name, as the event log's own types are
+_EVENT_TYPE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+
+
+@dataclass(frozen=True)
+class RankEvent:
+    """Rank -> controller: one record of the rank's events, for the job's events.jsonl,
+    which in a job of several launchers the controller alone writes. ``fields``: the
+    record's JSON fields other than ``time`` and ``type``."""
+
+    rank: int
+    type: str
+    time: float
+    fields: dict[str, Any]
+
+    def check(self) -> None:
+        """A lower-case event type, and fields that do not override time or type."""
+        if not _EVENT_TYPE.match(self.type):
+            raise MessageError(f"RankEvent.type: expected a lower-case event name, got {self.type[:60]!r}")
+        clash = sorted({"time", "type"} & set(self.fields))
+        if clash:
+            raise MessageError(f"RankEvent.fields: may not carry {', '.join(clash)}")
+
+    def record(self) -> dict[str, Any]:
+        """The events.jsonl record: the rank's time, type and fields."""
+        return {"time": self.time, "type": self.type, **self.fields}
+
+    @classmethod
+    def of(cls, rank: int, record: dict[str, Any]) -> "RankEvent":
+        """The message for a rank's event-log ``record``."""
+        fields = {k: v for k, v in record.items() if k not in ("time", "type")}
+        return cls(rank, str(record.get("type", "")), float(record.get("time", 0.0)), fields)
+
+
+#: a Heartbeat's fields as NodeHeartbeats columns (its node is the message's)
+HEARTBEAT_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat) if f.name != "node")
+#: the columns every NodeHeartbeats must carry (the others take Heartbeat's defaults)
+HEARTBEAT_REQUIRED = ("rank", "iteration", "iter_s", "time")
+#: exact integers survive the float columns up to here
+_MAX_EXACT = 2**53
+
+
+@functools.lru_cache(maxsize=64)
+def _heartbeat_columns(columns: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    """(name, is an integer field) per column, once per column list; MessageError for an
+    unknown, repeated or missing column."""
+    known = {f.name: f.type in (int, "int") for f in fields(Heartbeat) if f.name != "node"}
+    unknown = [c for c in columns if c not in known]
+    if unknown or len(set(columns)) != len(columns):
+        raise MessageError(f"NodeHeartbeats.columns: unknown or repeated column(s) {unknown or list(columns)}")
+    missing = [c for c in HEARTBEAT_REQUIRED if c not in columns]
+    if missing:
+        raise MessageError(f"NodeHeartbeats.columns: missing {', '.join(missing)}")
+    return tuple((c, known[c]) for c in columns)
+
+
+@dataclass(frozen=True)
+class NodeHeartbeats:
+    """Agent -> controller: its node's ranks' latest heartbeats in one message per
+    heartbeat period (the controller reads one message per node, not one per rank).
+
+    Column-wise: ``columns`` names Heartbeat fields (``node`` is the message's), each row
+    holds one rank's values in that order. Integer fields must be whole numbers; ranks
+    are unique. Make them with :func:`pack_heartbeats` (which splits a node's beats
+    over several messages should they not fit the bus cap: at 250 bytes a row, one
+    message holds about 250 ranks), read them with :meth:`beats`.
+    """
+
+    node: int
+    columns: list[str]
+    rows: list[list[float]]
+
+    def check(self) -> None:
+        """Known columns, the required ones present, rows of the columns' length, whole
+        numbers in integer columns, each rank once."""
+        if self.node < 0:
+            raise MessageError(f"NodeHeartbeats.node: expected >= 0, got {self.node}")
+        cols = _heartbeat_columns(tuple(self.columns))
+        ints = [i for i, (_, is_int) in enumerate(cols) if is_int]
+        rank_at = self.columns.index("rank")
+        seen: set[float] = set()
+        for i, row in enumerate(self.rows):
+            if len(row) != len(cols):
+                raise MessageError(f"NodeHeartbeats.rows[{i}]: expected {len(cols)} values, got {len(row)}")
+            for j in ints:
+                v = row[j]
+                if not (float(v).is_integer() and -_MAX_EXACT <= v <= _MAX_EXACT):
+                    raise MessageError(f"NodeHeartbeats.rows[{i}].{cols[j][0]}: expected a whole number, got {v!r}")
+            rank = row[rank_at]
+            if rank < 0 or rank in seen:
+                raise MessageError(f"NodeHeartbeats.rows[{i}].rank: {rank!r} is negative or repeated")
+            seen.add(rank)
+
+    def beats(self) -> list[Heartbeat]:
+        """The rows as Heartbeats of this node (the message passed :meth:`check`)."""
+        names, ints, defaults = _heartbeat_plan(tuple(self.columns))
+        out = []
+        for row in self.rows:
+            vals = [self.node, *row]
+            for i in ints:
+                vals[i] = int(vals[i])
+            # a frozen dataclass's __init__ sets its 22 fields one object.__setattr__ at a
+            # time; at thousands of heartbeats a second the controller fills them at once
+            # (Heartbeat has no __post_init__ to skip)
+            beat = object.__new__(Heartbeat)
+            beat.__dict__.update(defaults)
+            beat.__dict__.update(zip(names, vals))
+            out.append(beat)
+        return out
+
+
+@functools.lru_cache(maxsize=64)
+def _heartbeat_plan(columns: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...], dict[str, Any]]:
+    """For rows of ``columns`` led by the node: the field names, the positions to make
+    int, and the defaults of the fields not among the columns."""
+    cols = _heartbeat_columns(columns)
+    names = ("node",) + columns
+    ints = tuple(i + 1 for i, (_, is_int) in enumerate(cols) if is_int)
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+                for f in fields(Heartbeat) if f.name not in names}
+    return names, ints, defaults
+
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """Agent -> controller: the node's GPU health readings (pynvml), empty on CPU."""
+
+    node: int
+    session: int
+    gpus: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Localized:
+    """What validation found: slow GPUs (ranks) and slow links (virtual node pairs)."""
+
+    gpus: list[int]
+    links: list[list[int]]
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+
+@dataclass(frozen=True)
+class CommandReply:
+    """Controller -> operator: what became of the operator command ``id``.
+
+    ``ok`` false means refused, and ``text`` says why; true means accepted (an action
+    then runs through the usual suspension: its outcome is a later event). ``session``
+    is the controller's session after the command (an action's suspension has it).
+    """
+
+    id: str
+    command: str
+    ok: bool
+    text: str
+    time: float
+    session: int = 0
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """Controller -> operators, tools and the launcher's progress line: the job as the
+    controller sees it, published every ``status_interval_s`` (``falconext ctl status``).
+
+    ``ranks[str(rank)]``: node, iteration, iter_s (loop), est_iter_s (from calls),
+    score, late_s, compute_ratio, replica, micro, role, stage, age_s (of its heartbeat).
+    ``plan``: micro-batches per DP replica and roles per process in force. ``episode``
+    and ``planner``: the fail-slow in hand and what the planner has done and would do
+    next (None: none). ``config``: the thresholds changed at run time or on the command
+    line (name -> value). ``last_event``: the latest event the controller wrote.
+    """
+
+    time: float
+    job: str
+    world: int
+    state: str
+    session: int
+    muted: bool
+    ranks: dict[str, dict[str, Any]]
+    plan: dict[str, Any]
+    episode: dict[str, Any] | None = None
+    planner: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    last_event: dict[str, Any] | None = None
