@@ -4,24 +4,18 @@
 Ranks detect fail-slows on their own; the controller turns the first verified report
 (or a straggler its scores show) into named slow components and, when mitigation is on,
 into a strategy every rank applies. :class:`Controller` routes each message and tick to
-the collaborator that decides, and sequences what one's result asks of another:
+the collaborator that decides, and sequences what one's result asks of another: the
+heartbeats (heartbeats.JobView), the score trigger (stragglers.StragglerWatch), one
+Episode per fail-slow and its rules (episodes), profile -> plan -> verdict
+(localizer.Localizer), sessions, placement, acks and deadlines
+(suspension.SuspensionCoordinator), the planner in and typed actions out
+(mitigation_driver), operators' commands (operator.OperatorDesk) and the status
+(snapshot). Each does no I/O and reads no clock.
 
-* :class:`~falconext.control.heartbeats.JobView`: the heartbeats, the ranks waited for;
-* :class:`~falconext.control.stragglers.StragglerWatch`: the scores, and the straggler
-  they show;
-* :mod:`~falconext.control.episodes`: one :class:`Episode` per fail-slow, its reports and
-  the rules that join, close and time it out;
-* :class:`~falconext.control.localizer.Localizer`: profile -> plan -> verdict;
-* :class:`~falconext.control.suspension.SuspensionCoordinator`: sessions, placement,
-  acks, deadlines;
-* :mod:`~falconext.control.mitigation_driver`: the planner in, typed actions out;
-* :class:`~falconext.control.operator.OperatorDesk` and
-  :func:`~falconext.control.snapshot.snapshot`: operators' commands and the status.
-
-:class:`Controller` is pure: it takes messages and the time, and returns what to post
-and what to log, so every path (a rank that misses the iteration, a profile that never
-comes, a deadline) is tested without Redis. control/service.py is the thin process
-around it.
+:class:`Controller` is pure too: it takes messages and the time, and returns what to
+post and what to log, so every path (a rank that misses the iteration, a profile that
+never comes, a deadline) is tested without Redis. control/service.py is the thin
+process around it.
 """
 
 from __future__ import annotations
@@ -32,34 +26,12 @@ from typing import Any
 
 from falconext.config import FalconConfig
 from falconext.control import mitigation_driver as driver
-from falconext.control.episodes import (
-    Episode,
-    Sighting,
-    State,
-    beats_healthy,
-    closes,
-    is_new_fail_slow,
-    planner_ends_it,
-    timeout_reason,
-    waiting_for_a_strategy,
-)
+from falconext.control.episodes import Episode, State, dropped, ends, expire, is_new_fail_slow
 from falconext.control.heartbeats import JobView
 from falconext.control.localizer import Localizer, for_bus
-from falconext.control.messages import (
-    Command,
-    FailSlowReport,
-    Heartbeat,
-    Localized,
-    MitigationAction,
-    NodeHealth,
-    NodeHeartbeats,
-    ProfileData,
-    SessionAck,
-    StatusSnapshot,
-    ValidationResult,
-    action_details,
-)
-from falconext.control.operator import OPERATOR_COMMANDS, OperatorDesk, operator_action, refusal
+from falconext.control.messages import (Command, FailSlowReport, Heartbeat, Localized, MitigationAction, NodeHealth,
+                                        NodeHeartbeats, ProfileData, SessionAck, StatusSnapshot, ValidationResult)
+from falconext.control.operator import OPERATOR_COMMANDS, OperatorDesk
 from falconext.control.outputs import Output, event
 from falconext.control.snapshot import snapshot
 from falconext.control.stragglers import StragglerWatch
@@ -195,22 +167,14 @@ class Controller:
         return out + self._deadline_passed(now)
 
     def _episode_timeout(self, now: float) -> list[Output]:
-        """A fail-slow episode whose end reports did not all come closes (episodes.timeout_reason)."""
+        """A fail-slow episode whose end reports did not all come closes (episodes.expire)."""
         ep = self.episode
-        if ep is None or ep.trigger != "fail_slow" or self.state is not State.TRACKING:
+        reason = None if ep is None or self.state is not State.TRACKING else expire(ep, now, self.job.beats, self.cfg)
+        if ep is None or reason is None:
             return []
-        mit, limit = ep.mitigation, self.cfg.episode_timeout_s
-        waiting = waiting_for_a_strategy(mit)
-        if planner_ends_it(mit) and not waiting:
-            return []  # the planner decides when a mitigated fail-slow is over
-        reason = timeout_reason(ep, now, limit, beats_healthy(ep, self.job.beats, self.cfg.min_slowdown), waiting)
-        if reason is None:
-            return []
-        if waiting and mit is not None:  # nothing applied, nothing to revert: over before any strategy
-            driver.over_before_any_strategy(mit)
         self.episode = None
         return [event("episode_timeout", session=self.session, reason=reason,
-                      missing=sorted(set(ep.reporters) - ep.ended), after_s=round(limit, 3))]
+                      missing=sorted(set(ep.reporters) - ep.ended), after_s=round(self.cfg.episode_timeout_s, 3))]
 
     def _scores(self, now: float) -> list[Output]:
         """The scores when due; a straggler they show is localized now: in an episode of
@@ -225,20 +189,14 @@ class Controller:
             if s.baseline_s is None:
                 return out  # no reading before it: nothing to measure the fault against
             self.stragglers.acted.add(s.rank)
-            out += [event("straggler_suspected", action="localize", **s.fields())] + self._start("fail_slow", now, now)
-            assert self.episode is not None
-            self.episode.suspected = s.rank
-            self.episode.sightings.append(Sighting(s.onset, s.baseline_s, s.level_s))
-            return out
-        mit = ep.mitigation
-        if (mit is None or not mit.applied or mit.in_flight is not None or ep.relocalizing is not None
-                or s.rank in mit.gpus):
-            return out  # the episode's own localization or mitigation comes first
-        d = mit.planner.relocalize(s.iteration, s.onset, f"rank {s.rank} computes {s.ratio:.2f}x its peers")
-        if d is None:
+            return out + [event("straggler_suspected", action="localize", **s.fields())] + self._start(
+                "fail_slow", now, now, s.episode(now))
+        d = driver.suspect_rise(ep, s)
+        if d is None or ep.mitigation is None:
             return out
         self.stragglers.acted.add(s.rank)
-        return out + [event("straggler_suspected", action="relocalize", **s.fields())] + self._decide(mit, d, now, "scores")
+        return out + [event("straggler_suspected", action="relocalize", **s.fields())] + self._decide(
+            ep.mitigation, d, now, "scores")
 
     def _deadline_passed(self, now: float) -> list[Output]:
         if self.state is State.PROFILING:
@@ -267,34 +225,27 @@ class Controller:
         held = self.desk.hold(rep, self.episode is not None)
         if held is not None:
             return held
-        ep = self.episode
-        if rep.end is None and rep.onset < self.job.restart_from:
-            # sent just before the restart (a detector saw the restart's own hold): the
-            # processes that saw it are gone, and a session for it would hold ranks that
-            # are restarting
-            return [event("report_dropped", rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
-                          reason=f"onset {rep.onset} is before the restart from iteration {self.job.restart_from}")]
+        ep, drop = self.episode, dropped(rep, self.job.restart_from)
+        if drop is not None:
+            return drop
         if rep.end is not None:
             if ep is not None and ep.end_reported(rep, now) and self.state is State.TRACKING:
                 return self._maybe_close()
             return []
-        if ep is not None and is_new_fail_slow(
-                ep, rep, tracking=self.state is State.TRACKING, settle_iterations=self.cfg.mitigation_settle_iterations,
-                rise=self.cfg.mitigation_relocalize_rise or self.cfg.min_slowdown, first_beats=self.job.first_beats()):
+        if ep is not None and is_new_fail_slow(ep, rep, self.cfg, self.state is State.TRACKING, self.job.first_beats()):
             assert ep.mitigation is not None
             joined, d = driver.report_rise(ep, rep, self.session)
             return [joined] + ([] if d is None else self._decide(ep.mitigation, d, now, "report"))
         if ep is not None:
             return ep.join(rep, self.session)
-        out = self._start("fail_slow", rep.time, now)
-        assert self.episode is not None
-        self.episode.add(rep)
-        return out
+        return self._start("fail_slow", rep.time, now, Episode.of_report(rep))
 
-    def _start(self, trigger: str, t_event: float, now: float | None = None) -> list[Output]:
-        """Open an episode for the event at ``t_event`` and ask every rank for its calls.
-        The profiles' deadline runs from when the controller handles the event (``now``)."""
-        self.episode = Episode(trigger, t_event)
+    def _start(self, trigger: str, t_event: float, now: float | None = None,
+               ep: Episode | None = None) -> list[Output]:
+        """Open an episode (``ep``, or an empty one) for the event at ``t_event`` and ask every
+        rank for its calls. The profiles' deadline runs from when the controller handles the
+        event (``now``)."""
+        self.episode = ep if ep is not None else Episode(trigger, t_event)
         return self._session(trigger, t_event, now)
 
     def _session(self, trigger: str, t_event: float, now: float | None = None) -> list[Output]:
@@ -313,27 +264,18 @@ class Controller:
 
     def _abort(self, now: float, reason: str) -> list[Output]:
         self.suspension.deadline = math.inf
-        ep = self.episode
-        if ep is not None and ep.relocalizing is not None:
-            ep.relocalizing = None
-            if ep.mitigation is not None and not ep.mitigation.planner.finished:
-                ep.mitigation.planner.relocalized(False)
+        if self.episode is not None:
+            self.episode.drop_relocalization()
         out = self._release_hold() + [event("localization_failed", session=self.session, reason=reason),
                                       self._set(State.TRACKING, now)]
         return out + self._maybe_close()
 
     def _maybe_close(self) -> list[Output]:
         ep = self.episode
-        mit = ep.mitigation if ep is not None else None
-        if (ep is not None and mit is not None and not mit.planner.finished and mit.in_flight is None
-                and mit.planner.current == "S1" and mit.planner.pending() is None and ep.all_ended()):
-            driver.over_before_any_strategy(mit)
-        if planner_ends_it(mit):
-            return []  # the planner decides when this fail-slow is over
-        if ep is not None and closes(ep):
-            self.episode = None
-            return [event("episode_end", session=self.session, ranks=sorted(ep.ended))]
-        return []
+        if ep is None or not ends(ep):
+            return []
+        self.episode = None
+        return [event("episode_end", session=self.session, ranks=sorted(ep.ended))]
 
     # --- localization -----------------------------------------------------------------
 
@@ -350,8 +292,7 @@ class Controller:
         placed = self.suspension.place(self.job.beats.values(), now, self.cfg)
         if state is State.VALIDATING:
             validation, shares = self.localizer.split()
-            ep = self.episode
-            may = ep is not None and ep.trigger == "fail_slow" and bool(self.cfg.mitigation) and not self.muted
+            may = self.episode is not None and self.episode.may_mitigate(self.cfg, self.muted)
             wait = verdict_wait_s(validation, may, self.cfg.suspend_verdict_wait_s)
             posts = self.suspension.validation_posts(validation, shares, wait, self.cfg)
         else:
@@ -367,16 +308,12 @@ class Controller:
         res = self.suspension.ack(ack, now, suspended=self.state in (State.VALIDATING, State.MITIGATING),
                                   validating=self.state is State.VALIDATING, covers=self.job.covers,
                                   tries=self.cfg.suspend_tries, deadline_s=self.cfg.suspend_deadline_s)
-        out = res.outputs
         if res.gave_up:
-            if self.state is State.MITIGATING:
-                return out + self._mitigated(now, timed_out=True)
-            return out + self._abort(now, f"rank {ack.rank} kept missing the suspension")
+            return res.outputs + (self._mitigated(now, timed_out=True) if self.state is State.MITIGATING
+                                  else self._abort(now, f"rank {ack.rank} kept missing the suspension"))
         if res.missed:
-            return out + self._suspend(now, self.state)
-        if res.all_resumed and self.state is State.MITIGATING:
-            out += self._mitigated(now)
-        return out
+            return res.outputs + self._suspend(now, self.state)
+        return res.outputs + (self._mitigated(now) if res.all_resumed and self.state is State.MITIGATING else [])
 
     def _verdict(self, now: float) -> list[Output]:
         ep = self.episode
@@ -388,11 +325,10 @@ class Controller:
             return self._baseline_verdict(ep, v.link_evidence, now)
         if not v.gpus and not v.links and v.missing and self.suspension.tries < self.cfg.suspend_tries:
             return self._validate_again(v.missing, now)
-        trigger = ("relocalize" if ep.relocalizing is not None else ep.trigger) if ep else "unknown"
-        loc = self.localizer.localize(v, self.session, trigger)
+        loc = self.localizer.localize(v, self.session, ep.localizing() if ep else "unknown")
         if ep is not None:
             ep.localized = True
-        after = None if ep is None else round(now - (ep.t_event if ep.relocalizing is None else ep.relocalizing_t), 3)
+        after = None if ep is None else round(ep.since(now), 3)
         out = [Output("localized", for_bus(loc)),
                event("localized", gpus=loc.gpus, links=loc.links, evidence=loc.evidence, after_event_s=after),
                self._set(State.TRACKING, now, localized=True)]
@@ -416,17 +352,14 @@ class Controller:
                self._set(State.TRACKING, now)]
         self.suspension.deadline = math.inf
         self.episode = None
-        if ep.reporters and not ep.ended >= set(ep.reporters):
-            out += self._start("fail_slow", now)
-            self.episode = dataclasses.replace(ep, trigger="fail_slow", t_event=now)  # the reports carry over
+        if ep.reporters and not ep.ended >= set(ep.reporters):  # the reports carry over
+            out += self._start("fail_slow", now, ep=dataclasses.replace(ep, trigger="fail_slow", t_event=now))
         return out
 
     def _validate_again(self, missing: list[int], now: float) -> list[Output]:
-        """The validation found nothing, and some ranks' results never came (lost on the
-        bus, seen under chaos: three of four at once): nothing found is no verdict without
-        the peers a result is judged against. Release the ranks held for the verdict and
-        validate again in a new session, a later iteration each try; after
-        ``suspend_tries`` suspensions the verdict is given with what came."""
+        """Nothing found, and some ranks' results never came (lost on the bus, seen under
+        chaos): nothing found is no verdict without the peers a result is judged against.
+        Validate again in a new session; after ``suspend_tries`` the verdict is given."""
         out = self._release_hold() + [event("validation_incomplete", session=self.session, missing=missing,
                                             tries=self.suspension.tries,
                                             reason="nothing found without their results: validating again")]
@@ -436,7 +369,8 @@ class Controller:
 
     # --- mitigation -------------------------------------------------------------------
 
-    def _plan_mitigation(self, ep: Episode, loc: Localized, now: float, clean_before: int | None = None) -> list[Output]:
+    def _plan_mitigation(self, ep: Episode, loc: Localized, now: float,
+                         clean_before: int | None = None) -> list[Output]:
         mit = driver.start_mitigation(ep, loc, self.job.clean_before(min(ep.onsets, default=-1)), self.job.beats,
                                       self.job.history, self.cfg, self.suspension.last_pause_s,
                                       self.localizer.p2p_bytes(), clean_before)
@@ -444,12 +378,6 @@ class Controller:
             return [event("mitigation_skipped", session=self.session, reason=mit)]
         ep.mitigation = mit
         return [event("planner_started", session=self.session, **mit.planner.status())]
-
-    def _relocalize(self, ep: Episode, now: float) -> list[Output]:
-        """The planner saw a rise: localize again, in this episode, before it escalates."""
-        assert ep.mitigation is not None
-        ep.relocalizing, ep.relocalizing_t = ep.mitigation.planner.state().relocalizing, now
-        return self._session("relocalize", now, now)
 
     def _relocalized(self, ep: Episode, loc: Localized, now: float) -> list[Output]:
         r = driver.relocalized(ep, loc, self.muted, self.job.beats, self.job.history, self.cfg, self.session, now,
@@ -461,22 +389,16 @@ class Controller:
         return r.outputs + self._plan_mitigation(r.new_episode, r.part, now, clean_before=r.clean_before)
 
     def _observe(self, beat: Heartbeat, now: float) -> list[Output]:
-        """Feed the planner one observation per loop iteration (from the first rank), unless
-        muted or localizing again (the planner counts these iterations at its next one)."""
+        """Feed the planner one observation per loop iteration (from the first rank), unless muted."""
         ep = self.episode
-        mit = ep.mitigation if ep is not None else None
-        if self.muted or mit is None or mit.planner.finished or beat.rank != self.job.first_rank:
+        if ep is None or ep.mitigation is None or self.muted or beat.rank != self.job.first_rank:
             return []
-        if ep is None or ep.relocalizing is not None:
-            return []
-        out, d = driver.observe(mit, beat, self.job.beats, self.cfg, self.suspension.last_pause_s, self.session)
-        return out + ([] if d is None else self._decide(mit, d, now))
+        out, d = driver.observe(ep, beat, self.job.beats, self.cfg, self.suspension.last_pause_s, self.session)
+        return out + ([] if d is None else self._decide(ep.mitigation, d, now))
 
     def _decide_while_held(self, now: float) -> list[Output]:
-        """The ranks are still held for the verdict: let the planner that just started (or
-        went on) see the latest iteration now, so an action it decides travels with the
-        verdict's "resume" (:meth:`_start_action`) instead of waiting for a heartbeat and
-        a suspension of its own."""
+        """The ranks are still held for the verdict: the planner sees the latest iteration
+        now, so an action it decides travels with the verdict's "resume"."""
         if not self.job.beats or not self.suspension.held_for_verdict(now):
             return []
         return self._observe(self.job.beats[int(self.job.first_rank)], now)
@@ -488,7 +410,9 @@ class Controller:
             if self.state is not State.TRACKING or ep is None or ep.mitigation is not mit:
                 mit.planner.relocalized(False)
                 return out
-            return out + self._relocalize(ep, now)
+            # the planner saw a rise: localize again, in this episode, before it escalates
+            ep.relocalizing, ep.relocalizing_t = mit.planner.state().relocalizing, now
+            return out + self._session("relocalize", now, now)
         if self.state is not State.TRACKING:
             return out + driver.action_failed(mit, d, f"controller busy ({self.state.value})", self.session)
         action = driver.prepare_action(mit, d, self.job.beats, self.cfg, self.restart_room())
@@ -517,40 +441,20 @@ class Controller:
         d = mit.in_flight if mit is not None else None
         if mit is not None:
             mit.in_flight = None
-        strategy = end.action.strategy if end.action is not None else "?"
         if not end.committed:
-            reason = "timed out" if timed_out else "not every rank committed the action"
-            if end.via_resume and mit is not None and d is not None and end.action is not None:
-                mit.in_flight = d
-                out.append(event("mitigation_retry", session=self.session, strategy=strategy,
-                                 reason=f"{reason} with the verdict; in a suspension of its own"))
-                return out + self._start_action(dataclasses.replace(end.action, session=0), now)
-            if mit is not None and d is not None:
-                return out + driver.action_failed(mit, d, reason, self.session) + self._maybe_close()
-            return out + [event("mitigation_failed", session=self.session, strategy=strategy, reason=reason)]
-        pause, effective = end.pause_s(), self.suspension.iteration + 1
-        overhead = driver.applied_overhead(strategy, pause, mit, d, self.job.beats)
+            events, retry = driver.not_committed(end, mit, d, timed_out, self.session)
+            if retry is not None:
+                return out + events + self._start_action(retry, now)
+            return out + events + (self._maybe_close() if mit is not None and d is not None else [])
+        strategy, effective = end.action.strategy if end.action is not None else "?", self.suspension.iteration + 1
+        applied, again = driver.applied(end, mit, d, effective, self.job.beats, self.session)
         self.job.plan_changed(strategy, effective, self.cfg.beat_iter_window)
         if strategy == "S4":
-            # every process restarts: what they said before describes processes that are
-            # gone (a suspension placed from their last heartbeats, or a straggler score
-            # read from them, would be about the job before its restart's pause)
-            self.stragglers.forget()
-        out.append(event("mitigation", strategy=strategy, session=self.session, iteration=effective,
-                         pause_s=round(pause, 4), overhead_s=round(overhead, 4),
-                         impact_s=None if mit is None else round(mit.planner.impact_s, 4),
-                         trigger="operator" if d is None else "planner",
-                         **({"acks_lost": end.unheard} if end.unheard else {}),
-                         **(action_details(end.action) if end.action is not None else {})))
-        if mit is not None and d is not None and d.action == "apply":
-            mit.applied.append({"strategy": strategy, "iteration": effective})
-            again = mit.planner.applied(strategy, effective, overhead)
-            if again is not None:
-                out += self._decide(mit, again, now)
-        if strategy == "S4" and ep is not None:
-            # the ranks restart: their detectors start over, so this episode is over
-            if mit is not None and not mit.planner.finished:
-                mit.planner.recovered(effective)
+            self.stragglers.forget()  # every process restarts: its scores are of processes that are gone
+        out.append(applied)
+        if mit is not None and again is not None:
+            out += self._decide(mit, again, now)
+        if strategy == "S4" and ep is not None:  # the ranks restart: their detectors start over
             self.episode = None
             out.append(event("episode_end", session=self.session, ranks=sorted(ep.ended), reason="restart"))
         elif mit is not None and mit.planner.finished:
@@ -560,9 +464,8 @@ class Controller:
     # --- the job's rounds -------------------------------------------------------------
 
     def new_round(self, world: int) -> None:
-        """A job of several launchers formed a new rendezvous round (after a restart, or
-        after a node was lost) with ``world`` ranks: forget the nodes' hosts and what every
-        rank said before (every process of the job started again)."""
+        """A job of several launchers formed a new rendezvous round of ``world`` ranks (after
+        a restart, or a node lost): forget the nodes' hosts and what every rank said before."""
         self.rounds += 1
         self.node_hosts.clear()
         self.job.new_round(world)
@@ -575,42 +478,21 @@ class Controller:
     # --- operators (falconext ctl) ----------------------------------------------------
 
     def _operator(self, cmd: Command, now: float) -> list[Output]:
-        """One operator command: do it or refuse it, recorded by the desk (an
-        ``operator_command`` event and, when it carries an ``id``, a CommandReply)."""
-        text = ""
-        busy = None if self.state is State.TRACKING else refusal(f"busy ({self.state.value})")
-        if cmd.kind == "validate":
-            out = [busy] if busy is not None else self._start("operator", now)
-            text = "" if busy is not None else f"validation started (session {self.session})"
-        elif cmd.kind == "mitigate":
-            out = [busy] if busy is not None else self._operator_mitigate(cmd, now)
+        """One operator command, taken by the desk (OperatorDesk.take) and recorded by it
+        (an ``operator_command`` event and, when it carries an ``id``, a CommandReply)."""
+        t = self.desk.take(cmd, self.cfg, None if self.state is State.TRACKING else f"busy ({self.state.value})",
+                           self.job.beats)
+        self.cfg, out, text = t.cfg, t.outputs, t.text
+        if t.validate:
+            out = self._start("operator", now)
+            text = f"validation started (session {self.session})"
+        elif t.action is not None:
+            out += self._start_action(t.action, now)
             text = (f"{cmd.args.get('strategy')} applies after the suspension at iteration "
                     f"{self.suspension.iteration} (session {self.session})")
-        elif cmd.kind == "mute":
-            out, text = self.desk.mute()
-        elif cmd.kind == "unmute":
-            out, text = self._unmute(now)
-        else:
-            self.cfg, out, text = self.desk.set_threshold(self.cfg, {k: v for k, v in cmd.args.items() if k != "id"})
-        return self.desk.record(cmd, now, out, text, self.session)
-
-    def _operator_mitigate(self, cmd: Command, now: float) -> list[Output]:
-        """An operator's override: apply S2 (a given plan, or the balanced one), S3, S4, or revert."""
-        action = operator_action(cmd.args, self.job.beats, self.cfg.max_microbatches_per_replica or None)
-        if isinstance(action, str):
-            return [refusal(action)]
-        return [event("operator_mitigate", strategy=cmd.args.get("strategy"))] + self._start_action(action, now)
-
-    def _unmute(self, now: float) -> tuple[list[Output], str]:
-        """Detection and mitigation on again; fail-slows held meanwhile, and not over, are
-        taken up now (the first starts an episode, the others join it)."""
-        held = self.desk.unmute()
-        if held is None:
-            return [], "not muted"
-        out = [event("unmuted", held=[r.rank for r in held])]
-        for rep in held:
+        for rep in t.unmuted or []:  # taken up now: the first starts an episode, the others join it
             out += self._on_report(dataclasses.replace(rep, time=now), now)
-        return out, "unmuted" + (f"; fail-slow reports of ranks {[r.rank for r in held]} taken up" if held else "")
+        return self.desk.record(cmd, now, out, text, self.session)
 
     def operator_state(self) -> dict[str, Any]:
         """What operators changed (mute, thresholds set), as plain JSON data: a controller

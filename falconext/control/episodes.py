@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
+from falconext.config import FalconConfig
 from falconext.control.messages import FailSlowReport
 from falconext.control.outputs import Output, event
 from falconext.mitigate.mitigation import Mitigation
@@ -76,6 +77,13 @@ class Episode:
     #: that began before it
     relocalized_at: int = -1
 
+    @classmethod
+    def of_report(cls, rep: FailSlowReport) -> Episode:
+        """A fail-slow episode opened by ``rep`` (at its time)."""
+        ep = cls("fail_slow", rep.time)
+        ep.add(rep)
+        return ep
+
     @property
     def onsets(self) -> list[int]:
         """The onset iteration of every report and sighting that has one."""
@@ -111,7 +119,8 @@ class Episode:
             return []
         if self.reporters[rep.rank] != rep.event_id and self.mitigation is not None and self.mitigation.applied:
             return [event("report_joined", session=session, rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
-                          level_s=round(rep.baseline_s * rep.slowdown, 6), reason="no rise the episode has not localized")]
+                          level_s=round(rep.baseline_s * rep.slowdown, 6),
+                          reason="no rise the episode has not localized")]
         return []
 
     def end_reported(self, rep: FailSlowReport, now: float) -> bool:
@@ -128,12 +137,46 @@ class Episode:
         """Whether some rank reported the fail-slow and every one that did reported its end."""
         return bool(self.reporters) and self.ended >= set(self.reporters)
 
+    def localizing(self) -> str:
+        """What the localization running now is for: ``relocalize`` (a rise in this
+        episode), else the episode's trigger."""
+        return "relocalize" if self.relocalizing is not None else self.trigger
+
+    def since(self, now: float) -> float:
+        """Seconds from the event being localized now (the episode's, or the rise's) to ``now``."""
+        return now - (self.t_event if self.relocalizing is None else self.relocalizing_t)
+
+    def may_mitigate(self, cfg: FalconConfig, muted: bool) -> bool:
+        """Whether a verdict in this episode may start a mitigation at once: a fail-slow's,
+        mitigation on (``cfg.mitigation``), not ``muted``."""
+        return self.trigger == "fail_slow" and bool(cfg.mitigation) and not muted
+
+    def drop_relocalization(self) -> None:
+        """The re-localization running in this episode failed: the planner goes on as if
+        it found nothing new."""
+        if self.relocalizing is None:
+            return
+        self.relocalizing = None
+        if self.mitigation is not None and not self.mitigation.planner.finished:
+            self.mitigation.planner.relocalized(False)
+
     def reference_onset(self) -> int | None:
         """Where the fault being localized began: the episode's onset, or the reference
         iteration of the rise being localized again; None: no onset known."""
         if not self.onsets:
             return None
         return min(self.onsets) if self.relocalizing is None else int(self.relocalizing.reference_iteration)
+
+
+def dropped(rep: FailSlowReport, restart_from: int) -> list[Output] | None:
+    """A ``report_dropped`` event for a report of a fail-slow that began before the job
+    restarted from iteration ``restart_from`` (sent just before the restart: a detector
+    saw the restart's own hold; the processes that saw it are gone, and a session for it
+    would hold ranks that are restarting); None for any other report."""
+    if rep.end is not None or rep.onset >= restart_from:
+        return None
+    return [event("report_dropped", rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
+                  reason=f"onset {rep.onset} is before the restart from iteration {restart_from}")]
 
 
 def beats_healthy(ep: Episode, beats: Mapping[int, Any], line: float) -> bool:
@@ -156,6 +199,39 @@ def planner_ends_it(mit: Mitigation | None) -> bool:
     """Whether the mitigation's planner decides when the fail-slow is over (it is not
     finished, or an action is in flight)."""
     return mit is not None and (not mit.planner.finished or mit.in_flight is not None)
+
+
+def finish_before_any_strategy(mit: Mitigation) -> None:
+    """The fail-slow ended before any strategy was applied: the planner finishes."""
+    mit.planner.recovered(max(0, mit.planner.state().last_iteration))
+
+
+def expire(ep: Episode, now: float, beats: Mapping[int, Any], cfg: FalconConfig) -> str | None:
+    """Why the fail-slow episode ``ep`` closes now by timeout (None: it does not; see
+    :func:`timeout_reason`, with ``episode_timeout_s`` and ``min_slowdown`` from
+    ``cfg``). Never while its planner decides when it is over, except one still waiting
+    for a first strategy, which then finishes (nothing applied, nothing to revert)."""
+    if ep.trigger != "fail_slow":
+        return None
+    mit = ep.mitigation
+    waiting = waiting_for_a_strategy(mit)
+    if planner_ends_it(mit) and not waiting:
+        return None  # the planner decides when a mitigated fail-slow is over
+    reason = timeout_reason(ep, now, cfg.episode_timeout_s, beats_healthy(ep, beats, cfg.min_slowdown), waiting)
+    if reason is not None and waiting and mit is not None:
+        finish_before_any_strategy(mit)
+    return reason
+
+
+def ends(ep: Episode) -> bool:
+    """Whether the episode ends now (:func:`closes`), its planner (if any) done. A planner
+    still on S1, with nothing pending or in flight, when every reporter reported the end,
+    is finished first: the fail-slow was over before any strategy."""
+    mit = ep.mitigation
+    if (mit is not None and not mit.planner.finished and mit.in_flight is None and mit.planner.current == "S1"
+            and mit.planner.pending() is None and ep.all_ended()):
+        finish_before_any_strategy(mit)
+    return not planner_ends_it(mit) and closes(ep)
 
 
 def timeout_reason(ep: Episode, now: float, limit: float, healthy: bool, waiting: bool) -> str | None:
@@ -195,27 +271,30 @@ def mitigated_level(mit: Mitigation, settled: int, onset: int, first_beats: Iter
     return min(candidates) if candidates else None
 
 
-def is_new_fail_slow(ep: Episode, rep: FailSlowReport, *, tracking: bool, settle_iterations: int, rise: float,
+def is_new_fail_slow(ep: Episode, rep: FailSlowReport, cfg: FalconConfig, tracking: bool,
                      first_beats: Iterable[Any]) -> bool:
     """Whether a report may be a fault the open episode does not know: its mitigation
     is in force (applied, nothing in flight, ``tracking``); the report is a new event (not
     the one this rank reported for the episode) whose onset comes after the last
-    strategy had settled (``settle_iterations``) and after the episode's latest
-    re-localization (which saw any rise before it); and its slow level (baseline x
-    slowdown) is a rise over the level the strategy held before that onset
-    (:func:`mitigated_level`) by ``rise``, or no such level was read. Without the level
-    rule, the residual of a fault the strategy only partly hides read as a new fault: S3
-    left the shared S3 job's x3 link on pipeline traffic (1.1x the healthy time), a
-    detector's event ended on the step down, one on the same level opened against the
-    old baseline, and the new episode localized that link alone and decided S3 again."""
+    strategy had settled (``mitigation_settle_iterations``) and after the episode's
+    latest re-localization (which saw any rise before it); and its slow level (baseline
+    x slowdown) is a rise over the level the strategy held before that onset
+    (:func:`mitigated_level`, from the first rank's heartbeats ``first_beats``) by
+    ``mitigation_relocalize_rise`` (``min_slowdown`` where that is 0), or no such level
+    was read. Without the level rule, the residual of a fault the strategy only partly
+    hides read as a new fault: S3 left the shared S3 job's x3 link on pipeline traffic
+    (1.1x the healthy time), a detector's event ended on the step down, one on the same
+    level opened against the old baseline, and the new episode localized that link alone
+    and decided S3 again."""
     mit = ep.mitigation
     if mit is None or not mit.applied or mit.in_flight is not None or not tracking:
         return False
     if ep.reporters.get(rep.rank) == rep.event_id:
         return False
-    settled = max(int(mit.applied[-1]["iteration"]) + settle_iterations, ep.relocalized_at)
+    settled = max(int(mit.applied[-1]["iteration"]) + cfg.mitigation_settle_iterations, ep.relocalized_at)
     if rep.onset <= settled:
         return False
     held = mitigated_level(mit, settled, rep.onset, first_beats)
+    rise = cfg.mitigation_relocalize_rise or cfg.min_slowdown
     return held is None or rep.baseline_s * rep.slowdown > held * (1.0 + rise)
 

@@ -27,6 +27,7 @@ posts nothing and reads no clock but the solver's own timing.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,8 +35,10 @@ from typing import Any, Iterable, Mapping
 
 from falconext.config import FalconConfig
 from falconext.control.episodes import Episode, Sighting
-from falconext.control.messages import FailSlowReport, Heartbeat, Localized, MitigationAction
+from falconext.control.messages import FailSlowReport, Heartbeat, Localized, MitigationAction, action_details
 from falconext.control.outputs import Output, event
+from falconext.control.stragglers import Suspect
+from falconext.control.suspension import ActionEnd
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.mitigation import (
     Mitigation,
@@ -111,13 +114,18 @@ def start_mitigation(ep: Episode, loc: Localized, clean: list[float], beats: Map
                           lookback=cfg.min_duration, line=cfg.min_slowdown, nbytes=nbytes)
 
 
-def observe(mit: Mitigation, beat: Heartbeat, beats: Mapping[int, Heartbeat], cfg: FalconConfig,
+def observe(ep: Episode, beat: Heartbeat, beats: Mapping[int, Heartbeat], cfg: FalconConfig,
             last_pause_s: float, session: int) -> tuple[list[Output], Decision | None]:
-    """Feed the planner ``beat`` (the first rank's, of an iteration it has not seen since
-    the onset; others are ignored): costs re-measured as ranks report them first, then,
-    under S2 with nothing in flight, whether the fail-slow is over (:func:`check_recovery`;
-    S3 stays: its layout is as good healthy), then the observation. Returns the events
-    and the planner's decision (None: none)."""
+    """Feed the planner of ``ep``'s mitigation ``beat`` (the first rank's, of an iteration
+    it has not seen since the onset; others, a finished planner, or one whose rise is
+    being localized again, which counts these iterations at its next observation, are
+    left alone): costs re-measured as ranks report them first, then, under S2 with
+    nothing in flight, whether the fail-slow is over (:func:`check_recovery`; S3 stays:
+    its layout is as good healthy), then the observation. Returns the events and the
+    planner's decision (None: none)."""
+    mit = ep.mitigation
+    if mit is None or mit.planner.finished or ep.relocalizing is not None:
+        return [], None
     planner = mit.planner
     st = planner.state()
     if beat.iteration <= st.last_iteration or beat.iteration < st.onset:
@@ -217,9 +225,57 @@ def applied_overhead(strategy: str, pause_s: float, mit: Mitigation | None, d: D
     return overhead
 
 
-def over_before_any_strategy(mit: Mitigation) -> None:
-    """The fail-slow ended before any strategy was applied: the planner finishes."""
-    mit.planner.recovered(max(0, mit.planner.state().last_iteration))
+def applied(end: ActionEnd, mit: Mitigation | None, d: Decision | None, effective: int,
+            beats: Mapping[int, Heartbeat], session: int) -> tuple[Output, Decision | None]:
+    """Every rank committed the action of ``end`` from iteration ``effective``: the
+    ``mitigation`` event (its pause, overhead, the impact so far; an operator's when no
+    decision ``d`` was in flight), and, for the planner's ``apply``, the strategy recorded
+    as applied with the planner and what the planner decides at once (a revert, when the
+    fail-slow recovered while the action was in flight). After S4 the planner finishes."""
+    strategy = end.action.strategy if end.action is not None else "?"
+    pause = end.pause_s()
+    overhead = applied_overhead(strategy, pause, mit, d, beats)
+    ev = event("mitigation", strategy=strategy, session=session, iteration=effective, pause_s=round(pause, 4),
+               overhead_s=round(overhead, 4), impact_s=None if mit is None else round(mit.planner.impact_s, 4),
+               trigger="operator" if d is None else "planner", **({"acks_lost": end.unheard} if end.unheard else {}),
+               **(action_details(end.action) if end.action is not None else {}))
+    again = None
+    if mit is not None and d is not None and d.action == "apply":
+        mit.applied.append({"strategy": strategy, "iteration": effective})
+        again = mit.planner.applied(strategy, effective, overhead)
+    if strategy == "S4" and mit is not None and not mit.planner.finished:
+        mit.planner.recovered(effective)  # the ranks restart: their detectors start over, the episode ends
+    return ev, again
+
+
+def not_committed(end: ActionEnd, mit: Mitigation | None, d: Decision | None, timed_out: bool,
+                  session: int) -> tuple[list[Output], MitigationAction | None]:
+    """Not every rank committed the action of ``end`` (or its suspension ``timed_out``):
+    one that travelled with a verdict is agreed on again in a suspension of its own (a
+    ``mitigation_retry`` event and the action to retry, its decision ``d`` in flight
+    again: the strategy did not fail, the hold was over); else it failed (the planner
+    drops a pending strategy)."""
+    reason = "timed out" if timed_out else "not every rank committed the action"
+    strategy = end.action.strategy if end.action is not None else "?"
+    if end.via_resume and mit is not None and d is not None and end.action is not None:
+        mit.in_flight = d
+        return [event("mitigation_retry", session=session, strategy=strategy,
+                      reason=f"{reason} with the verdict; in a suspension of its own")], \
+            dataclasses.replace(end.action, session=0)
+    if mit is not None and d is not None:
+        return action_failed(mit, d, reason, session), None
+    return [event("mitigation_failed", session=session, strategy=strategy, reason=reason)], None
+
+
+def suspect_rise(ep: Episode, s: Suspect) -> Decision | None:
+    """A straggler the scores show inside the mitigated episode ``ep`` that it has not
+    named: the planner's ``relocalize`` decision for it (None: the episode's own
+    localization or mitigation comes first, or the planner is busy)."""
+    mit = ep.mitigation
+    if (mit is None or not mit.applied or mit.in_flight is not None or ep.relocalizing is not None
+            or s.rank in mit.gpus):
+        return None
+    return mit.planner.relocalize(s.iteration, s.onset, f"rank {s.rank} computes {s.ratio:.2f}x its peers")
 
 
 def report_rise(ep: Episode, rep: FailSlowReport, session: int) -> tuple[Output, Decision | None]:

@@ -15,6 +15,7 @@ that a restarted controller takes up again (:meth:`OperatorDesk.state`,
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping
 
 from falconext.config import ConfigError, FalconConfig, field_value
@@ -40,6 +41,20 @@ OPERATOR_COMMANDS = ("validate", "mitigate", "mute", "unmute", "set")
 def refusal(reason: str) -> Output:
     """The ``operator_ignored`` event that refuses an operator's command, saying why."""
     return event("operator_ignored", reason=reason)
+
+
+@dataclass
+class Taken:
+    """What the desk made of an operator's command: the config after it, its events, the
+    reply's text, and what the controller must do beyond the desk: start a validation
+    (``validate``), apply an ``action``, take up the reports held while muted (``unmuted``)."""
+
+    cfg: FalconConfig
+    outputs: list[Output] = field(default_factory=list)
+    text: str = ""
+    validate: bool = False
+    action: MitigationAction | None = None
+    unmuted: list[FailSlowReport] | None = None
 
 
 class OperatorDesk:
@@ -72,6 +87,33 @@ class OperatorDesk:
             return [event("fail_slow_muted", rank=rep.rank, onset=rep.onset, event_id=rep.event_id,
                           slowdown=rep.slowdown)]
         return None
+
+    def take(self, cmd: Command, cfg: FalconConfig, busy: str | None, beats: Mapping[int, Heartbeat]) -> Taken:
+        """One operator command (one of :data:`OPERATOR_COMMANDS`): ``validate`` and
+        ``mitigate`` are refused while the controller is ``busy`` (why; None: it is not),
+        and ``mitigate`` when its action is (:func:`operator_action`); ``mute``,
+        ``unmute`` and ``set`` are the desk's own."""
+        args = {k: v for k, v in cmd.args.items() if k != "id"}
+        if cmd.kind in ("validate", "mitigate") and busy is not None:
+            return Taken(cfg, [refusal(busy)])
+        if cmd.kind == "validate":
+            return Taken(cfg, validate=True)
+        if cmd.kind == "mitigate":
+            action = operator_action(cmd.args, beats, cfg.max_microbatches_per_replica or None)
+            if isinstance(action, str):
+                return Taken(cfg, [refusal(action)])
+            return Taken(cfg, [event("operator_mitigate", strategy=cmd.args.get("strategy"))], action=action)
+        if cmd.kind == "mute":
+            out, text = self.mute()
+            return Taken(cfg, out, text)
+        if cmd.kind == "unmute":
+            held = self.unmute()
+            if held is None:
+                return Taken(cfg, [], "not muted")
+            text = "unmuted" + (f"; fail-slow reports of ranks {[r.rank for r in held]} taken up" if held else "")
+            return Taken(cfg, [event("unmuted", held=[r.rank for r in held])], text, unmuted=held)
+        cfg, out, text = self.set_threshold(cfg, args)
+        return Taken(cfg, out, text)
 
     def mute(self) -> tuple[list[Output], str]:
         """Mute (a ``muted`` event, unless already muted) and the reply's text."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from falconext.config import FalconConfig
+from falconext.control.episodes import Episode, Sighting
 from falconext.control.messages import Heartbeat
 from falconext.control.outputs import Output, event
 from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest
@@ -28,6 +29,12 @@ class Suspect:
     iteration: int
     level_s: float
     baseline_s: float | None
+
+    def episode(self, now: float) -> Episode:
+        """A fail-slow episode opened at ``now`` by this suspect, its sighting the fault's
+        onset, the healthy time before it and its level now."""
+        return Episode("fail_slow", now, suspected=self.rank, sightings=[Sighting(self.onset, self.baseline_s,
+                                                                                  self.level_s)])
 
     def fields(self) -> dict[str, Any]:
         """The ``straggler_suspected`` event's fields."""
