@@ -101,7 +101,7 @@ def test_one_episode_per_fail_slow_and_it_ends_with_every_reporter():
     session = ctl.session
     assert not commands(ctl.handle(report(rank=3), 101.3))  # joins the episode
     s = ctl.session
-    iteration = ctl._iteration
+    iteration = ctl.suspension.iteration
     for r in NODES:
         ctl.handle(SessionAck(r, s, "held", iteration, 102.0), 102.0)
     for r in NODES:
@@ -118,7 +118,7 @@ def test_a_rank_that_missed_the_iteration_gets_a_later_retry_then_an_abort():
     ctl = Controller(CFG, world=4)
     to_profiling(ctl)
     for attempt in range(1, FalconConfig().suspend_tries + 1):
-        s, it = ctl.session, ctl._iteration
+        s, it = ctl.session, ctl.suspension.iteration
         ctl.handle(SessionAck(0, s, "held", it, 102.0), 102.0)
         out = ctl.handle(SessionAck(2, s, "missed", it + 1, 102.0), 102.0)
         (rel,) = commands(out, "release")
@@ -135,7 +135,7 @@ def test_deadlines_release_everyone_and_give_up():
     ctl = Controller(CFG, world=4)
     to_profiling(ctl)
     s = ctl.session
-    ctl.handle(SessionAck(0, s, "held", ctl._iteration, 102.0), 102.0)
+    ctl.handle(SessionAck(0, s, "held", ctl.suspension.iteration, 102.0), 102.0)
     assert ctl.tick(102.5) == []
     out = ctl.tick(1e6)
     assert commands(out, "release")[0].session == s
@@ -201,7 +201,7 @@ def _validate_links(nodes, slow):
     ctl.handle(ValidateRequest(), 101.0)
     for r in nodes:
         ctl.handle(profile(r, ctl.session, None), 101.2)
-    s, it = ctl.session, ctl._iteration
+    s, it = ctl.session, ctl.suspension.iteration
     for r in nodes:
         ctl.handle(SessionAck(r, s, "held", it, 102.0), 102.0)
     outs = []
@@ -223,7 +223,7 @@ def _baseline_session(ctl, link_s, t=100.0):
     outs = []
     for r in NODES:
         outs += ctl.handle(profile(r, ctl.session, None), t + 0.2)
-    s, it = ctl.session, ctl._iteration
+    s, it = ctl.session, ctl.suspension.iteration
     for r in NODES:
         outs += ctl.handle(SessionAck(r, s, "held", it, t + 1), t + 1)
     for r in NODES:
@@ -552,7 +552,7 @@ def test_results_lost_on_the_bus_are_validated_again_not_judged_as_nothing_found
     to_profiling(ctl)
     first = ctl.session
     for r in NODES:
-        ctl.handle(SessionAck(r, first, "held", ctl._iteration, 102.0), 102.0)
+        ctl.handle(SessionAck(r, first, "held", ctl.suspension.iteration, 102.0), 102.0)
     ctl.handle(ValidationResult(1, first, 5e9, []), 102.5)
     outs = ctl._deadline_passed(110.0)
     (inc,) = events(outs, "validation_incomplete")
@@ -577,7 +577,7 @@ def test_after_the_last_try_the_verdict_is_given_with_what_came():
     t = 110.0
     for k in range(CFG.suspend_tries):
         for r in NODES:
-            ctl.handle(SessionAck(r, ctl.session, "held", ctl._iteration, t), t)
+            ctl.handle(SessionAck(r, ctl.session, "held", ctl.suspension.iteration, t), t)
         ctl.handle(ValidationResult(1, ctl.session, 5e9, []), t + 0.5)
         outs = ctl._deadline_passed(t + 5.0)
         t += 10.0

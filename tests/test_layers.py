@@ -30,7 +30,10 @@ PURE = [
     "falconext.mitigate.planner", "falconext.mitigate.microbatch", "falconext.mitigate.topology",
     "falconext.mitigate.mitigation",
     "falconext.validate.verdict", "falconext.validate.passes", "falconext.validate.plan",
-    "falconext.control.controller",
+    "falconext.control.controller", "falconext.control.episodes", "falconext.control.heartbeats",
+    "falconext.control.localizer", "falconext.control.mitigation_driver", "falconext.control.operator",
+    "falconext.control.outputs", "falconext.control.snapshot", "falconext.control.stragglers",
+    "falconext.control.suspension",
 ]
 
 

@@ -647,7 +647,7 @@ def test_a_rank_that_keeps_missing_fails_the_mitigation():
     _, sus = s2_decided(job)
     ctl = job.ctl
     for attempt in range(1, FalconConfig().suspend_tries + 1):
-        s, k = ctl.session, ctl._iteration
+        s, k = ctl.session, ctl.suspension.iteration
         out = ctl.handle(SessionAck(3, s, "missed", k + 1, job.t), job.t)
         assert commands(out, "release")
         if attempt < FalconConfig().suspend_tries:

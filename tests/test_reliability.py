@@ -46,7 +46,7 @@ def test_a_profile_with_a_malformed_call_row_is_refused_naming_it(row):
 def test_the_controller_survives_a_malformed_validation_result_handed_to_it():
     ctl = Controller(CFG, world=4)
     to_profiling(ctl)
-    s, it = ctl.session, ctl._iteration
+    s, it = ctl.session, ctl.suspension.iteration
     for r in NODES:
         ctl.handle(SessionAck(r, s, "held", it, 102.0), 102.0)
     outs = []
@@ -182,7 +182,7 @@ def _localized_episode(cfg: FalconConfig) -> Controller:
     ctl = Controller(cfg, world=4)
     to_profiling(ctl)
     ctl.handle(report(rank=3), 101.3)
-    s, it = ctl.session, ctl._iteration
+    s, it = ctl.session, ctl.suspension.iteration
     for r in NODES:
         ctl.handle(SessionAck(r, s, "held", it, 102.0), 102.0)
     for r in NODES:

@@ -356,13 +356,13 @@ def test_profiles_carry_the_fabric_and_nccl_algo_to_the_controller():
     assert decode(encode(msg)) == msg and (msg.fabric, msg.nccl_algo) == ("nccl", "^ring")
     assert decode(encode(profile(1))) == profile(1)
     ctl = Controller(FalconConfig(), world=4)
-    assert ctl._tree_inputs() == {"fabric": "", "nccl_algo": None}
-    ctl._profiles = {r: profile(r, "gloo") for r in range(4)}
-    assert ctl._tree_inputs() == {"fabric": "gloo", "nccl_algo": None}
-    ctl._profiles = {0: profile(0, "nccl", "Ring"), 1: profile(1, "nccl", "Tree"), 2: profile(2, "nccl", None)}
-    assert ctl._tree_inputs() == {"fabric": "nccl", "nccl_algo": "Tree"}
-    ctl._profiles = {0: profile(0, "nccl", "Ring"), 1: profile(1, "nccl", "ring")}
-    assert ctl._tree_inputs() == {"fabric": "nccl", "nccl_algo": "Ring"}
+    assert ctl.localizer.tree_inputs() == {"fabric": "", "nccl_algo": None}
+    ctl.localizer.profiles = {r: profile(r, "gloo") for r in range(4)}
+    assert ctl.localizer.tree_inputs() == {"fabric": "gloo", "nccl_algo": None}
+    ctl.localizer.profiles = {0: profile(0, "nccl", "Ring"), 1: profile(1, "nccl", "Tree"), 2: profile(2, "nccl", None)}
+    assert ctl.localizer.tree_inputs() == {"fabric": "nccl", "nccl_algo": "Tree"}
+    ctl.localizer.profiles = {0: profile(0, "nccl", "Ring"), 1: profile(1, "nccl", "ring")}
+    assert ctl.localizer.tree_inputs() == {"fabric": "nccl", "nccl_algo": "Ring"}
 
 
 def test_a_rank_reports_its_backend_and_nccl_algo(monkeypatch):

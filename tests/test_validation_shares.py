@@ -40,7 +40,7 @@ def layout_groups(world: int, tp: int, pp: int) -> dict[str, tuple[str, list[int
 def suspend_outputs(plan: dict, world: int) -> list:
     """What the controller posts to suspend every rank for ``plan``: the shares, then the suspend."""
     ctl = Controller(FalconConfig(), world=world)
-    ctl._plan, ctl._plan_ranks = plan, list(range(world))
+    ctl.localizer.plan, ctl.localizer.plan_ranks = plan, list(range(world))
     return [o.message for o in ctl._suspend(100.0) if o.kind == "command"]
 
 

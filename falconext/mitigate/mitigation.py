@@ -1,6 +1,6 @@
 """What the controller keeps about one mitigated fail-slow, and the pure rules it uses.
 
-The controller (control/controller.py) owns the I/O and the suspension protocol; this
+The controller (control/) owns the I/O and the suspension protocol; this
 module holds the decisions that need no I/O: which replica is how fast (from the
 heartbeats' compute time per micro-batch), what each strategy's action is (the S2 plan,
 the S3 permutation and the model inputs behind it, the nodes S4 leaves out), and when a
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
+from falconext.protocol.messages import Localized
 from falconext.mitigate.microbatch import plan_microbatches
 from falconext.mitigate.planner import Planner
 from falconext.mitigate.topology import Layout, TopologyPlan, plan_topology
@@ -53,6 +54,45 @@ class Mitigation:
     #: plays now (see :func:`healthy_mb_s`)
     healthy_mb_s: dict[int, float] = field(default_factory=dict)
     model_inputs: str = ""  # what S3's model was given, for the event log
+
+
+def new_mitigation(planner: Planner, loc: Localized, beats: Mapping[int, Any], history: Mapping[int, Iterable[Any]],
+                   *, clean_before: int, lookback: int, line: float, nbytes: int) -> Mitigation:
+    """The one way to build a :class:`Mitigation`, complete: for the verdict ``loc`` (its
+    GPUs, links and validation evidence) with ``planner`` (whose root cause it takes),
+    the slow replicas and every measurement S2 and S3 plan with, read from the latest
+    heartbeats ``beats`` and the kept ``history``: each process's compute before
+    ``clean_before`` (:func:`healthy_mb_s`, ``lookback`` iterations back), the slow
+    links' excess and a healthy link's seconds per byte (from validation messages of
+    ``nbytes``), the GPUs' validated slowdowns (:func:`gpu_factors`), and the GPUs whose
+    recovery is read against their own compute (:func:`recovery_references`, jitter line
+    ``line``)."""
+    links = loc.evidence.get("links", {})
+    before = healthy_mb_s(history, clean_before, lookback)
+    return Mitigation(
+        planner, planner.state().root_cause, list(loc.gpus), [list(x) for x in loc.links],
+        slow_replicas=replicas_of(loc.gpus, beats),
+        recovery_refs=recovery_references(beats, loc.gpus, before, line),
+        gpu_factors=gpu_factors(loc),
+        link_excess=link_excess(loc.links, links, nbytes),
+        net_s_per_byte=network_s_per_byte(links, nbytes),
+        healthy_mb_s=before,
+    )
+
+
+def gpu_factors(loc: Localized, gpus: Iterable[int] | None = None) -> dict[int, float]:
+    """Each slow GPU's validated slowdown (at least 1): the median GEMM speed of the GPUs
+    the verdict ``loc`` did not name slow over its own (``gpus``: only these; none without
+    a healthy GPU's or its own figure)."""
+    flops = {int(r): float(g) for r, g in loc.evidence.get("gemm_gflops", {}).items()}
+    out: dict[int, float] = {}
+    others = sorted(g for q, g in flops.items() if q not in loc.gpus)
+    if not others:
+        return out
+    for r in loc.gpus if gpus is None else gpus:
+        if flops.get(r):
+            out[r] = max(1.0, others[len(others) // 2] / flops[r])
+    return out
 
 
 @dataclass(frozen=True)
@@ -372,6 +412,7 @@ def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replic
         why = None
         if room is not None:  # a multi-node job: what it can absorb (mitigate/room.py)
             level = [b.iter_s for b in beats.values() if getattr(b, "iter_s", 0) > 0]
+            # status(): action_for is also handed a stand-in planner with only that (tests/test_elastic.py)
             why = room.refusal(nodes) or room.slower(nodes, mit.planner.status().get("healthy_s"),
                                                      statistics.median(level) if level else None)
         return why if why is not None else Restart(nodes, reason=d.reason)
@@ -381,7 +422,7 @@ def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replic
 def topology_for(mit: Mitigation, beats: Mapping[int, Any]) -> TopologyPlan | str:
     """S3's permutation for the localized faults, or why there is none (with what the
     model was given, so a refusal can be checked)."""
-    inputs = topology_inputs(beats, mit.planner.status()["healthy_s"], mit.gpus, mit.gpu_factors,
+    inputs = topology_inputs(beats, mit.planner.state().healthy_s, mit.gpus, mit.gpu_factors,
                              mit.healthy_mb_s, net_s_per_byte=mit.net_s_per_byte)
     if isinstance(inputs, str):
         return f"no topology model: {inputs}"

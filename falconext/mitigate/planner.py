@@ -79,6 +79,54 @@ TERMINAL = frozenset({"S4"})
 
 
 @dataclass(frozen=True)
+class Rise:
+    """A rise the planner asked to localize again (a ``relocalize`` Decision): at
+    ``iteration`` the level read ``level_s`` against the ``reference_s`` it held from
+    ``reference_iteration``; the rise began at ``rise_iteration``; ``was_enough``: the
+    strategy in effect had been judged enough."""
+
+    iteration: int
+    level_s: float
+    reference_s: float
+    reference_iteration: int
+    rise_iteration: int
+    was_enough: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy for the planner's root cause, and where it stands: ``state`` is
+    "applied", "failed", "unavailable" (no overhead measured) or "remaining"."""
+
+    strategy: str
+    overhead_s: float | None
+    state: str
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """Everything the planner holds that a caller may read, typed (:meth:`Planner.state`);
+    :meth:`Planner.status` is the same as a plain dict, for events."""
+
+    root_cause: str
+    healthy_s: float
+    onset: int
+    last_iteration: int
+    impact_s: float
+    current: str
+    pending: str | None
+    finished: bool
+    next: str | None
+    candidates: tuple[Candidate, ...]
+    applied: tuple[str, ...]
+    failed: dict[str, str]
+    judged: tuple[dict[str, Any], ...]
+    #: the lowest level (rolling median) seen since the last settling, or None
+    reference_s: float | None
+    relocalizing: Rise | None
+
+
+@dataclass(frozen=True)
 class Decision:
     """What the planner asks the caller to do."""
 
@@ -211,7 +259,7 @@ class Planner:
         self._rise = None if rise_margin is None else _seconds("rise_margin", rise_margin, positive=True)
         self._levels: deque[tuple[int, float]] = deque(maxlen=self._judge_n)
         self._reference: tuple[int, float] | None = None  # (iteration, lowest rolling median)
-        self._relocalizing: dict[str, Any] | None = None  # the rise being localized
+        self._relocalizing: Rise | None = None  # the rise being localized
         self._quiet_until = -1  # no level recorded up to this iteration (after a re-localization)
 
     # -- read-only views --------------------------------------------------------------
@@ -246,8 +294,8 @@ class Planner:
         avail = [s for s in self._remaining if self._overheads[s] is not None]
         return sorted(avail, key=lambda s: (self._overheads[s], order[s]))
 
-    def status(self) -> dict[str, Any]:
-        """A plain dict for events and summaries."""
+    def state(self) -> PlannerState:
+        """The planner's state now, typed (a snapshot: later inputs do not change it)."""
         rows = []
         for s in CANDIDATES[self._root_cause]:
             if s in self._applied:
@@ -258,23 +306,45 @@ class Planner:
                 state = "unavailable"
             else:
                 state = "remaining"
-            rows.append({"strategy": s, "overhead_s": self._overheads[s], "state": state})
+            rows.append(Candidate(s, self._overheads[s], state))
+        return PlannerState(
+            root_cause=self._root_cause,
+            healthy_s=self._healthy,
+            onset=self._onset,
+            last_iteration=self._last_iteration,
+            impact_s=self._impact,
+            current=self._current,
+            pending=self.pending(),
+            finished=self._finished,
+            next=(self.candidates() or [None])[0],
+            candidates=tuple(rows),
+            applied=tuple(self._applied),
+            failed=dict(self._failed),
+            judged=tuple(dict(j) for j in self._judged),
+            reference_s=None if self._reference is None else self._reference[1],
+            relocalizing=self._relocalizing,
+        )
+
+    def status(self) -> dict[str, Any]:
+        """:meth:`state` as a plain dict, for events and summaries (callers that decide
+        read :meth:`state`)."""
+        st = self.state()
         return {
-            "root_cause": self._root_cause,
-            "healthy_s": self._healthy,
-            "onset": self._onset,
-            "last_iteration": self._last_iteration,
-            "impact_s": self._impact,
-            "current": self._current,
-            "pending": self.pending(),
-            "finished": self._finished,
-            "next": (self.candidates() or [None])[0],
-            "candidates": rows,
-            "applied": list(self._applied),
-            "failed": dict(self._failed),
-            "judged": [dict(j) for j in self._judged],
-            "reference_s": None if self._reference is None else self._reference[1],
-            "relocalizing": None if self._relocalizing is None else dict(self._relocalizing),
+            "root_cause": st.root_cause,
+            "healthy_s": st.healthy_s,
+            "onset": st.onset,
+            "last_iteration": st.last_iteration,
+            "impact_s": st.impact_s,
+            "current": st.current,
+            "pending": st.pending,
+            "finished": st.finished,
+            "next": st.next,
+            "candidates": [asdict(c) for c in st.candidates],
+            "applied": list(st.applied),
+            "failed": dict(st.failed),
+            "judged": [dict(j) for j in st.judged],
+            "reference_s": st.reference_s,
+            "relocalizing": None if st.relocalizing is None else asdict(st.relocalizing),
         }
 
     # -- inputs -----------------------------------------------------------------------
@@ -499,9 +569,7 @@ class Planner:
                         was_enough: bool, why: str) -> Decision:
         """Hold decisions for a re-localization of the rise at ``rise_it`` (the level then,
         the reference before it) and return the ``relocalize`` Decision that asks for it."""
-        self._relocalizing = {"iteration": it, "level_s": level, "reference_s": reference,
-                              "reference_iteration": reference_it, "rise_iteration": rise_it,
-                              "was_enough": was_enough}
+        self._relocalizing = Rise(it, level, reference, reference_it, rise_it, was_enough)
         d = Decision("relocalize", self._current, it, self._impact, None, why + "; localize again before escalating")
         self._history.append({"kind": "decision", **asdict(d)})
         return d

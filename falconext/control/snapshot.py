@@ -1,0 +1,81 @@
+"""The job as the controller sees it, for ``ctl status``, the metrics and the launcher's
+progress line: :func:`snapshot`, a pure function of the heartbeats and the controller's
+state."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from falconext.config import FalconConfig
+from falconext.control.episodes import Episode
+from falconext.protocol.messages import Heartbeat, StatusSnapshot
+from falconext.detect.scores import RankSample, rank_scores, role_key
+from falconext.mitigate.mitigation import replica_view
+from falconext.mitigate.planner import slowdown_removed
+
+
+def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Mapping[int, Heartbeat],
+             world: int | None, state: str, session: int, muted: bool, episode: Episode | None,
+             cfg: FalconConfig) -> StatusSnapshot:
+    """The job now: per rank, its latest heartbeat (node, loop iteration and iteration
+    time, the estimate from calls, replica, micro-batches, role) with its straggler score
+    against its peers and the heartbeat's age; the plan in force, read from the
+    heartbeats (what the ranks run, not what was asked); the controller's ``state``,
+    ``session`` and mute; the open episode and its planner (with the share of the
+    slowdown the strategies removed); the config where it differs from the defaults."""
+    beats = dict(sorted(beats.items()))
+    scored = {r: b for r, b in beats.items() if b.score_iteration >= 0}
+    scores = rank_scores({r: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for r, b in scored.items()},
+                         {r: role_key(b.stage, b.role, b.tp) for r, b in scored.items()}) if len(scored) >= 2 else {}
+    ranks: dict[str, dict[str, Any]] = {}
+    for r, b in beats.items():
+        sc = scores.get(r)
+        ranks[str(r)] = {
+            "node": b.node, "iteration": b.iteration, "iter_s": round(b.iter_s, 6),
+            "est_iter_s": round(b.est_iter_s, 6), "score_iteration": b.score_iteration,
+            "score": None if sc is None else round(sc.score, 4),
+            "late_s": None if sc is None else round(sc.late_s, 6),
+            "compute_ratio": None if sc is None else round(sc.compute_ratio, 4),
+            "replica": b.replica, "micro": b.micro, "role": b.role, "stage": b.stage,
+            "age_s": round(max(0.0, now - b.time), 3),
+        }
+    view = replica_view(beats.values())
+    any_beat = next(iter(beats.values()), None)
+    tp = any_beat.tp if any_beat is not None else 0
+    pp = any_beat.pp if any_beat is not None else 0
+    world = world if world is not None else len(beats)
+    plan = {
+        "tp": tp, "pp": pp, "dp": world // (tp * pp) if tp > 0 and pp > 0 else None,
+        "nodes": len({b.node for b in beats.values()}),
+        "microbatches": None if view is None else list(view.plan),
+        "even": None if view is None else view.plan == [view.total // len(view.plan)] * len(view.plan),
+        "roles": [b.role for b in beats.values()] if beats and all(b.role >= 0 for b in beats.values()) else None,
+    }
+    ep_view = planner = None
+    if episode is not None:
+        ep_view, planner = _episode_view(episode, beats)
+    defaults = FalconConfig().to_dict()
+    config = {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
+    return StatusSnapshot(
+        time=now, job=job, world=world, state=state, session=session, muted=muted,
+        ranks=ranks, plan=plan, episode=ep_view, planner=planner, config=config, last_event=last_event,
+    )
+
+
+def _episode_view(ep: Episode, beats: Mapping[int, Heartbeat]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The snapshot's episode and planner parts."""
+    episode = {"trigger": ep.trigger, "t_event": round(ep.t_event, 3), "reporters": sorted(ep.reporters),
+               "ended": sorted(ep.ended), "localized": ep.localized,
+               "onset": min(ep.onsets) if ep.onsets else None}
+    mit = ep.mitigation
+    if mit is None:
+        return episode, None
+    planner = dict(mit.planner.status(), gpus=mit.gpus, links=mit.links, applied=list(mit.applied))
+    removed = None
+    job_s = max((b.iter_s for b in beats.values()), default=0.0)
+    levels = ep.slow_levels
+    if mit.applied and levels and job_s > 0:
+        slow = sorted(levels)[len(levels) // 2]
+        removed = slowdown_removed(mit.planner.state().healthy_s, slow, job_s)
+    planner["slowdown_removed"] = None if removed is None else round(removed, 4)
+    return episode, planner

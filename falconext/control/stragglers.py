@@ -1,0 +1,113 @@
+"""The score trigger: every rank's straggler score from its latest heartbeat
+(detect/scores.py), once per ``score_interval_s``, and the straggler the scores show
+often enough to be localized without a report (:class:`StragglerWatch`)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from falconext.config import FalconConfig
+from falconext.control.episodes import Episode, Sighting
+from falconext.protocol.messages import Heartbeat
+from falconext.control.outputs import Output, event
+from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A rank the scores show as a straggler, ready to be localized: its compute over
+    its peers' (``ratio``), where its run of slow readings began (``onset``), the
+    iteration of its latest heartbeat, that heartbeat's iteration time, and its healthy
+    time before the onset (None: no reading before it)."""
+
+    rank: int
+    ratio: float
+    onset: int
+    iteration: int
+    level_s: float
+    baseline_s: float | None
+
+    def episode(self, now: float) -> Episode:
+        """A fail-slow episode opened at ``now`` by this suspect, its sighting the fault's
+        onset, the healthy time before it and its level now."""
+        return Episode("fail_slow", now, suspected=self.rank, sightings=[Sighting(self.onset, self.baseline_s,
+                                                                                  self.level_s)])
+
+    def fields(self) -> dict[str, Any]:
+        """The ``straggler_suspected`` event's fields."""
+        return {"rank": self.rank, "compute_ratio": round(self.ratio, 4), "onset": self.onset,
+                "iteration": self.iteration}
+
+
+class StragglerWatch:
+    """When the scores are due, and each outlier's run of fresh readings."""
+
+    def __init__(self) -> None:
+        """Scores due at once; no outlier seen yet."""
+        self.next_scores = -math.inf  # when the next rank_scores event is due
+        #: ranks the scores show as stragglers: (fresh readings in a row, the iteration of the
+        #: last counted), and those already acted on (until they read normal again)
+        self.outliers: dict[int, tuple[int, int]] = {}
+        self.acted: set[int] = set()
+
+    def forget(self) -> None:
+        """Every process restarted: the outliers seen are of processes that are gone."""
+        self.outliers.clear()
+        self.acted.clear()
+
+    def scores(self, beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[Heartbeat]], now: float,
+               cfg: FalconConfig, may_act: bool) -> tuple[list[Output], Suspect | None]:
+        """The ``rank_scores`` event when one is due at ``now`` (every ``score_interval_s``,
+        from two scored ranks on, whatever the episode), and the straggler to localize
+        now, if any (only when ``may_act``): one shown by
+        :func:`~falconext.detect.scores.compute_outliers` in ``score_trigger_readings``
+        fresh scores in a row and not acted on yet (the most extreme). Each outlier's
+        count is kept whether or not it may be acted on; one that reads normal again is
+        forgotten."""
+        if now < self.next_scores:
+            return [], None
+        scored = [b for b in beats.values() if b.score_iteration >= 0]
+        if len(scored) < 2:
+            return [], None
+        self.next_scores = now + cfg.score_interval_s
+        samples = {b.rank: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for b in scored}
+        roles = {b.rank: role_key(b.stage, b.role, b.tp) for b in scored}
+        scores = rank_scores(samples, roles)
+        out = [event("rank_scores", iteration=min(b.score_iteration for b in scored), slowest=slowest(scores),
+                     window=cfg.score_window, ranks={str(r): s.to_dict() for r, s in sorted(scores.items())})]
+        if not cfg.score_trigger_ratio:
+            return out, None
+        flagged = compute_outliers(scores, {b.rank: b.mb_s for b in scored}, roles,
+                                   cfg.score_trigger_ratio, cfg.min_slowdown)
+        for r in [r for r in self.outliers if r not in flagged]:
+            del self.outliers[r]
+            self.acted.discard(r)
+        ready: list[tuple[float, int]] = []
+        for r, ratio in flagged.items():
+            n, last = self.outliers.get(r, (0, -1))
+            it = beats[r].iteration
+            self.outliers[r] = (n + 1, it) if it > last else (n, last)
+            if self.outliers[r][0] >= cfg.score_trigger_readings and r not in self.acted:
+                ready.append((ratio, r))
+        if not ready or not may_act:
+            return out, None
+        ratio, r = max(ready)
+        beat = beats[r]
+        onset = outlier_onset(beat, history.get(r, ()), beat.mb_s / ratio * cfg.score_trigger_ratio)
+        before = [b.iter_s for b in history.get(r, ()) if b.iteration < onset and b.iter_s > 0]
+        return out, Suspect(r, ratio, onset, beat.iteration, beat.iter_s, statistics.median(before) if before else None)
+
+
+def outlier_onset(beat: Heartbeat, kept: Iterable[Heartbeat], line: float) -> int:
+    """Where a rank's run of compute readings at or over ``line`` began: walking its kept
+    heartbeats back from the latest (``beat``'s iteration when none is over it)."""
+    onset = beat.iteration
+    for b in reversed(list(kept)):
+        if b.mb_s < line:
+            break
+        onset = b.iteration
+    return onset
+
