@@ -12,8 +12,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+#: a field's metadata marking it settable at run time (``falconext ctl set``): one of the
+#: thresholds the controller itself decides with, so the next decision uses the new value.
+#: The others are read by the ranks' detectors or by the processes when they start, and
+#: ``ctl set`` refuses them rather than pretend.
+RUNTIME = {"runtime_settable": True}
+
+
+def runtime_settable() -> frozenset[str]:
+    """The names of the fields marked :data:`RUNTIME` (what ``ctl set`` may change)."""
+    return frozenset(f.name for f in fields(FalconConfig) if f.metadata.get("runtime_settable"))
 
 
 class ConfigError(ValueError):
@@ -95,7 +107,7 @@ class FalconConfig:
 
     # --- verification (detect/verify.py) -----------------------------------------------
     #: a change below this relative size is jitter (paper: 10%)
-    min_slowdown: float = 0.10
+    min_slowdown: float = field(default=0.10, metadata=RUNTIME)
     #: a slowdown must hold for this many iterations before it is an event (healthy
     #: bursts last up to min_duration - 1 iterations)
     min_duration: int = 11
@@ -132,23 +144,23 @@ class FalconConfig:
     # --- profiling (profile/analysis.py) ---------------------------------------------------
     #: a group is suspicious when its transfer time exceeds this x the median of
     #: comparable groups (paper: 1.1)
-    suspicious_factor: float = 1.1
+    suspicious_factor: float = field(default=1.1, metadata=RUNTIME)
     #: seconds of recent collective calls each rank sends when profiling starts
-    profile_window_s: float = 3.0
+    profile_window_s: float = field(default=3.0, metadata=RUNTIME)
     #: the controller waits this long for every rank's profile before going on
-    profile_timeout_s: float = 3.0
+    profile_timeout_s: float = field(default=3.0, metadata=RUNTIME)
     #: collectives smaller than this are latency, not bandwidth: not used to judge groups
-    profile_min_bytes: int = 65536
+    profile_min_bytes: int = field(default=65536, metadata=RUNTIME)
     #: a compute suspect imposes at least this share of all the waiting in the window ...
-    wait_causer_share: float = 0.5
+    wait_causer_share: float = field(default=0.5, metadata=RUNTIME)
     #: ... and this many times as much as any other rank
-    wait_causer_dominance: float = 3.0
+    wait_causer_dominance: float = field(default=3.0, metadata=RUNTIME)
 
     # --- per-rank scores (detect/scores.py) -------------------------------------------------
     #: a rank's score sample is the median over its latest this many iterations
     score_window: int = 10
     #: the controller publishes every rank's score this often (a ``rank_scores`` event)
-    score_interval_s: float = 5.0
+    score_interval_s: float = field(default=5.0, metadata=RUNTIME)
     #: a rank whose compute per micro-batch is this many times its role peers' median, and
     #: whose lateness costs the job min_slowdown of every iteration, in
     #: score_trigger_readings scores in a row (each of a later iteration), is suspected a
@@ -156,8 +168,8 @@ class FalconConfig:
     #: detectors (which confirm over min_duration iterations, and are blind while they warm
     #: up after a restart or an S3 move, where such a fault started). 1.25: the
     #: validation's confirm line for a GPU's own compute rise; 0: off
-    score_trigger_ratio: float = 1.25
-    score_trigger_readings: int = 2
+    score_trigger_ratio: float = field(default=1.25, metadata=RUNTIME)
+    score_trigger_readings: int = field(default=2, metadata=RUNTIME)
 
     # --- the rank side's own cost (runtime/, control/client.py) ------------------------------
     #: with loop hooks the monitor reads the calls once per loop iteration, woken by the
@@ -192,11 +204,11 @@ class FalconConfig:
     controller_timeout_s: float = 3.0
     #: a fail-slow episode closes this long after its first end report, or after every
     #: rank reads healthy again, even when other ranks' end reports were lost
-    episode_timeout_s: float = 60.0
+    episode_timeout_s: float = field(default=60.0, metadata=RUNTIME)
     #: times a suspension is tried when a rank missed the agreed iteration
-    suspend_tries: int = 3
+    suspend_tries: int = field(default=3, metadata=RUNTIME)
     #: seconds the controller waits for ranks beyond their own deadlines
-    control_slack_s: float = 2.0
+    control_slack_s: float = field(default=2.0, metadata=RUNTIME)
     #: heartbeats kept per rank, one per loop iteration (a later heartbeat of the same
     #: iteration replaces it, so a job of 3.5 s iterations and 0.5 s heartbeats keeps 64
     #: iterations, not 32 s): longer than detection takes from a fail-slow's onset to
@@ -219,13 +231,13 @@ class FalconConfig:
     #: ... bound to this address (loopback unless an operator widens it)
     metrics_host: str = "127.0.0.1"
     #: the controller publishes its status snapshot (``falconext ctl status``) this often ...
-    status_interval_s: float = 1.0
+    status_interval_s: float = field(default=1.0, metadata=RUNTIME)
     #: ... or less often, so that building it (it lists every rank: 0.1 s at 4096 ranks)
     #: takes at most this share of the controller's time
-    status_max_share: float = 0.05
+    status_max_share: float = field(default=0.05, metadata=RUNTIME)
     #: node messages of heartbeats (NodeHeartbeats) the controller handles between two
     #: reads of its control stream (reports, profiles, acks, results come first)
-    controller_read_batch: int = 64
+    controller_read_batch: int = field(default=64, metadata=RUNTIME)
     #: entries kept on the streams the node agents post to (ctl, beats): more than one
     #: message per rank of the largest job, so that one message from every rank at once
     #: (profiles, acks) cannot push unread ones out
@@ -233,14 +245,14 @@ class FalconConfig:
 
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
-    suspend_margin_iterations: int = 3
+    suspend_margin_iterations: int = field(default=3, metadata=RUNTIME)
     #: ... or one, when an iteration lasts at least this many seconds (0: never): the
     #: margin is time for the command to reach every rank (bus hops, read every 0.1 s),
     #: and three 3.5 s iterations of a 64-GPU job kept a fail-slow unvalidated, then
     #: unmitigated, for 7 s longer than one does, at each suspension
-    suspend_margin_s: float = 1.0
+    suspend_margin_s: float = field(default=1.0, metadata=RUNTIME)
     #: longest a rank stays suspended, whatever happens to the controller
-    suspend_deadline_s: float = 4.0
+    suspend_deadline_s: float = field(default=4.0, metadata=RUNTIME)
     #: longest validation runs on the trapped training thread once "go" has come: checked
     #: between benchmark steps (a GEMM round, a P2P sweep), counting the next step as long
     #: as the last of its kind, and the ranks agree to stop at the same step; what was
@@ -252,60 +264,60 @@ class FalconConfig:
     #: comes with the "resume" and applies from the next iteration, instead of a second
     #: suspension one margin later (table7: two 3.5 s iterations more of the slow job per
     #: fault). The wait is normally two bus hops; 0: the ranks resume once they reported
-    suspend_verdict_wait_s: float = 2.0
+    suspend_verdict_wait_s: float = field(default=2.0, metadata=RUNTIME)
     #: a GPU (link) is slow when its GEMM (transfer) takes this x the median
-    validation_slow_factor: float = 1.5
+    validation_slow_factor: float = field(default=1.5, metadata=RUNTIME)
     #: and (links) slower than the reference by at least this many seconds per message.
     #: 0 on a GPU fabric, where a validation message takes microseconds and a floor in
     #: milliseconds would hide a real congestion; the CPU test bed's launcher sets 5 ms,
     #: because there host scheduling alone made healthy loopback messages read 2-4 ms
     #: (2x their peers) in CI, while an emulated x3 link reads about 30 ms
-    validation_min_link_excess_s: float = 0.0
+    validation_min_link_excess_s: float = field(default=0.0, metadata=RUNTIME)
     #: GEMM benchmark: n x n x n, repeats (after warm-up)
-    gemm_size: int = 256
-    gemm_repeats: int = 50
+    gemm_size: int = field(default=256, metadata=RUNTIME)
+    gemm_repeats: int = field(default=50, metadata=RUNTIME)
     #: ranks that run their GEMM at the same time (0: all at once, right for GPUs; the
     #: CPU test bed's launcher sets 1, because its "GPUs" share the host's cores)
-    gemm_concurrency: int = 0
+    gemm_concurrency: int = field(default=0, metadata=RUNTIME)
     #: times validation runs each benchmark (every GEMM in turn, then every pass, then all
     #: again) and keeps each rank's and pair's best: a neighbour that shared the core (or
     #: its hyperthread sibling) during one short run made a healthy CPU-bed rank read 1.5x
     #: slow in CI, and a healthy loopback link 20x; that rarely happens twice, a slow GPU
     #: or a congested link is slow both times
-    validation_sweeps: int = 2
+    validation_sweeps: int = field(default=2, metadata=RUNTIME)
     #: P2P pairs of one pass that run at the same time (0: all; the CPU test bed: 1)
-    p2p_concurrency: int = 0
+    p2p_concurrency: int = field(default=0, metadata=RUNTIME)
     #: P2P benchmark: message bytes and messages per pair
-    p2p_bytes: int = 262144
-    p2p_repeats: int = 5
+    p2p_bytes: int = field(default=262144, metadata=RUNTIME)
+    p2p_repeats: int = field(default=5, metadata=RUNTIME)
     #: in a job on exactly two nodes the one network link between them has no peer to be
     #: compared with, so once every rank has reached this iteration the controller
     #: validates every link (one short suspension) and keeps their times as the link's
     #: healthy reference; 0: never
-    link_baseline_iteration: int = 10
+    link_baseline_iteration: int = field(default=10, metadata=RUNTIME)
     #: validate the edges of NCCL's double binary trees over a group's nodes as well as its
     #: ring, for groups that span nodes (validate/plan.py trees_apply): across nodes NCCL
     #: runs small and medium all-reduces as trees, so a congested link may carry tree
     #: traffic only. "auto": where the ranks' collectives run on NCCL and their NCCL_ALGO
     #: is unset or lets all-reduces use Tree/NVLSTree; "on": always (the CPU test bed, whose
     #: gloo runs rings, tests tree validation so); "off": rings only
-    validation_trees: str = "auto"
+    validation_trees: str = field(default="auto", metadata=RUNTIME)
 
     # --- mitigation (mitigate/) -------------------------------------------------------------
     #: mitigate automatically once a fail-slow is localized (the ski-rental planner)
-    mitigation: bool = True
+    mitigation: bool = field(default=True, metadata=RUNTIME)
     #: a strategy is "enough" when iterations are back within this fraction of healthy
-    mitigation_enough_margin: float = 0.10
+    mitigation_enough_margin: float = field(default=0.10, metadata=RUNTIME)
     #: iterations after a strategy takes effect before it is judged, and judged over
-    mitigation_settle_iterations: int = 5
-    mitigation_judge_iterations: int = 5
+    mitigation_settle_iterations: int = field(default=5, metadata=RUNTIME)
+    mitigation_judge_iterations: int = field(default=5, metadata=RUNTIME)
     #: S2 is reverted once every slow GPU's compute per micro-batch (its heartbeats' median
     #: of recent iterations) is back within min_slowdown (the paper's 10% jitter line) of
     #: its own before the onset in this many fresh readings in a row; one reading over the
     #: line starts the count again (no revert on one lucky reading). Without such a
     #: reference, the slow replicas are judged against the others over
     #: mitigation_judge_iterations iterations
-    mitigation_recovered_beats: int = 3
+    mitigation_recovered_beats: int = field(default=3, metadata=RUNTIME)
     #: inside a mitigated fail-slow, the iteration time risen this fraction over the lowest
     #: level seen in it (or a strategy judged enough no longer being so) is localized
     #: again before the planner escalates: the ranks' detectors do not report a second
@@ -313,13 +325,13 @@ class FalconConfig:
     #: after S3 (they take it as their baseline), and escalating would charge it to the
     #: first fault's culprits. 10%: the paper's line between jitter and a change
     #: (min_slowdown); 0: never (escalate whatever caused the rise)
-    mitigation_relocalize_rise: float = 0.10
+    mitigation_relocalize_rise: float = field(default=0.10, metadata=RUNTIME)
     #: strategies the planner may use, cheapest first by measured cost (S2 rebalance
     #: micro-batches, S3 topology, S4 checkpoint-restart without the bad node); leave
     #: S4 out where no spare node exists
-    mitigation_strategies: str = "S2,S3,S4"
+    mitigation_strategies: str = field(default="S2,S3,S4", metadata=RUNTIME)
     #: most micro-batches one DP replica may run per global batch (memory); 0: no cap
-    max_microbatches_per_replica: int = 0
+    max_microbatches_per_replica: int = field(default=0, metadata=RUNTIME)
     #: S4's cost is estimated, not probed with a save nobody asked for: the rank's state
     #: bytes (model and optimizer, counted in memory) over the checkpoint directory's
     #: write and read bandwidth, measured with a scratch file of at most this many bytes

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from typing import Any
 
-from falconext.config import FalconConfig
+from falconext.config import runtime_settable, FalconConfig
 from falconext.control import mitigation_driver as driver
 from falconext.control.episodes import Episode, State, dropped, ends, expire, is_new_fail_slow
 from falconext.control.heartbeats import JobView
@@ -43,21 +43,8 @@ from falconext.mitigate.room import RestartRoom
 
 __all__ = ["Controller", "OPERATOR_COMMANDS", "Output", "RUNTIME_SETTABLE", "State", "for_bus"]
 
-#: the thresholds the controller itself decides with, which ``ctl set`` changes at run time
-#: (the next decision uses the new value); the others are read by the ranks' detectors or
-#: by the processes when they start, and ``ctl set`` refuses them rather than pretend
-RUNTIME_SETTABLE = frozenset({
-    "profile_window_s", "profile_timeout_s", "profile_min_bytes", "suspicious_factor", "wait_causer_share",
-    "wait_causer_dominance", "score_interval_s", "episode_timeout_s", "suspend_tries", "control_slack_s",
-    "suspend_margin_iterations", "suspend_deadline_s", "validation_slow_factor", "validation_min_link_excess_s",
-    "gemm_size", "gemm_repeats", "gemm_concurrency", "validation_sweeps", "p2p_concurrency", "p2p_bytes",
-    "p2p_repeats", "link_baseline_iteration", "mitigation", "mitigation_enough_margin",
-    "mitigation_settle_iterations", "mitigation_judge_iterations", "mitigation_strategies",
-    "max_microbatches_per_replica", "min_slowdown", "status_interval_s", "mitigation_relocalize_rise",
-    "score_trigger_ratio", "score_trigger_readings",
-    "suspend_margin_s", "status_max_share", "controller_read_batch", "mitigation_recovered_beats",
-    "suspend_verdict_wait_s", "validation_trees",
-})
+#: the thresholds ``ctl set`` may change: the config's fields marked RUNTIME
+RUNTIME_SETTABLE = runtime_settable()
 
 
 class Controller:
