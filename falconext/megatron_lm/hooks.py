@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches, parse_topology
 from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange
+from falconext.report.device import write_device_record
 from falconext.runtime.host import PlanRefused, apply_action, versions
 from falconext.model.roles import check_roles
 
@@ -606,8 +607,7 @@ class Session:
             self._agent.stop()
         if self.device is not None:
             self.device.uninstall()
-            with open(os.path.join(self.out, "ranks", f"device{self.suffix}-rank{self.process}.json"), "w") as f:
-                json.dump(self.device.record(), f)
+            write_device_record(self.out, self.process, self.device.record(), self.suffix)
         report.write_rank_files(self.out, self.process, [(i, s, l) for i, s, l in self.measured],
                                 self.runtime.monitor.estimates if self.runtime else {}, self.suffix,
                                 overhead=self.runtime.overhead() if self.runtime else None,

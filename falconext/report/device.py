@@ -19,6 +19,18 @@ from typing import Any
 from falconext.mitigate.microbatch import plan_microbatches
 
 
+def device_record_path(out: str, process: int, suffix: str = "") -> str:
+    """Where process ``process``'s emulated device record lies in run directory ``out``
+    (``suffix``: an attempt's, after a restart)."""
+    return os.path.join(out, "ranks", f"device{suffix}-rank{process}.json")
+
+
+def write_device_record(out: str, process: int, record: dict[str, Any], suffix: str = "") -> None:
+    """Write process ``process``'s emulated device record (``EmulatedDevice.record()``)."""
+    with open(device_record_path(out, process, suffix), "w") as f:
+        json.dump(record, f)
+
+
 def s2_ceiling(healthy_mb_s: list[float], slow_mb_s: list[float], total: int) -> dict[str, Any] | None:
     """The iteration compute time (max over replicas of micro-batches x time per
     micro-batch) healthy, slow under the even plan, and under the optimal plan, and the
@@ -55,7 +67,7 @@ def ceiling_from_run(out: str, run: dict[str, Any]) -> dict[str, Any] | None:
     start = min(f.start for f in faults if f.kind == "compute")
     mb_s: dict[int, float] = {}
     for r in range(world):
-        path = os.path.join(out, "ranks", f"device-rank{r}.json")
+        path = device_record_path(out, r)
         if not os.path.exists(path):
             return None
         with open(path) as f:
@@ -80,7 +92,7 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
     worst: tuple[float, int] = (0.0, -1)
     gflops: set[float] = set()
     for r in range(world):
-        path = os.path.join(out, "ranks", f"device-rank{r}.json")
+        path = device_record_path(out, r)
         if not os.path.exists(path):
             return None
         with open(path) as f:

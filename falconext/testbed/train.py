@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from falconext.config import config_from_args, parse_microbatches, parse_topology  # noqa: E402
 from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange  # noqa: E402
+from falconext.report.device import write_device_record  # noqa: E402
 from falconext.runtime.host import PlanRefused, apply_action, versions  # noqa: E402
 from falconext.mitigate import restart  # noqa: E402
 from falconext.testbed.options import add_train_arguments, check_train_arguments  # noqa: E402
@@ -350,8 +351,7 @@ def _tear_down(job: _Job) -> None:
         rig.shaper.close()
     if rig.device is not None:
         rig.device.uninstall()
-        with open(os.path.join(job.args.out, "ranks", f"device{job.suffix}-rank{job.rank}.json"), "w") as f:
-            json.dump(rig.device.record(), f)
+        write_device_record(job.args.out, job.rank, rig.device.record(), job.suffix)
 
 
 def _finish(job: _Job, measured: list[tuple[int, float, float | None]],
