@@ -3,8 +3,11 @@
 Every threshold the pipeline uses lives here, with the value the Falcon paper gives as
 the default (docs/paper.md, "The parameters falconext takes from it"), so an experiment
 changes behaviour in one place and an ablation can name exactly what it changed.
-Megatron-style ``--falcon-*`` flags map onto these fields by name
-(``--falcon-acf-threshold`` -> ``acf_threshold``).
+The thresholds are grouped by concern, one small dataclass per phase of the pipeline
+(:class:`DetectConfig`, :class:`ProfileConfig`, :class:`ControlConfig`,
+:class:`ValidateConfig`, :class:`MitigateConfig`), composed into :class:`FalconConfig`.
+Their names stay flat and unique: Megatron-style ``--falcon-*`` flags map onto them by
+name (``--falcon-acf-threshold`` -> ``acf_threshold``, held by ``detect``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 
@@ -23,20 +26,23 @@ from typing import Any
 RUNTIME = {"runtime_settable": True}
 
 
-def runtime_settable() -> frozenset[str]:
-    """The names of the fields marked :data:`RUNTIME` (what ``ctl set`` may change)."""
-    return frozenset(f.name for f in fields(FalconConfig) if f.metadata.get("runtime_settable"))
-
-
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
 
 
+def _check_finite(obj: Any) -> None:
+    """ConfigError naming the first float field of ``obj`` that is NaN or infinite."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name} must be finite, got {value!r}")
+
+
 @dataclass(frozen=True)
-class FalconConfig:
-    """Every threshold and setting of falconext, one source: the paper's values as defaults,
-    each field documented where it is declared. ``--falcon-*`` flags map onto the fields
-    (:func:`config_from_args`). Construction raises ConfigError for a value out of range."""
+class DetectConfig:
+    """Detection on every rank (detect/, trace/): finding the period of the collective
+    calls, iteration times from them, BOCD and its verification, the slide-window baseline.
+    Construction raises ConfigError for a value out of range."""
 
     # --- period finding (detect/period.py) -------------------------------------------
     #: first lag whose autocorrelation reaches this is the recurring period (paper: 0.95)
@@ -141,6 +147,68 @@ class FalconConfig:
     #: an open event ends when the level is back within this fraction of the baseline
     recovery_margin: float = 0.05
 
+    # --- slide-window baseline (detect/baselines.py) -----------------------------------
+    #: recent iterations averaged and compared with the reference median
+    slide_window: int = 10
+    #: persistence baseline: this many iterations in a row, each slow (or each healthy)
+    persistence_iterations: int = 12
+    #: iterations before the recent window whose median is the reference
+    slide_reference: int = 100
+
+    def __post_init__(self) -> None:
+        _check_finite(self)
+        _check(0.0 < self.acf_threshold <= 1.0, "acf_threshold must be in (0, 1]")
+        _check(self.acf_min_repeats >= 2, "acf_min_repeats must be >= 2")
+        _check(self.max_period_calls >= 1, "max_period_calls must be >= 1")
+        _check(
+            self.tracker_buffer_calls >= self.acf_min_repeats * 2,
+            "tracker_buffer_calls is too small for acf_min_repeats",
+        )
+        _check(0.0 < self.gap_profile_r2 <= 1.0, "gap_profile_r2 must be in (0, 1]")
+        _check(self.long_pause_ratio > 1.0, "long_pause_ratio must be > 1")
+        _check(0.0 < self.size_agreement <= 1.0, "size_agreement must be in (0, 1]")
+        _check(0.0 <= self.opening_pause_share <= 1.0, "opening_pause_share must be in [0, 1]")
+        _check(self.max_inserted_calls >= 0, "max_inserted_calls must be >= 0")
+        _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
+        _check(self.pending_timeout_s > 0.0, "pending_timeout_s must be > 0")
+        _check(self.call_log_max_mb >= 0.0, "call_log_max_mb must be >= 0")
+        _check(self.pending_timeout_iterations >= 0.0, "pending_timeout_iterations must be >= 0")
+        _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
+        _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
+        _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")
+        _check(
+            self.bocd_max_run_length > self.bocd_recent_window,
+            "bocd_max_run_length must exceed bocd_recent_window",
+        )
+        _check(self.bocd_warmup >= 2, "bocd_warmup must be >= 2")
+        _check(self.min_slowdown > 0.0, "min_slowdown must be > 0")
+        _check(self.min_duration >= 1, "min_duration must be >= 1")
+        _check(self.sustain_chunks >= 1, "sustain_chunks must be >= 1")
+        _check(self.min_duration >= self.sustain_chunks, "min_duration must be >= sustain_chunks")
+        _check(self.fast_confirm_floor > 1.0, "fast_confirm_floor must be > 1")
+        _check(self.fast_confirm_evidence > 0.0, "fast_confirm_evidence must be > 0")
+        _check(self.min_duration_fast >= 1, "min_duration_fast must be >= 1")
+        _check(self.fast_confirm_snr >= 0.0, "fast_confirm_snr must be >= 0")
+        _check(self.run_band_sigmas > 0.0, "run_band_sigmas must be > 0")
+        _check(self.run_band_floor > 0.0, "run_band_floor must be > 0")
+        _check(self.run_watch_factor >= 1, "run_watch_factor must be >= 1")
+        _check(self.min_baseline >= 2, "min_baseline must be >= 2")
+        _check(self.baseline_window >= self.min_baseline, "baseline_window must be >= min_baseline")
+        _check(
+            0.0 <= self.recovery_margin < self.min_slowdown,
+            "recovery_margin must be in [0, min_slowdown)",
+        )
+        _check(self.slide_window >= 1, "slide_window must be >= 1")
+        _check(self.persistence_iterations >= 1, "persistence_iterations must be >= 1")
+        _check(self.slide_reference >= 1, "slide_reference must be >= 1")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Narrowing to suspects (profile/, detect/scores.py): which groups a profile finds
+    suspicious, which rank causes the waiting, and the per-rank scores the controller watches.
+    Construction raises ConfigError for a value out of range."""
+
     # --- profiling (profile/analysis.py) ---------------------------------------------------
     #: a group is suspicious when its transfer time exceeds this x the median of
     #: comparable groups (paper: 1.1)
@@ -170,6 +238,27 @@ class FalconConfig:
     #: validation's confirm line for a GPU's own compute rise; 0: off
     score_trigger_ratio: float = field(default=1.25, metadata=RUNTIME)
     score_trigger_readings: int = field(default=2, metadata=RUNTIME)
+
+    def __post_init__(self) -> None:
+        _check_finite(self)
+        _check(self.score_window >= 1, "score_window must be >= 1")
+        _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
+        _check(self.score_trigger_ratio == 0.0 or self.score_trigger_ratio > 1.0,
+               "score_trigger_ratio must be 0 (off) or > 1")
+        _check(self.score_trigger_readings >= 1, "score_trigger_readings must be >= 1")
+        _check(0.0 < self.wait_causer_share <= 1.0, "wait_causer_share must be in (0, 1]")
+        _check(self.wait_causer_dominance >= 1.0, "wait_causer_dominance must be >= 1")
+        _check(self.suspicious_factor > 1.0, "suspicious_factor must be > 1")
+        _check(self.profile_window_s > 0, "profile_window_s must be > 0")
+        _check(self.profile_timeout_s > 0, "profile_timeout_s must be > 0")
+        _check(self.profile_min_bytes >= 0, "profile_min_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """The control plane (control/, runtime/, elastic/): the rank side's own cost, the bus,
+    heartbeats, the controller's deadlines, its status and metrics.
+    Construction raises ConfigError for a value out of range."""
 
     # --- the rank side's own cost (runtime/, control/client.py) ------------------------------
     #: with loop hooks the monitor reads the calls once per loop iteration, woken by the
@@ -243,6 +332,36 @@ class FalconConfig:
     #: (profiles, acks) cannot push unread ones out
     stream_maxlen: int = 100_000
 
+    def __post_init__(self) -> None:
+        _check_finite(self)
+        _check(self.episode_timeout_s > 0.0, "episode_timeout_s must be > 0")
+        _check(self.suspend_tries >= 1, "suspend_tries must be >= 1")
+        _check(self.control_slack_s >= 0.0, "control_slack_s must be >= 0")
+        _check(self.restart_floor_nodes >= 0, "restart_floor_nodes must be >= 0")
+        _check(self.plane_wait_s >= 0.0, "plane_wait_s must be >= 0")
+        _check(self.on_exclude_timeout_s > 0.0, "on_exclude_timeout_s must be > 0")
+        _check(self.leave_wait_s >= 0.0, "leave_wait_s must be >= 0")
+        _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")
+        _check(1 <= self.beat_iter_window <= 1000, "beat_iter_window must be in [1, 1000]")
+        _check(1 <= self.beat_compute_window <= 1000, "beat_compute_window must be in [1, 1000]")
+        _check(0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]")
+        _check(bool(self.metrics_host.strip()), "metrics_host must not be empty")
+        _check(0.0 < self.status_interval_s <= 1.0, "status_interval_s must be in (0, 1]")
+        _check(0.0 < self.status_max_share <= 1.0, "status_max_share must be in (0, 1]")
+        _check(self.controller_read_batch >= 1, "controller_read_batch must be >= 1")
+        _check(self.stream_maxlen >= 1000, "stream_maxlen must be >= 1000")
+        _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
+        _check(self.monitor_idle_s > 0 and self.monitor_poll_s > 0, "monitor_idle_s and monitor_poll_s must be > 0")
+        _check(self.control_idle_s >= 0.1 and self.control_busy_s >= 0, "control_idle_s must be >= 0.1 and control_busy_s >= 0")
+        _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """Suspension and validation (validate/): when the ranks suspend, for how long, and
+    the GEMM and P2P benchmarks that confirm a slow GPU or link.
+    Construction raises ConfigError for a value out of range."""
+
     # --- suspension and validation (validate/) --------------------------------------------
     #: ranks suspend this many iterations after the controller's latest view of them
     suspend_margin_iterations: int = field(default=3, metadata=RUNTIME)
@@ -303,6 +422,31 @@ class FalconConfig:
     #: gloo runs rings, tests tree validation so); "off": rings only
     validation_trees: str = field(default="auto", metadata=RUNTIME)
 
+    def __post_init__(self) -> None:
+        _check_finite(self)
+        _check(self.gemm_concurrency >= 0, "gemm_concurrency must be >= 0")
+        _check(self.validation_sweeps >= 1, "validation_sweeps must be >= 1")
+        _check(self.link_baseline_iteration >= 0, "link_baseline_iteration must be >= 0")
+        _check(self.validation_trees in ("auto", "on", "off"),
+               f"validation_trees must be auto, on or off, got {self.validation_trees!r}")
+        _check(self.p2p_concurrency >= 0, "p2p_concurrency must be >= 0")
+        _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
+        _check(self.suspend_margin_s >= 0.0, "suspend_margin_s must be >= 0")
+        _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
+        _check(0 < self.validation_budget_s <= 300, "validation_budget_s must be in (0, 300]")
+        _check(0 <= self.suspend_verdict_wait_s <= 300, "suspend_verdict_wait_s must be in [0, 300]")
+        _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
+        _check(self.validation_min_link_excess_s >= 0, "validation_min_link_excess_s must be >= 0")
+        _check(self.gemm_size >= 16 and self.gemm_repeats >= 1, "gemm_size must be >= 16 and gemm_repeats >= 1")
+        _check(self.p2p_bytes >= 1 and self.p2p_repeats >= 1, "p2p_bytes and p2p_repeats must be >= 1")
+
+
+@dataclass(frozen=True)
+class MitigateConfig:
+    """Mitigation (mitigate/): the ski-rental planner's judgement, the strategies it may
+    use, and the operator's overrides.
+    Construction raises ConfigError for a value out of range."""
+
     # --- mitigation (mitigate/) -------------------------------------------------------------
     #: mitigate automatically once a fail-slow is localized (the ski-rental planner)
     mitigation: bool = field(default=True, metadata=RUNTIME)
@@ -343,110 +487,10 @@ class FalconConfig:
     #: torch rank process p plays from ITER on (a permutation; S3 applied by hand)
     force_topology: str = ""
 
-    # --- slide-window baseline (detect/baselines.py) -----------------------------------
-    #: recent iterations averaged and compared with the reference median
-    slide_window: int = 10
-    #: persistence baseline: this many iterations in a row, each slow (or each healthy)
-    persistence_iterations: int = 12
-    #: iterations before the recent window whose median is the reference
-    slide_reference: int = 100
-
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{f.name} must be finite, got {value!r}")
-        _check(0.0 < self.acf_threshold <= 1.0, "acf_threshold must be in (0, 1]")
-        _check(self.acf_min_repeats >= 2, "acf_min_repeats must be >= 2")
-        _check(self.max_period_calls >= 1, "max_period_calls must be >= 1")
-        _check(
-            self.tracker_buffer_calls >= self.acf_min_repeats * 2,
-            "tracker_buffer_calls is too small for acf_min_repeats",
-        )
-        _check(0.0 < self.gap_profile_r2 <= 1.0, "gap_profile_r2 must be in (0, 1]")
-        _check(self.long_pause_ratio > 1.0, "long_pause_ratio must be > 1")
-        _check(0.0 < self.size_agreement <= 1.0, "size_agreement must be in (0, 1]")
-        _check(0.0 <= self.opening_pause_share <= 1.0, "opening_pause_share must be in [0, 1]")
-        _check(self.max_inserted_calls >= 0, "max_inserted_calls must be >= 0")
-        _check(self.tracking_warmup >= 0, "tracking_warmup must be >= 0")
-        _check(self.pending_timeout_s > 0.0, "pending_timeout_s must be > 0")
-        _check(self.call_log_max_mb >= 0.0, "call_log_max_mb must be >= 0")
-        _check(self.pending_timeout_iterations >= 0.0, "pending_timeout_iterations must be >= 0")
-        if not self.loop_hooks:
-            object.__setattr__(self, "mitigation", False)  # nothing could apply a plan
-        _check(self.score_window >= 1, "score_window must be >= 1")
-        _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
-        _check(self.score_trigger_ratio == 0.0 or self.score_trigger_ratio > 1.0,
-               "score_trigger_ratio must be 0 (off) or > 1")
-        _check(self.score_trigger_readings >= 1, "score_trigger_readings must be >= 1")
-        _check(self.episode_timeout_s > 0.0, "episode_timeout_s must be > 0")
-        _check(self.suspend_tries >= 1, "suspend_tries must be >= 1")
-        _check(0.0 < self.wait_causer_share <= 1.0, "wait_causer_share must be in (0, 1]")
-        _check(self.wait_causer_dominance >= 1.0, "wait_causer_dominance must be >= 1")
-        _check(self.control_slack_s >= 0.0, "control_slack_s must be >= 0")
-        _check(self.restart_floor_nodes >= 0, "restart_floor_nodes must be >= 0")
-        _check(self.plane_wait_s >= 0.0, "plane_wait_s must be >= 0")
-        _check(self.on_exclude_timeout_s > 0.0, "on_exclude_timeout_s must be > 0")
-        _check(self.leave_wait_s >= 0.0, "leave_wait_s must be >= 0")
-        _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")
-        _check(1 <= self.beat_iter_window <= 1000, "beat_iter_window must be in [1, 1000]")
-        _check(1 <= self.beat_compute_window <= 1000, "beat_compute_window must be in [1, 1000]")
+        _check_finite(self)
         _check(self.restart_probe_bytes >= 4096, "restart_probe_bytes must be >= 4096")
-        _check(0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]")
-        _check(bool(self.metrics_host.strip()), "metrics_host must not be empty")
-        _check(0.0 < self.status_interval_s <= 1.0, "status_interval_s must be in (0, 1]")
-        _check(0.0 < self.status_max_share <= 1.0, "status_max_share must be in (0, 1]")
-        _check(self.controller_read_batch >= 1, "controller_read_batch must be >= 1")
-        _check(self.stream_maxlen >= 1000, "stream_maxlen must be >= 1000")
-        _check(0.0 < self.bocd_hazard < 1.0, "bocd_hazard must be in (0, 1)")
-        _check(0.0 < self.bocd_threshold < 1.0, "bocd_threshold must be in (0, 1)")
-        _check(self.bocd_recent_window >= 1, "bocd_recent_window must be >= 1")
-        _check(
-            self.bocd_max_run_length > self.bocd_recent_window,
-            "bocd_max_run_length must exceed bocd_recent_window",
-        )
-        _check(self.bocd_warmup >= 2, "bocd_warmup must be >= 2")
-        _check(self.min_slowdown > 0.0, "min_slowdown must be > 0")
-        _check(self.min_duration >= 1, "min_duration must be >= 1")
-        _check(self.sustain_chunks >= 1, "sustain_chunks must be >= 1")
-        _check(self.min_duration >= self.sustain_chunks, "min_duration must be >= sustain_chunks")
-        _check(self.fast_confirm_floor > 1.0, "fast_confirm_floor must be > 1")
-        _check(self.fast_confirm_evidence > 0.0, "fast_confirm_evidence must be > 0")
-        _check(self.min_duration_fast >= 1, "min_duration_fast must be >= 1")
-        _check(self.fast_confirm_snr >= 0.0, "fast_confirm_snr must be >= 0")
-        _check(self.run_band_sigmas > 0.0, "run_band_sigmas must be > 0")
-        _check(self.run_band_floor > 0.0, "run_band_floor must be > 0")
-        _check(self.run_watch_factor >= 1, "run_watch_factor must be >= 1")
-        _check(self.min_baseline >= 2, "min_baseline must be >= 2")
-        _check(self.baseline_window >= self.min_baseline, "baseline_window must be >= min_baseline")
-        _check(
-            0.0 <= self.recovery_margin < self.min_slowdown,
-            "recovery_margin must be in [0, min_slowdown)",
-        )
-        _check(self.suspicious_factor > 1.0, "suspicious_factor must be > 1")
-        _check(self.profile_window_s > 0, "profile_window_s must be > 0")
-        _check(self.profile_timeout_s > 0, "profile_timeout_s must be > 0")
-        _check(self.profile_min_bytes >= 0, "profile_min_bytes must be >= 0")
-        _check(self.gemm_concurrency >= 0, "gemm_concurrency must be >= 0")
-        _check(self.validation_sweeps >= 1, "validation_sweeps must be >= 1")
-        _check(self.link_baseline_iteration >= 0, "link_baseline_iteration must be >= 0")
-        _check(self.validation_trees in ("auto", "on", "off"),
-               f"validation_trees must be auto, on or off, got {self.validation_trees!r}")
-        _check(self.p2p_concurrency >= 0, "p2p_concurrency must be >= 0")
-        _check(self.heartbeat_s > 0, "heartbeat_s must be > 0")
-        _check(self.monitor_idle_s > 0 and self.monitor_poll_s > 0, "monitor_idle_s and monitor_poll_s must be > 0")
-        _check(self.control_idle_s >= 0.1 and self.control_busy_s >= 0, "control_idle_s must be >= 0.1 and control_busy_s >= 0")
-        _check(self.controller_timeout_s > self.heartbeat_s, "controller_timeout_s must exceed heartbeat_s")
-        _check(self.suspend_margin_iterations >= 1, "suspend_margin_iterations must be >= 1")
-        _check(self.suspend_margin_s >= 0.0, "suspend_margin_s must be >= 0")
         _check(self.mitigation_relocalize_rise >= 0.0, "mitigation_relocalize_rise must be >= 0")
-        _check(0 < self.suspend_deadline_s <= 300, "suspend_deadline_s must be in (0, 300]")
-        _check(0 < self.validation_budget_s <= 300, "validation_budget_s must be in (0, 300]")
-        _check(0 <= self.suspend_verdict_wait_s <= 300, "suspend_verdict_wait_s must be in [0, 300]")
-        _check(self.validation_slow_factor > 1.0, "validation_slow_factor must be > 1")
-        _check(self.validation_min_link_excess_s >= 0, "validation_min_link_excess_s must be >= 0")
-        _check(self.gemm_size >= 16 and self.gemm_repeats >= 1, "gemm_size must be >= 16 and gemm_repeats >= 1")
-        _check(self.p2p_bytes >= 1 and self.p2p_repeats >= 1, "p2p_bytes and p2p_repeats must be >= 1")
         _check(0.0 < self.mitigation_enough_margin < 1.0, "mitigation_enough_margin must be in (0, 1)")
         _check(
             self.mitigation_settle_iterations >= 0 and self.mitigation_judge_iterations >= 1,
@@ -460,25 +504,113 @@ class FalconConfig:
             all(x in ("S2", "S3", "S4") for x in self.strategies()),
             f"mitigation_strategies must name S2, S3 or S4 separated by commas, got {self.mitigation_strategies!r}",
         )
-        _check(self.slide_window >= 1, "slide_window must be >= 1")
-        _check(self.persistence_iterations >= 1, "persistence_iterations must be >= 1")
-        _check(self.slide_reference >= 1, "slide_reference must be >= 1")
 
     def strategies(self) -> set[str]:
         """The mitigation strategies the planner may use (``mitigation_strategies`` parsed)."""
         return {x.strip() for x in self.mitigation_strategies.split(",") if x.strip()}
 
-    def replace(self, **changes: Any) -> "FalconConfig":
-        """A copy with some fields changed; unknown names are an error, not ignored."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(changes) - known)
+
+#: the concerns FalconConfig is composed of, by the attribute that holds each
+CONCERNS: dict[str, type] = {
+    "detect": DetectConfig,
+    "profile": ProfileConfig,
+    "control": ControlConfig,
+    "validate": ValidateConfig,
+    "mitigate": MitigateConfig,
+}
+
+#: which concern holds each threshold, by the threshold's (flat, unique) name
+OWNER: dict[str, str] = {f.name: concern for concern, kind in CONCERNS.items() for f in fields(kind)}
+
+
+def threshold_fields() -> tuple[Field, ...]:
+    """Every threshold's dataclass field, concern by concern, in declaration order (what the
+    ``--falcon-*`` flags, ``ctl set`` and run.json name)."""
+    return tuple(f for kind in CONCERNS.values() for f in fields(kind))
+
+
+def runtime_settable() -> frozenset[str]:
+    """The names of the fields marked :data:`RUNTIME` (what ``ctl set`` may change)."""
+    return frozenset(f.name for f in threshold_fields() if f.metadata.get("runtime_settable"))
+
+
+def detect_config(config: "FalconConfig | DetectConfig | None") -> DetectConfig:
+    """The detection thresholds ``config`` holds: a FalconConfig's ``detect``, a DetectConfig
+    itself, the defaults for None. Detection's code takes either and reads only these."""
+    if config is None:
+        return DetectConfig()
+    if isinstance(config, FalconConfig):
+        return config.detect
+    if isinstance(config, DetectConfig):
+        return config
+    raise ConfigError(f"expected a FalconConfig or DetectConfig, got {type(config).__name__}")
+
+
+@dataclass(frozen=True, init=False)
+class FalconConfig:
+    """Every threshold and setting of falconext, one source: the paper's values as defaults,
+    each field documented where it is declared, grouped by concern (``detect``,
+    ``profile``, ``control``, ``validate``, ``mitigate``: one small dataclass each, which a
+    phase's code may take alone).
+
+    Thresholds are named flat, as the ``--falcon-*`` flags, ``ctl set`` and run.json name
+    them: ``FalconConfig(min_slowdown=0.2)`` sets ``cfg.detect.min_slowdown``, which
+    ``cfg.min_slowdown`` reads; a whole concern may be given instead
+    (``FalconConfig(detect=DetectConfig(...))``), with flat names applied over it. An
+    unknown name is a ConfigError; a value out of range too (checked by its concern). A
+    job without loop hooks cannot apply a plan, so its ``mitigation`` is off."""
+
+    detect: DetectConfig
+    profile: ProfileConfig
+    control: ControlConfig
+    validate: ValidateConfig
+    mitigate: MitigateConfig
+
+    def __init__(self, *, detect: DetectConfig | None = None, profile: ProfileConfig | None = None,
+                 control: ControlConfig | None = None, validate: ValidateConfig | None = None,
+                 mitigate: MitigateConfig | None = None, **thresholds: Any) -> None:
+        unknown = sorted(set(thresholds) - set(OWNER))
         if unknown:
             raise ConfigError(f"unknown FalconConfig field(s): {', '.join(unknown)}")
-        return dataclasses.replace(self, **changes)
+        given = {"detect": detect, "profile": profile, "control": control, "validate": validate,
+                 "mitigate": mitigate}
+        for concern, kind in CONCERNS.items():
+            part = given[concern]
+            if part is not None and not isinstance(part, kind):
+                raise ConfigError(f"{concern} must be a {kind.__name__}, got {type(part).__name__}")
+            mine = {k: v for k, v in thresholds.items() if OWNER[k] == concern}
+            if part is None:
+                part = kind(**mine)
+            elif mine:
+                part = dataclasses.replace(part, **mine)
+            object.__setattr__(self, concern, part)
+        if not self.detect.loop_hooks and self.mitigate.mitigation:
+            # nothing could apply a plan
+            object.__setattr__(self, "mitigate", dataclasses.replace(self.mitigate, mitigation=False))
+
+    def strategies(self) -> set[str]:
+        """The mitigation strategies the planner may use (``mitigation_strategies`` parsed)."""
+        return self.mitigate.strategies()
+
+    def replace(self, **changes: Any) -> "FalconConfig":
+        """A copy with some thresholds changed (flat names); unknown names are an error, not ignored."""
+        return FalconConfig(**{**{c: getattr(self, c) for c in CONCERNS}, **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field by name, as plain JSON-able values (run.json's ``falcon_config``)."""
-        return dataclasses.asdict(self)
+        """Every threshold by its flat name, as plain JSON-able values (run.json's
+        ``falcon_config``; ``FalconConfig(**d)`` reads it back)."""
+        return {f.name: getattr(getattr(self, OWNER[f.name]), f.name) for f in threshold_fields()}
+
+
+def _flat(concern: str, name: str) -> property:
+    """A read-only attribute of FalconConfig reading threshold ``name`` from its concern."""
+    return property(lambda self: getattr(getattr(self, concern), name),
+                    doc=f"``{concern}.{name}`` (the flat name of a threshold)")
+
+
+for _name, _concern in OWNER.items():
+    setattr(FalconConfig, _name, _flat(_concern, _name))
+del _name, _concern
 
 
 def parse_topology(text: str) -> tuple[int, list[int]] | None:
@@ -517,7 +649,7 @@ def field_value(name: str, value: Any) -> Any:
     checked here: a config built with the value checks them (``FalconConfig.replace``).
     """
     defaults = FalconConfig()
-    if name not in {f.name for f in fields(FalconConfig)}:
+    if name not in OWNER:
         raise ConfigError(f"unknown threshold {name!r} (a FalconConfig field, e.g. min_slowdown)")
     kind = type(getattr(defaults, name))
     if isinstance(value, str) and kind is not str:
@@ -548,9 +680,11 @@ def _check(ok: bool, message: str) -> None:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one ``--falcon-<field>`` option per FalconConfig field (Megatron-style names)."""
-    group = parser.add_argument_group("falcon thresholds (defaults: the paper's values)")
     defaults = FalconConfig()
-    for f in fields(FalconConfig):
+    groups = {concern: parser.add_argument_group(
+        f"falcon thresholds: {concern} (defaults: the paper's values)") for concern in CONCERNS}
+    for f in threshold_fields():
+        group = groups[OWNER[f.name]]
         kind = type(getattr(defaults, f.name))
         group.add_argument(
             "--falcon-" + f.name.replace("_", "-"),
@@ -566,7 +700,7 @@ def config_from_args(args: argparse.Namespace) -> FalconConfig:
     """The FalconConfig the ``--falcon-*`` options describe (unset ones keep defaults)."""
     changes = {
         f.name: getattr(args, "falcon_" + f.name)
-        for f in fields(FalconConfig)
+        for f in threshold_fields()
         if getattr(args, "falcon_" + f.name, None) is not None
     }
     return FalconConfig(**changes)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Iterable
 
-from falconext.config import FalconConfig
+from falconext.config import DetectConfig, FalconConfig
 from falconext.detect.events import Detector, FailSlowEvent, InvalidSample, run_detector
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class UnknownMethod(ValueError):
     """A detection method name that is not one of METHODS."""
 
 
-def make_detector(method: str = "bocd+v", config: FalconConfig | None = None) -> Detector:
+def make_detector(method: str = "bocd+v", config: FalconConfig | DetectConfig | None = None) -> Detector:
     """A fresh online detector of ``method`` (one of :data:`METHODS`) with ``config``.
     Raises UnknownMethod, naming the known methods, for any other name."""
     try:
@@ -55,7 +55,7 @@ def make_detector(method: str = "bocd+v", config: FalconConfig | None = None) ->
     return getattr(importlib.import_module(mod), cls)(config)
 
 
-def detect(series: Iterable[float], method: str = "bocd+v", config: FalconConfig | None = None) -> list[FailSlowEvent]:
+def detect(series: Iterable[float], method: str = "bocd+v", config: FalconConfig | DetectConfig | None = None) -> list[FailSlowEvent]:
     """Batch API: the events of a whole iteration-time series, as the online detector saw them."""
     return run_detector(make_detector(method, config), series)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from falconext.config import FalconConfig
+from falconext.config import DetectConfig, FalconConfig, detect_config
 from falconext.detect.bocd import BOCD
 from falconext.detect.events import EventBook, FailSlowEvent, check_sample
 from falconext.medians import median
@@ -28,8 +28,8 @@ class SlideWindow:
 
     name = "slide-window"
 
-    def __init__(self, config: FalconConfig | None = None) -> None:
-        self.cfg = config or FalconConfig()
+    def __init__(self, config: FalconConfig | DetectConfig | None = None) -> None:
+        self.cfg = detect_config(config)
         w, ref = self._window(), self.cfg.slide_reference
         self._recent: deque[float] = deque(maxlen=w)
         self._reference: deque[float] = deque(maxlen=ref)
@@ -108,8 +108,8 @@ class PlainBOCD:
 
     name = "bocd"
 
-    def __init__(self, config: FalconConfig | None = None) -> None:
-        self.cfg = config or FalconConfig()
+    def __init__(self, config: FalconConfig | DetectConfig | None = None) -> None:
+        self.cfg = detect_config(config)
         c = self.cfg
         self._bocd = BOCD(hazard=c.bocd_hazard, max_run_length=c.bocd_max_run_length)
         self._book = EventBook()

@@ -65,7 +65,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from falconext.config import FalconConfig
+from falconext.config import DetectConfig, FalconConfig, detect_config
 from falconext.detect.period import (
     SymbolTable,
     chance_match,
@@ -135,8 +135,8 @@ _LOCKED = TrackerState.LOCKED  # one global lookup on the per-call path
 class IterationTracker:
     """Streaming iteration-time tracker for one rank; see the module docstring."""
 
-    def __init__(self, config: FalconConfig | None = None) -> None:
-        self.config = FalconConfig() if config is None else config
+    def __init__(self, config: FalconConfig | DetectConfig | None = None) -> None:
+        self.config = detect_config(config)
         self._cap = self.config.tracker_buffer_calls
         self._symbols = SymbolTable()
         self._coarse_symbols = SymbolTable()
@@ -627,7 +627,7 @@ def _longest_run(flags: np.ndarray) -> tuple[int, int]:
 
 
 def iteration_times(
-    records: Iterable[CallRecord], config: FalconConfig | None = None
+    records: Iterable[CallRecord], config: FalconConfig | DetectConfig | None = None
 ) -> list[IterationTime]:
     """Iteration times of one rank's calls, in issue order (a tracker fed in order).
 
@@ -647,7 +647,7 @@ def iteration_times(
 
 
 def _track(
-    records: Iterable[CallRecord], config: FalconConfig | None
+    records: Iterable[CallRecord], config: FalconConfig | DetectConfig | None
 ) -> tuple[IterationTracker, list[IterationTime]]:
     tracker = IterationTracker(config)
     kept: list[IterationTime] = []
@@ -724,7 +724,7 @@ def iteration_numbers(its: Sequence[IterationTime], first: int = 0) -> list[int]
 
 
 def iteration_times_by_rank(
-    records: Iterable[CallRecord], config: FalconConfig | None = None
+    records: Iterable[CallRecord], config: FalconConfig | DetectConfig | None = None
 ) -> dict[int, tuple[int | None, list[IterationTime]]]:
     """(final period, iterations) per rank of an interleaved multi-rank stream.
 

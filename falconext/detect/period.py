@@ -30,7 +30,7 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from falconext.config import FalconConfig
+from falconext.config import DetectConfig, FalconConfig, detect_config
 from falconext.trace.records import CallRecord
 
 Symbol = tuple[str, str, int]
@@ -528,13 +528,13 @@ def _longest_cyclic_run(flags: np.ndarray) -> tuple[int, int]:
 
 def detect_period(
     data: Sequence[CallRecord] | tuple[np.ndarray, np.ndarray],
-    config: FalconConfig | None = None,
+    config: FalconConfig | DetectConfig | None = None,
 ) -> int | None:
     """Calls per iteration of one rank: symbolise, find, sharpen, refine by gaps.
 
     ``data`` is either the rank's records or a pair ``(codes, t_issue)``.
     """
-    config = FalconConfig() if config is None else config
+    config = detect_config(config)
     if isinstance(data, tuple) and len(data) == 2 and not isinstance(data[0], CallRecord):
         codes, times = (np.asarray(a) for a in data)
     else:
@@ -546,7 +546,7 @@ def detect_period(
     return search_period(codes, times, config)
 
 
-def search_period(codes: np.ndarray, times: np.ndarray, config: FalconConfig) -> int | None:
+def search_period(codes: np.ndarray, times: np.ndarray, config: DetectConfig) -> int | None:
     """The period of ``codes`` (symbol codes, with ``times`` their issue times): the first
     lag whose ACF reaches ``config.acf_threshold`` (:func:`find_period`), moved to the
     longer exact lag (:func:`sharpen_period`), then to the multiple the gaps show
@@ -558,7 +558,7 @@ def search_period(codes: np.ndarray, times: np.ndarray, config: FalconConfig) ->
     return refine_period(period, times, config)
 
 
-def refine_period(period: int, times: np.ndarray, config: FalconConfig) -> int:
+def refine_period(period: int, times: np.ndarray, config: DetectConfig) -> int:
     """:func:`refine_by_gaps` with the thresholds of ``config``: ``period`` or the
     multiple of it that the inter-call gaps of ``times`` show to be the iteration."""
     return refine_by_gaps(

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from statistics import median
 from typing import Iterable, Mapping, Sequence
 
-from falconext.config import FalconConfig
+from falconext.config import OWNER, FalconConfig
 from falconext.detect.evaluate import TraceScore, summarize
 
 #: method -> config field -> the values swept (the grid is their product). BOCD+V: how
@@ -52,7 +52,7 @@ class Setting:
 
     def config(self, base: FalconConfig) -> FalconConfig:
         """``base`` with this setting's fields replaced (validated as any config is)."""
-        return replace(base, **dict(self.overrides))
+        return base.replace(**dict(self.overrides))
 
     def label(self) -> str:
         """``field=value`` pairs joined by spaces, e.g. ``min_duration=11``."""
@@ -69,7 +69,7 @@ def settings(method: str, sweeps: Mapping[str, Mapping[str, Sequence[float]]] = 
     if method not in sweeps:
         raise ValueError(f"no sensitivity sweep for method {method!r} (choose from {', '.join(sweeps)})")
     grid = sweeps[method]
-    known = {f.name for f in fields(FalconConfig)}
+    known = set(OWNER)
     unknown = [k for k in grid if k not in known]
     if unknown or not grid:
         raise ValueError(f"{method}: sweep field {unknown[0] if unknown else '(none)'!r} is not a FalconConfig field")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from falconext.config import FalconConfig
+from falconext.config import DetectConfig, FalconConfig, detect_config
 from falconext.detect.events import FailSlowEvent
 from falconext.detect.itertime import IterationTime, IterationTracker
 from falconext.detect.verify import VerifiedBOCD
@@ -58,8 +58,8 @@ NO_CHANGE = TrackingUpdate((), ())
 class RankTracking:
     """Iteration tracker and BOCD+V detector of one rank, fed its calls in issue order."""
 
-    def __init__(self, config: FalconConfig | None = None) -> None:
-        self.config = config or FalconConfig()
+    def __init__(self, config: FalconConfig | DetectConfig | None = None) -> None:
+        self.config = detect_config(config)
         self.tracker = IterationTracker(self.config)
         self.detector = VerifiedBOCD(self.config)
         self.series = 0  # iteration times fed to the current detector

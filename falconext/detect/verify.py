@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from falconext.config import FalconConfig
+from falconext.config import DetectConfig, FalconConfig, detect_config
 from falconext.detect.bocd import BOCD
 from falconext.detect.events import EventBook, FailSlowEvent, check_sample
 from falconext.medians import low_median, median
@@ -62,7 +62,7 @@ def chunk_levels(post: Sequence[float], chunks: int, low: bool = False) -> list[
     return [pick(post[bounds[i] : bounds[i + 1]]) for i in range(chunks) if bounds[i + 1] > bounds[i]]
 
 
-def slow_level(baseline: float, post: Sequence[float], cfg: FalconConfig) -> float | None:
+def slow_level(baseline: float, post: Sequence[float], cfg: DetectConfig) -> float | None:
     """The sustained slowdown (post level / baseline) if the window is a fail-slow, else None.
 
     Sustained: at least half of the iterations of each of ``sustain_chunks`` chunks are
@@ -88,7 +88,7 @@ class SlowRun:
     spread: float  #: robust standard deviation of its iterations' logs around the level
 
 
-def run_needed(run: SlowRun, cfg: FalconConfig) -> int:
+def run_needed(run: SlowRun, cfg: DetectConfig) -> int:
     """Duration (in iterations at its level) a slow run needs to be confirmed.
 
     Evidence grows with both size and duration, as in a sequential test: ``w``
@@ -109,7 +109,7 @@ def run_needed(run: SlowRun, cfg: FalconConfig) -> int:
 
 
 def trailing_run(
-    window: Sequence[float], baseline: float, cfg: FalconConfig, healthy_spread: float = 0.0
+    window: Sequence[float], baseline: float, cfg: DetectConfig, healthy_spread: float = 0.0
 ) -> SlowRun | None:
     """The slow run that ``window`` ends with, or None if the window does not end slow.
 
@@ -186,7 +186,7 @@ def best_split(values: Sequence[float], before: float, after: float) -> int:
     return best_j
 
 
-def is_recovered(baseline: float, post: Sequence[float], cfg: FalconConfig, before: float | None = None) -> bool:
+def is_recovered(baseline: float, post: Sequence[float], cfg: DetectConfig, before: float | None = None) -> bool:
     """True if the window is healthy again.
 
     Every chunk must be under the fail-slow line (baseline + min_slowdown), and the level
@@ -224,8 +224,8 @@ class VerifiedBOCD:
     #: on a window this many times longer, at most (noisy communication fail-slows)
     retries = 3
 
-    def __init__(self, config: FalconConfig | None = None) -> None:
-        self.cfg = config or FalconConfig()
+    def __init__(self, config: FalconConfig | DetectConfig | None = None) -> None:
+        self.cfg = detect_config(config)
         c = self.cfg
         self._bocd = BOCD(hazard=c.bocd_hazard, max_run_length=c.bocd_max_run_length)
         self._book = EventBook()
