@@ -178,7 +178,8 @@ def test_s2_refusal_none_for_exact_settings() -> None:
     (_ok_args(rampup_batch_size=["16", "16", "1000"]), ["--rampup-batch-size"]),
     (_ok_args(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), ["full-iteration", "CUDA graph"]),
     (_ok_args(virtual_pipeline_model_parallel_size=2), ["interleaved pipeline"]),
-    (_ok_args(hybrid_context_parallel=True), ["hybrid context parallel"]),
+    (_ok_args(hybrid_context_parallel=True), ["hybrid context parallel", "its own micro-batch count"]),
+    (_ok_args(rl_use_sequence_packing=True), ["--rl-use-sequence-packing", "its own micro-batch count"]),
 ])
 def test_s2_refusal_names_the_reason(args, words) -> None:
     why = s2_refusal(args)

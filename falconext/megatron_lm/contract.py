@@ -34,7 +34,7 @@ class HookPoint:
 HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint("megatron.training.training", "get_forward_backward_func"),
     HookPoint("megatron.training.training", "build_pretraining_data_loader", ("dataset", "consumed_samples")),
-    HookPoint("megatron.training.training", "initialize_megatron", accepts=("extra_args_provider", "allow_no_cuda")),
+    HookPoint("megatron.training.training", "initialize_megatron", accepts=("allow_no_cuda",)),
     HookPoint("megatron.training.training", "train_step", accepts=("forward_step_func", "forward_backward_func")),
     HookPoint("megatron.training.ft_integration", "on_training_step_start", ()),
     HookPoint("megatron.training.ft_integration", "on_training_step_end", ()),
@@ -114,5 +114,9 @@ def s2_refusal(args: argparse.Namespace | Any) -> str | None:
         return ("S2 does not plan interleaved pipeline schedules: each replica's micro-batch count must stay a "
                 "multiple of the pipeline size there")
     if getattr(args, "hybrid_context_parallel", False):
-        return "S2 does not plan hybrid context parallelism's sampler"
+        return ("S2 does not compose with hybrid context parallelism's scheduler: it already gives each DP rank "
+                "its own micro-batch count (Megatron-LM's data_schedule)")
+    if getattr(args, "rl_use_sequence_packing", False):
+        return ("S2 does not compose with --rl-use-sequence-packing: the packer gives each DP rank its own "
+                "micro-batch count")
     return None

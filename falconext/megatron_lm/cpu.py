@@ -196,12 +196,16 @@ def patch_training_modules() -> None:
     runs, so the wrapper there takes effect; the dataset helpers come compiled with the
     installed megatron-core, and the fused kernels are unused on CPU.
     """
-    import megatron.legacy.fused_kernels as fk
     import megatron.training.initialize as init
     import megatron.training.training as training
     from megatron.core.datasets import utils as dutils
 
-    fk.load = lambda args: None
+    try:  # Megatron-LM before core_v0.19 builds its fused kernels at start-up
+        import megatron.legacy.fused_kernels as fk
+    except ImportError:  # core_v0.19 and later: no legacy package, nothing to build
+        pass
+    else:
+        fk.load = lambda args: None
     dutils.compile_helpers = lambda: None
     original = init.initialize_megatron
 

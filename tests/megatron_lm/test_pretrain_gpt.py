@@ -1,7 +1,7 @@
 """falconext inside Megatron-LM's own, unmodified ``pretrain_gpt.py`` (``falconext launch``).
 
-Skipped unless ``MEGATRON_LM_PATH`` names a core_v0.16.1 checkout (the megatron-core this
-project installs); CI has none. Tiny GPT, ``--mock-data``, 2 ranks on gloo, CPU mode with
+Skipped unless ``MEGATRON_LM_PATH`` names a checkout of the installed megatron-core's series
+(core_v0.16.1 on Python 3.11, core_v0.19.0 on Python 3.12; .ci/run extracts both). Tiny GPT, ``--mock-data``, 2 ranks on gloo, CPU mode with
 the emulated device. What is asserted is the issue's acceptance list:
 
 - a 2x compute fault on rank 1 from iteration 60 (16 micro-batches per replica,
@@ -30,7 +30,7 @@ import pytest
 from jobs import QUIET as JOBS_QUIET
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
-pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM core_v0.16.1 checkout)")
+pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM checkout)")
 
 TINY_GPT = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
@@ -44,13 +44,18 @@ GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
 
 
 def pretrain_script() -> str:
-    """``MEGATRON_LM_PATH``'s ``pretrain_gpt.py``; the test is skipped unless it is core_v0.16.1."""
+    """``MEGATRON_LM_PATH``'s ``pretrain_gpt.py``; the test is skipped unless the checkout is of
+    the installed megatron-core's MAJOR.MINOR series (core_v0.16.1 with megatron-core 0.16.1
+    on Python 3.11, core_v0.19.0 with 0.19.2 on Python 3.12): Megatron-LM's training code
+    runs on the installed megatron-core."""
+    from importlib.metadata import version as installed
+
     from falconext.megatron_lm.patching import megatron_version
 
     assert MLM is not None
-    version = megatron_version(MLM)
-    if version != "core_v0.16.1":
-        pytest.skip(f"these runs need core_v0.16.1 (the installed megatron-core), {MLM} is {version}")
+    version, core = megatron_version(MLM), installed("megatron-core")
+    if version.removeprefix("core_v").split(".")[:2] != core.split(".")[:2]:
+        pytest.skip(f"{MLM} is {version}, the installed megatron-core is {core}: these runs need the same series")
     return os.path.join(MLM, "pretrain_gpt.py")
 
 
@@ -86,14 +91,17 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     faults = tmp_path / "fault.json"
     faults.write_text(json.dumps([{"kind": "compute", "rank": 1, "factor": 2.0, "start": 60}]))
     out = tmp_path / "out"
-    # 16 micro-batches per replica: 201 calls per iteration (12 per micro-batch, the data
-    # broadcasts on one-rank TP groups included), and --log-interval 10's two timer calls
-    # every 10 iterations; the tracker first follows the micro-batch, then the iteration
+    # 16 micro-batches per replica: 201 calls per iteration on core_v0.16.1 (12 per
+    # micro-batch, the data broadcasts on one-rank TP groups included), 137 on core_v0.19.0,
+    # and --log-interval 10's two timer calls every 10 iterations
     launch(script, [*TINY_GPT, "--global-batch-size", "32", "--train-iters", "200", "--log-interval", "10",
                     "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
                     "--falcon-device-gflops", "4"])
     evs = events(out)
-    assert {e["period"] for e in evs if e["type"] == "period" and e["rank"] == 0} >= {201}
+    # the tracker first follows the micro-batch (12 calls on core_v0.16.1, 8 on core_v0.19.0),
+    # then the iteration: 16 micro-batches plus the step's own calls (201, 137)
+    periods = [e["period"] for e in evs if e["type"] == "period" and e["rank"] == 0]
+    assert len(periods) >= 2 and 16 * periods[0] < periods[-1] < 18 * periods[0], periods
     # the detector itself (not the controller's score trigger) reports it
     first = min((e for e in evs if e["type"] == "fail_slow"), key=lambda e: e["detected_at"])
     assert abs(first["onset"] - 60) <= 5, first
