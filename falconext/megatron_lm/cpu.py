@@ -206,7 +206,12 @@ def patch_training_modules() -> None:
         pass
     else:
         fk.load = lambda args: None
-    dutils.compile_helpers = lambda: None
+    try:  # the installed megatron-core's compiled helpers: nothing to build
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError:  # a checkout's own core (Megatron-LM main): Megatron builds them with make
+        pass
+    else:
+        dutils.compile_helpers = lambda: None
     original = init.initialize_megatron
 
     @functools.wraps(original)

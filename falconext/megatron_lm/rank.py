@@ -35,6 +35,30 @@ def use_compiled_helpers() -> bool:
     return True
 
 
+def own_core_first(script: str) -> str | None:
+    """Where the script's checkout brings a megatron/core of another MAJOR.MINOR series than
+    the installed megatron-core (Megatron-LM main: 0.20 against 0.19.2), or where none is
+    installed, put the checkout first on the path, so that Megatron-LM's training code runs
+    on its own core. Returns a line saying so, or None when the installed one is used."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from falconext.megatron_lm.patching import PatchError, megatron_version
+
+    root = os.path.dirname(os.path.abspath(script))
+    try:
+        theirs = megatron_version(root)
+    except PatchError:  # not a checkout's root: the installed megatron-core, as always
+        return None
+    try:
+        installed = version("megatron-core")
+    except PackageNotFoundError:
+        installed = None
+    if installed is not None and theirs.removeprefix("core_v").split(".")[:2] == installed.split(".")[:2]:
+        return None
+    sys.path.insert(0, root)
+    return f"Megatron-LM {theirs} runs on its own megatron/core (installed megatron-core: {installed or 'none'})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one rank of a Megatron-LM script, ``argv`` = SCRIPT and its arguments (default
     ``sys.argv[1:]``), with falconext installed first when the launcher's flags say
@@ -53,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except (hooks.FlagError, json.JSONDecodeError, TypeError) as exc:
         print(f"falconext launch: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    said = own_core_first(script)
+    if said and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"falconext: {said}", file=sys.stderr, flush=True)
     import torch
 
     cpu_mode = not torch.cuda.is_available()
