@@ -16,8 +16,10 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-#: Megatron-LM versions whose hook points were run for real with the launcher
-RUN_TESTED = ("core_v0.16.1",)
+#: Megatron-LM versions whose hook points were run for real with the launcher (docs/megatron-lm.md's
+#: version table): core_v0.16.1 on Python 3.11, core_v0.19.0 (megatron-core 0.19.2) and main of
+#: 2026-08-22 (its own megatron/core 0.20.0) on Python 3.12
+RUN_TESTED = ("core_v0.16.1", "core_v0.19.x", "main (core_v0.20.0)")
 
 
 @dataclass(frozen=True)
