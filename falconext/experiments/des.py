@@ -16,7 +16,8 @@ falconext's own decision code is run on it, in process, on a simulated clock:
   events are reported and how, the profiles, the suspension's acks and results);
 * simulated: the iteration times, from ``falconext.model.itertime`` (1F1B per replica, DP
   rings, slow GPUs as compute factors, slow links as excess seconds per byte) under the
-  fault trace, the micro-batch plan and the roles in force, times a shared jitter; the
+  fault trace (``model/faults.Fault``, its start and end in simulated seconds), the
+  micro-batch plan and the roles in force, times a shared jitter; the
   ranks' answers to the controller's commands, as ``runtime/runtime.py``,
   ``control/client.py`` and ``validate/suspension.py`` give them: heartbeats (one per
   rank per iteration, at its start), fail-slow reports, ProfileData (each DP
@@ -68,6 +69,7 @@ from falconext.detect.verify import VerifiedBOCD
 from falconext.experiments.scale import job_groups
 from falconext.mitigate.restart import RestartCost
 from falconext.mitigate.topology import Layout
+from falconext.model.faults import Fault
 from falconext.model.itertime import IterationBreakdown, IterationModel, JobCosts
 from falconext.validate.plan import join_shares
 
@@ -90,29 +92,19 @@ MB_JITTER = 0.01
 TICK_S = 0.1
 
 
-@dataclass(frozen=True)
-class Fault:
-    """One injected fail-slow, active from ``start_s`` to ``end_s`` (simulated seconds):
-    a slow GPU (``gpu`` process, compute ``factor``) or a slow inter-node ``link`` (node
-    pair, ``excess`` seconds per byte)."""
+def link_excess(fault: Fault) -> float:
+    """A link fault's excess seconds per byte over the inter-node link: (factor - 1) /
+    ``INTER_NODE_BPS``, as ``model/faults.py`` defines a link factor (a transfer over
+    the link takes ``factor`` times as long as at the nominal bandwidth)."""
+    return (fault.factor - 1.0) / INTER_NODE_BPS
 
-    kind: str  # "gpu" | "link"
-    start_s: float
-    end_s: float
-    gpu: int = -1
-    factor: float = 1.0
-    link: tuple[int, int] = (0, 0)
-    excess: float = 0.0
 
-    def active(self, t: float) -> bool:
-        """Whether the fault is in force at simulated time ``t``."""
-        return self.start_s <= t < self.end_s
-
-    def on_nodes(self, nodes: set[int], ranks_per_node: int) -> bool:
-        """Whether the fault concerns one of ``nodes`` (an S4 restart replaces them)."""
-        if self.kind == "gpu":
-            return self.gpu // ranks_per_node in nodes
-        return bool(set(self.link) & nodes)
+def on_nodes(fault: Fault, nodes: set[int], ranks_per_node: int) -> bool:
+    """Whether ``fault`` concerns one of ``nodes`` (an S4 restart replaces them): a
+    compute fault's process runs there, or a link fault's link ends there."""
+    if fault.kind == "compute":
+        return fault.rank is not None and fault.rank // ranks_per_node in nodes
+    return bool(set(fault.nodes or ()) & nodes)
 
 
 @dataclass(frozen=True)
@@ -228,8 +220,8 @@ def stage_of(layout: Layout, role: int) -> int:
 
 
 def active_faults(faults: list[Fault], t: float, replaced: set[int], ranks_per_node: int) -> tuple[Fault, ...]:
-    """The faults in force at ``t`` on the nodes the job still runs on."""
-    return tuple(f for f in faults if f.active(t) and not f.on_nodes(replaced, ranks_per_node))
+    """The faults in force at simulated time ``t`` on the nodes the job still runs on."""
+    return tuple(f for f in faults if f.active(t) and not on_nodes(f, replaced, ranks_per_node))
 
 
 def fault_maps(faults: tuple[Fault, ...]) -> tuple[dict[int, float], dict[tuple[int, int], float]]:
@@ -238,11 +230,11 @@ def fault_maps(faults: tuple[Fault, ...]) -> tuple[dict[int, float], dict[tuple[
     gpus: dict[int, float] = {}
     links: dict[tuple[int, int], float] = {}
     for f in faults:
-        if f.kind == "gpu":
-            gpus[f.gpu] = max(gpus.get(f.gpu, 1.0), f.factor)
-        else:
-            key = (min(f.link), max(f.link))
-            links[key] = max(links.get(key, 0.0), f.excess)
+        if f.kind == "compute" and f.rank is not None:
+            gpus[f.rank] = max(gpus.get(f.rank, 1.0), f.factor)
+        elif f.kind == "link" and f.nodes is not None:
+            key = (min(f.nodes), max(f.nodes))
+            links[key] = max(links.get(key, 0.0), link_excess(f))
     return gpus, links
 
 
@@ -619,16 +611,14 @@ def fault_outcomes(faults: list[Fault], events: list[dict[str, Any]]) -> list[st
     """Per fault, whether the controller localized it while it lasted (and when), one line each."""
     out = []
     for f in faults:
-        what = f"GPU {f.gpu} x{f.factor:g}" if f.kind == "gpu" else f"link {f.link[0]}-{f.link[1]}"
-        hit = None
-        for e in events:
-            if e.get("type") != "localized" or not f.start_s <= e["t"] < f.end_s:
-                continue
-            named = f.gpu in e["gpus"] if f.kind == "gpu" else [min(f.link), max(f.link)] in e["links"]
-            if named:
-                hit = e["t"]
-                break
-        when = f"{f.start_s:.0f}-{f.end_s:.0f} s"
+        if f.kind == "compute":
+            what, named, where = f"GPU {f.rank} x{f.factor:g}", f.rank, "gpus"
+        else:
+            a, b = f.nodes or (-1, -1)
+            what, named, where = f"link {a}-{b}", [min(a, b), max(a, b)], "links"
+        hit = next((e["t"] for e in events if e.get("type") == "localized" and f.active(e["t"]) and named in e[where]),
+                   None)
+        when = f"{f.start:.0f}-{f.end:.0f} s" if f.end is not None else f"from {f.start:.0f} s"
         out.append(f"{what} ({when}): " + (f"localized at t={hit:.0f} s" if hit is not None else "never localized"))
     return out
 
