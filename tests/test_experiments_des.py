@@ -6,17 +6,19 @@ the quick table7 orders healthy < mitigated < slow."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange
 from falconext.experiments import ablations, des, table7
 from falconext.mitigate.planner import slowdown_removed
+from falconext.model.faults import Fault
 
 
 def _gpu_job():
     """The ablations' two-node job with one 3x GPU (process 5, replica 1) from t=20 s."""
-    return ablations.job(3), [des.Fault("gpu", 20.0, 1e9, gpu=5, factor=3.0)]
+    return ablations.job(3), [Fault("compute", 3.0, 20.0, None, rank=5)]
 
 
 def test_simulated_ranks_follow_an_s2_plan():
@@ -115,9 +117,8 @@ def test_a_gpu_that_slows_under_s3_is_localized_and_gets_s2():
     moved the link's stage; the moved ranks' detectors are warming up and the others' link
     event is open, so no rank reports it; the planner's rise is localized again instead."""
     job = table7.job()
-    faults = [f for f in table7.trace() if f.kind == "link" and f.link == (4, 5) or f.gpu == 58]
-    faults = [des.Fault(f.kind, f.start_s - 1700.0, f.end_s - 1700.0, f.gpu, f.factor, f.link, f.excess)
-              for f in faults]  # link 280-1180 s, GPU 58 450-800 s
+    faults = [f for f in table7.trace() if f.kind == "link" and f.nodes == (4, 5) or f.rank == 58]
+    faults = [shifted(f, 1700.0) for f in faults]  # link 280-1180 s, GPU 58 450-800 s
     r = des.run(job, faults, des.Variant("on"), 260)
     loc = [e for e in r.events if e["type"] == "localized" and 58 in e["gpus"]]
     assert loc and 450 < loc[0]["t"] < 600, [e for e in r.events if e["type"] == "localized"]
@@ -138,11 +139,14 @@ def test_the_fig17_trace_takes_the_papers_s3_s2_s4_path():
     assert rel["outcome"] == "joined the episode" and rel["gpus"] == [12]
 
 
+def shifted(f: Fault, shift: float) -> Fault:
+    """The fault ``shift`` simulated seconds earlier."""
+    return replace(f, start=f.start - shift, end=None if f.end is None else f.end - shift)
+
+
 def _table7_fault(pick, shift: float):
     """table7's job with the trace's faults that ``pick`` chooses, ``shift`` s earlier."""
-    faults = [f for f in table7.trace() if pick(f)]
-    return table7.job(), [des.Fault(f.kind, f.start_s - shift, f.end_s - shift, f.gpu, f.factor, f.link, f.excess)
-                          for f in faults]
+    return table7.job(), [shifted(f, shift) for f in table7.trace() if pick(f)]
 
 
 def test_s2_comes_with_the_verdict_and_is_reverted_on_the_gpus_own_compute():
@@ -150,7 +154,7 @@ def test_s2_comes_with_the_verdict_and_is_reverted_on_the_gpus_own_compute():
     the verdict, so the plan applies from the iteration after the validation's (no second
     suspension); it is reverted once GPU 5 computes as before its onset again, about 25 s
     after the fault ends (the heartbeat's 4-step median, then 3 readings), not 45."""
-    job, faults = _table7_fault(lambda f: f.gpu == 5, 0.0)
+    job, faults = _table7_fault(lambda f: f.rank == 5, 0.0)
     r = des.run(job, faults, des.Variant("on"), 160)
     held = [e for e in r.events if e["type"] == "suspended"]
     (mit, revert) = [e for e in r.events if e["type"] == "mitigation"]
@@ -158,7 +162,7 @@ def test_s2_comes_with_the_verdict_and_is_reverted_on_the_gpus_own_compute():
     assert mit["iteration"] == held[0]["iteration"] + 1
     (rec,) = [e for e in r.events if e["type"] == "fail_slow_recovered"]
     assert rec["rule"] == "own compute" and revert["strategy"] == "revert"
-    assert revert["t"] - faults[0].end_s < 30.0
+    assert revert["t"] - faults[0].end < 30.0
     assert [p[1] for p in r.pauses] == ["suspension", "agreement"]  # the validation's, the revert's
 
 
@@ -167,7 +171,7 @@ def test_table7_s_mild_gpu_is_localized_in_its_place_in_the_trace():
     was never localized (its onset read 7 iterations late, the compute rise 1.01). How late
     the detectors place it depends on what came before; the late onset itself is pinned by
     test_controller's test_a_mild_gpu_is_named_although_the_detectors_placed_its_onset_late."""
-    faults = [f for f in table7.trace() if f.start_s < 1800.0]
+    faults = [f for f in table7.trace() if f.start < 1800.0]
     r = des.run(table7.job(), faults, des.Variant("on"), 470)
     named = [e["t"] for e in r.events if e["type"] == "localized" and 41 in e["gpus"]]
     assert named and 1500.0 < named[0] < 1600.0, named
@@ -179,12 +183,12 @@ def test_in_a_job_of_long_iterations_the_scores_localize_a_gpu_before_its_detect
     detectors' min_duration confirmation localizes it later."""
     from falconext.config import FalconConfig
 
-    job, faults = _table7_fault(lambda f: f.gpu == 5, 0.0)
+    job, faults = _table7_fault(lambda f: f.rank == 5, 0.0)
     on = des.run(job, faults, des.Variant("on"), 120)
     (sus,) = [e for e in on.events if e["type"] == "straggler_suspected"]
     assert sus["rank"] == 5 and sus["action"] == "localize"
     loc_on = next(e for e in on.events if e["type"] == "localized" and e["gpus"])
-    assert loc_on["gpus"] == [5] and loc_on["t"] - faults[0].start_s < 40.0
+    assert loc_on["gpus"] == [5] and loc_on["t"] - faults[0].start < 40.0
     off = des.run(job, faults, des.Variant("off", config=FalconConfig(score_trigger_ratio=0.0)), 120)
     assert not [e for e in off.events if e["type"] == "straggler_suspected"]
     loc_off = next(e for e in off.events if e["type"] == "localized" and e["gpus"])
@@ -197,7 +201,7 @@ def test_a_suspected_gpu_is_held_for_validation_at_the_next_iteration_start():
     how far into its iteration each rank is, so the ranks are held at the first iteration
     that starts after the command can reach them: within one iteration of the suspicion,
     not three (a profile round trip, then a whole-iteration margin)."""
-    job, faults = _table7_fault(lambda f: f.gpu == 5, 0.0)
+    job, faults = _table7_fault(lambda f: f.rank == 5, 0.0)
     r = des.run(job, faults, des.Variant("on"), 80)
     sus = next(e for e in r.events if e["type"] == "straggler_suspected")
     held = next(e for e in r.events if e["type"] == "suspended")
@@ -224,7 +228,7 @@ def test_a_link_fault_after_an_s2_episode_is_priced_against_the_healthy_job():
     3.5 s. The planner takes the controller's clean readings (no episode, no plan in force),
     so the rent counts the link's whole excess and S3 is bought about 100 s after the onset
     (the paper's ski rental: the rent paid equals the switch's price), not 140 s."""
-    faults = [f for f in table7.trace() if f.start_s < 700.0 and (f.gpu == 5 or f.kind == "link")]
+    faults = [f for f in table7.trace() if f.start < 700.0 and (f.rank == 5 or f.kind == "link")]
     job = table7.job()
     healthy = des.run(job, [], des.Variant("healthy", falcon=False), 50)
     r = des.run(job, faults, des.Variant("on"), 190)

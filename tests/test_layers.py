@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 PURE = [
-    "falconext.protocol.codec", "falconext.protocol.eventlog", "falconext.model.itertime", "falconext.model.roles",
+    "falconext.protocol.codec", "falconext.protocol.eventlog", "falconext.protocol.rank_side",
+    "falconext.model.itertime", "falconext.model.roles",
     "falconext.detect.bocd", "falconext.detect.verify", "falconext.detect.baselines", "falconext.detect.itertime",
     "falconext.detect.period", "falconext.detect.tracking", "falconext.detect.scores", "falconext.detect.evaluate",
     "falconext.profile.analysis", "falconext.profile.window",

@@ -23,7 +23,8 @@ from falconext.control.bus import FIELD, Bus
 from falconext.protocol.base import MessageError
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
 from falconext.protocol.commands import Command, Go, ProfileRequest, Release, Resume, Share, Suspend
-from falconext.protocol.messages import Heartbeat, ProfileData, SessionAck
+from falconext.protocol.messages import Heartbeat, ProfileData
+from falconext.protocol.rank_side import heartbeat, missed_ack, profile_data
 
 #: how a job's processes learn the bus: the URL (it holds the password) and the job id
 REDIS_URL_ENV = "FALCON_REDIS_URL"
@@ -166,8 +167,9 @@ class RankClient:
             # least three times per controller_timeout_s: each beat is a Redis round trip,
             # and a wake-up of this thread costs more than the message (issue 29)
             self._next_beat = now + min(max(self.cfg.heartbeat_s, iter_s), self.cfg.controller_timeout_s / 3)
-            if it >= 0 and iter_s > 0:
-                self.post(Heartbeat(self.rank, self.node, it, iter_s, time.time(), **self.runtime.beat_fields()))
+            beat = heartbeat(self.rank, self.node, it, iter_s, time.time(), self.runtime.beat_fields())
+            if beat is not None:
+                self.post(beat)
             # the controller is looked at in the same round (one wake-up for both): at
             # least three looks per controller_timeout_s tell a lost one in time
             alive = bus.alive(CONTROLLER_KEY)
@@ -232,8 +234,8 @@ class RankClient:
         limit = 1500
         while True:
             snap = self.runtime.profile(window_s, limit)
-            msg = ProfileData.compact(self.rank, session, snap["roles"], snap["members"], snap["calls"],
-                                      snap.get("fabric", ""), snap.get("nccl_algo"))
+            msg = profile_data(self.rank, session, snap["roles"], snap["members"], snap["calls"],
+                               snap.get("fabric", ""), snap.get("nccl_algo"))
             if limit <= 1 or len(encode(msg).encode("utf-8")) <= MAX_MESSAGE_BYTES:
                 return msg
             limit //= 2
@@ -252,7 +254,7 @@ class RankClient:
             case Suspend(session=session):
                 missed = self.runtime.schedule(cmd)
                 if missed is not None:
-                    self.post(SessionAck(self.rank, session, "missed", missed, time.time()))
+                    self.post(missed_ack(self.rank, session, missed, time.time()))
             case Go() | Release() | Resume():  # a resume: a validation's verdict, with the action to apply or none
                 self.runtime.signal(cmd)
             case _:

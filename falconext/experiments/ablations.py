@@ -24,10 +24,11 @@ from __future__ import annotations
 from typing import Any
 
 from falconext.config import FalconConfig
-from falconext.experiments.des import Fault, Job, MitigationCosts, Variant, run, story
+from falconext.experiments.des import Job, MitigationCosts, Variant, run, story
 from falconext.mitigate.planner import slowdown_removed
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
+from falconext.model.faults import Fault
 from falconext.model.itertime import JobCosts
 
 DP, PP, RANKS_PER_NODE = 4, 4, 8
@@ -50,8 +51,9 @@ def job(seed: int) -> Job:
 
 
 def trace() -> list[Fault]:
-    """Fig. 17's compound fail-slow (module docstring)."""
-    return [Fault("link", 30.0, 1e9, link=(0, 1), excess=5e-9), Fault("gpu", 200.0, 1e9, gpu=12, factor=4.0)]
+    """Fig. 17's compound fail-slow (module docstring), from its start (simulated
+    seconds) to the end: the link 126x slow (5e-9 s/byte over 25 GB/s, des.link_excess)."""
+    return [Fault("link", 126.0, 30.0, None, nodes=(0, 1)), Fault("compute", 4.0, 200.0, None, rank=12)]
 
 
 def variants() -> list[Variant]:

@@ -11,10 +11,13 @@ falconext's own decision code is run on it, in process, on a simulated clock:
   reading of every iteration's time, after ``tracking_warmup`` iterations, as
   ``detect/tracking.RankTracking`` feeds it once the period is known (a rank whose call
   stream grows, more micro-batches or a new role, starts a fresh detector, as
-  RankTracking does on a longer period);
+  RankTracking does on a longer period); the ranks' messages, made by the runtime's own
+  builders (``protocol/rank_side.py``: the heartbeat's windows and fields, which detector
+  events are reported and how, the profiles, the suspension's acks and results);
 * simulated: the iteration times, from ``falconext.model.itertime`` (1F1B per replica, DP
   rings, slow GPUs as compute factors, slow links as excess seconds per byte) under the
-  fault trace, the micro-batch plan and the roles in force, times a shared jitter; the
+  fault trace (``model/faults.Fault``, its start and end in simulated seconds), the
+  micro-batch plan and the roles in force, times a shared jitter; the
   ranks' answers to the controller's commands, as ``runtime/runtime.py``,
   ``control/client.py`` and ``validate/suspension.py`` give them: heartbeats (one per
   rank per iteration, at its start), fail-slow reports, ProfileData (each DP
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,12 +50,26 @@ from falconext.config import FalconConfig
 from falconext.control.controller import Controller, Output
 from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 from falconext.protocol.commands import Command, Go, ProfileRequest, Release, Resume, Share, Suspend
-from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, SessionAck, ValidationResult
+from falconext.protocol.messages import FailSlowReport, Heartbeat, ProfileData, ValidationResult
+from falconext.protocol.rank_side import (
+    EventReports,
+    beat_fields,
+    beat_iter_s,
+    beat_mb_s,
+    fail_slow_report,
+    heartbeat,
+    held_ack,
+    missed_ack,
+    profile_data,
+    resumed_ack,
+    validation_result,
+)
 from falconext.detect.baselines import PlainBOCD
 from falconext.detect.verify import VerifiedBOCD
 from falconext.experiments.scale import job_groups
 from falconext.mitigate.restart import RestartCost
 from falconext.mitigate.topology import Layout
+from falconext.model.faults import Fault
 from falconext.model.itertime import IterationBreakdown, IterationModel, JobCosts
 from falconext.validate.plan import join_shares
 
@@ -76,29 +92,19 @@ MB_JITTER = 0.01
 TICK_S = 0.1
 
 
-@dataclass(frozen=True)
-class Fault:
-    """One injected fail-slow, active from ``start_s`` to ``end_s`` (simulated seconds):
-    a slow GPU (``gpu`` process, compute ``factor``) or a slow inter-node ``link`` (node
-    pair, ``excess`` seconds per byte)."""
+def link_excess(fault: Fault) -> float:
+    """A link fault's excess seconds per byte over the inter-node link: (factor - 1) /
+    ``INTER_NODE_BPS``, as ``model/faults.py`` defines a link factor (a transfer over
+    the link takes ``factor`` times as long as at the nominal bandwidth)."""
+    return (fault.factor - 1.0) / INTER_NODE_BPS
 
-    kind: str  # "gpu" | "link"
-    start_s: float
-    end_s: float
-    gpu: int = -1
-    factor: float = 1.0
-    link: tuple[int, int] = (0, 0)
-    excess: float = 0.0
 
-    def active(self, t: float) -> bool:
-        """Whether the fault is in force at simulated time ``t``."""
-        return self.start_s <= t < self.end_s
-
-    def on_nodes(self, nodes: set[int], ranks_per_node: int) -> bool:
-        """Whether the fault concerns one of ``nodes`` (an S4 restart replaces them)."""
-        if self.kind == "gpu":
-            return self.gpu // ranks_per_node in nodes
-        return bool(set(self.link) & nodes)
+def on_nodes(fault: Fault, nodes: set[int], ranks_per_node: int) -> bool:
+    """Whether ``fault`` concerns one of ``nodes`` (an S4 restart replaces them): a
+    compute fault's process runs there, or a link fault's link ends there."""
+    if fault.kind == "compute":
+        return fault.rank is not None and fault.rank // ranks_per_node in nodes
+    return bool(set(fault.nodes or ()) & nodes)
 
 
 @dataclass(frozen=True)
@@ -214,8 +220,8 @@ def stage_of(layout: Layout, role: int) -> int:
 
 
 def active_faults(faults: list[Fault], t: float, replaced: set[int], ranks_per_node: int) -> tuple[Fault, ...]:
-    """The faults in force at ``t`` on the nodes the job still runs on."""
-    return tuple(f for f in faults if f.active(t) and not f.on_nodes(replaced, ranks_per_node))
+    """The faults in force at simulated time ``t`` on the nodes the job still runs on."""
+    return tuple(f for f in faults if f.active(t) and not on_nodes(f, replaced, ranks_per_node))
 
 
 def fault_maps(faults: tuple[Fault, ...]) -> tuple[dict[int, float], dict[tuple[int, int], float]]:
@@ -224,11 +230,11 @@ def fault_maps(faults: tuple[Fault, ...]) -> tuple[dict[int, float], dict[tuple[
     gpus: dict[int, float] = {}
     links: dict[tuple[int, int], float] = {}
     for f in faults:
-        if f.kind == "gpu":
-            gpus[f.gpu] = max(gpus.get(f.gpu, 1.0), f.factor)
-        else:
-            key = (min(f.link), max(f.link))
-            links[key] = max(links.get(key, 0.0), f.excess)
+        if f.kind == "compute" and f.rank is not None:
+            gpus[f.rank] = max(gpus.get(f.rank, 1.0), f.factor)
+        elif f.kind == "link" and f.nodes is not None:
+            key = (min(f.nodes), max(f.nodes))
+            links[key] = max(links.get(key, 0.0), link_excess(f))
     return gpus, links
 
 
@@ -264,8 +270,8 @@ class _Rank:
         #: the heartbeat's compute per micro-batch is the upper median of these (runtime.after_step)
         self.mb: deque[float] = deque(maxlen=cfg.beat_compute_window)
         self.generation = -1
-        self.ids: dict[tuple[int, int], int] = {}
-        self.reported: set[tuple[int, int]] = set()  # (generation, event id) already reported
+        #: which of its detectors' event changes it reports, under run-wide ids (as runtime/monitor.py)
+        self.reports = EventReports()
         self.restart()
 
     def restart(self) -> None:
@@ -274,10 +280,6 @@ class _Rank:
         self.seen = 0
         self.series: list[int] = []  # detector index -> loop iteration
         self.generation += 1
-
-    def event_id(self, ev_id: int) -> int:
-        """An id unique over the run (a fresh detector numbers from 0 again)."""
-        return self.ids.setdefault((self.generation, ev_id), len(self.ids))
 
 
 class _Sim:
@@ -352,7 +354,7 @@ class _Sim:
             case Suspend(session=session):
                 shares = self.shares.pop(session, [])
                 if self.it >= cmd.iteration:  # already past it: every rank missed it
-                    self.post([SessionAck(r, session, "missed", self.it, at) for r in range(self.job.world)], at)
+                    self.post([missed_ack(r, session, self.it, at) for r in range(self.job.world)], at)
                     return
                 plan = join_shares(cmd.validation, shares) if cmd.validation is not None else {}
                 wait = cmd.validation.verdict_wait_s if cmd.validation is not None else 0.0
@@ -372,11 +374,9 @@ class _Sim:
     # --- what the ranks send ----------------------------------------------------------
 
     def heartbeats(self, at: float) -> list[Heartbeat]:
-        """Every rank's heartbeat at the start of loop iteration ``self.it`` (rank 0 last)."""
-        if len(self.starts) < 3:
-            return []
-        starts = list(self.starts)
-        iter_s = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+        """Every rank's heartbeat at the start of loop iteration ``self.it`` (rank 0 last),
+        none before the ranks have an iteration time."""
+        iter_s = beat_iter_s(list(self.starts), self.cfg.beat_iter_window)
         lay, st = self.job.layout, self.state
         m = self.job.mitigation
         strategies = self.cfg.strategies()
@@ -386,15 +386,17 @@ class _Sim:
         for p in reversed(range(self.job.world)):
             role = st.roles[p]
             d, s = replica_of(lay, role), stage_of(lay, role)
-            rk = self.ranks[p]
-            mb = sorted(rk.mb)[len(rk.mb) // 2] if rk.mb else 0.0
+            mb = beat_mb_s(self.ranks[p].mb)
             compute = mb * 3 * st.plan[d]
-            out.append(Heartbeat(
-                rank=p, node=self.node_of[p], iteration=self.it, iter_s=iter_s, time=at, replica=d, mb_s=mb,
-                micro=st.plan[d], restart_s=restart_s, switch_s=switch_s, role=role, stage=s, tp=lay.tp, pp=lay.pp,
-                grad_bytes=int(self.job.costs.grad_bytes[s]), act_bytes=int(self.job.costs.act_bytes),
+            fields = beat_fields(
+                replica=d, mb_s=mb, micro=st.plan[d], restart_s=restart_s, switch_s=switch_s,
+                role={"role": role, "stage": s, "tp": lay.tp, "pp": lay.pp,
+                      "grad_bytes": int(self.job.costs.grad_bytes[s]), "act_bytes": int(self.job.costs.act_bytes)},
                 score_iteration=self.it - 1, est_iter_s=iter_s, compute_s=compute, wait_s=max(0.0, iter_s - compute),
-                into_s=0.0))
+                into_s=0.0)
+            beat = heartbeat(p, self.node_of[p], self.it, iter_s, at, fields)
+            if beat is not None:
+                out.append(beat)
         return out
 
     def profiles(self, session: int, window_s: float, at: float) -> list[ProfileData]:
@@ -427,8 +429,8 @@ class _Sim:
             proc_now[r] = p
         for p in range(self.job.world):
             mine = {g: (kind, [proc_now[r] for r in m]) for g, (kind, m) in self.groups.items() if roles_now[p] in m}
-            out.append(ProfileData(p, session, {g: k for g, (k, _) in mine.items()},
-                                   {g: m for g, (_, m) in mine.items()}, calls.get(p, {})))
+            out.append(profile_data(p, session, {g: k for g, (k, _) in mine.items()},
+                                    {g: m for g, (_, m) in mine.items()}, calls.get(p, {})))
         return out
 
     def validation(self, session: int, plan: dict[str, Any], faults: tuple[Fault, ...]) -> tuple[list[ValidationResult], float]:
@@ -461,7 +463,7 @@ class _Sim:
             pass_s += p2p_reps * longest + BARRIER_S
         rounds = int(plan.get("gemm_rounds", 1)) if gemm else 0
         took = sweeps * (rounds * (gemm_s + BARRIER_S) + pass_s)
-        return [ValidationResult(r, session, flops.get(r), got.get(r, [])) for r in range(self.job.world)], took
+        return [validation_result(r, session, flops.get(r), got.get(r, [])) for r in range(self.job.world)], took
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -474,7 +476,7 @@ class _Sim:
         assert sus is not None
         world, session, t0 = self.job.world, sus["session"], self.t
         sus["held_at"] = t0
-        self.post([SessionAck(r, session, "held", self.it, t0) for r in range(world)], t0)
+        self.post([held_ack(r, session, self.it, t0) for r in range(world)], t0)
         deadline = t0 + self.cfg.suspend_deadline_s
         now = t0
         while sus["go"] is None and sus["release"] is None and now < deadline:
@@ -507,7 +509,7 @@ class _Sim:
                 committed = True
                 self.committed = (self.it + 1, sus["action"])
         pause = end - t0
-        self.post([SessionAck(r, session, "resumed", self.it, end, pause, expired, committed) for r in range(world)], end)
+        self.post([resumed_ack(r, session, self.it, end, pause, expired, committed) for r in range(world)], end)
         validated = bool(sus["plan"].get("gemm") or sus["plan"].get("passes"))
         self.pauses.append((t0, "suspension" if validated or sus["action"] is None else "agreement", pause))
         self.suspension = None
@@ -537,7 +539,7 @@ class _Sim:
         if sus is not None and self.ctl is not None and sus["iteration"] == self.it:
             self.suspend_here(faults)
         elif sus is not None and sus["iteration"] < self.it:
-            self.post([SessionAck(r, sus["session"], "missed", self.it, self.t) for r in range(self.job.world)], self.t)
+            self.post([missed_ack(r, sus["session"], self.it, self.t) for r in range(self.job.world)], self.t)
             self.suspension = None
         self.starts.append(t_begin)
         if self.ctl is not None:
@@ -566,7 +568,8 @@ class _Sim:
 
     def detect(self, p: int, rk: _Rank, value: float, at: float) -> list[FailSlowReport]:
         """Feed rank ``p``'s reading of this iteration to its detector; the reports it
-        sends (runtime._on_event: the first and the end of each event, not ladder steps)."""
+        sends (as runtime/monitor.py and runtime._on_event: the first sighting and the end
+        of each event, not ladder steps), its detector's indices mapped to loop iterations."""
         rk.seen += 1
         if rk.seen <= self.cfg.tracking_warmup:
             return []
@@ -575,13 +578,12 @@ class _Sim:
         for ev in rk.detector.feed(value):
             onset = rk.series[ev.onset] if ev.onset < len(rk.series) else self.it
             detected = rk.series[min(ev.detected_at, len(rk.series) - 1)]
-            eid = rk.event_id(ev.id)
-            if ev.end is not None:
-                end = rk.series[ev.end] if ev.end < len(rk.series) else self.it
-                out.append(FailSlowReport(p, onset, detected, ev.slowdown, ev.baseline, at, eid, end))
-            elif (rk.generation, ev.id) not in rk.reported:
-                rk.reported.add((rk.generation, ev.id))
-                out.append(FailSlowReport(p, onset, detected, ev.slowdown, ev.baseline, at, eid))
+            end = None if ev.end is None else rk.series[ev.end] if ev.end < len(rk.series) else self.it
+            eid = rk.reports.event_id(rk.generation, ev.id)
+            report = fail_slow_report(p, rk.reports.kind(eid, ev.end is not None), eid, onset, detected, ev.slowdown,
+                                      ev.baseline, at, end)
+            if report is not None:
+                out.append(report)
         return out
 
 
@@ -609,16 +611,14 @@ def fault_outcomes(faults: list[Fault], events: list[dict[str, Any]]) -> list[st
     """Per fault, whether the controller localized it while it lasted (and when), one line each."""
     out = []
     for f in faults:
-        what = f"GPU {f.gpu} x{f.factor:g}" if f.kind == "gpu" else f"link {f.link[0]}-{f.link[1]}"
-        hit = None
-        for e in events:
-            if e.get("type") != "localized" or not f.start_s <= e["t"] < f.end_s:
-                continue
-            named = f.gpu in e["gpus"] if f.kind == "gpu" else [min(f.link), max(f.link)] in e["links"]
-            if named:
-                hit = e["t"]
-                break
-        when = f"{f.start_s:.0f}-{f.end_s:.0f} s"
+        if f.kind == "compute":
+            what, named, where = f"GPU {f.rank} x{f.factor:g}", f.rank, "gpus"
+        else:
+            a, b = f.nodes or (-1, -1)
+            what, named, where = f"link {a}-{b}", [min(a, b), max(a, b)], "links"
+        hit = next((e["t"] for e in events if e.get("type") == "localized" and f.active(e["t"]) and named in e[where]),
+                   None)
+        when = f"{f.start:.0f}-{f.end:.0f} s" if f.end is not None else f"from {f.start:.0f} s"
         out.append(f"{what} ({when}): " + (f"localized at t={hit:.0f} s" if hit is not None else "never localized"))
     return out
 

@@ -45,7 +45,17 @@ from falconext.config import FalconConfig
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
 from falconext.protocol.commands import Go, ProfileRequest, Share, Suspend
-from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, ProfileData, SessionAck, ValidationResult
+from falconext.protocol.messages import Heartbeat, Localized, ProfileData, ValidationResult
+from falconext.protocol.rank_side import (
+    FAIL_SLOW,
+    beat_fields,
+    fail_slow_report,
+    heartbeat,
+    held_ack,
+    profile_data,
+    resumed_ack,
+    validation_result,
+)
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
 from falconext.model.itertime import JobCosts, iteration_time
@@ -105,16 +115,20 @@ def iteration_seconds(layout: Layout) -> tuple[float, float, float]:
 
 
 def heartbeats(layout: Layout, iteration: int, iter_s: float, healthy_s: float, now: float) -> list[Heartbeat]:
-    """One heartbeat per rank at ``iteration``, as RankClient sends them."""
+    """One heartbeat per rank at ``iteration``, as RankClient sends them (made by the
+    ranks' own builders, protocol/rank_side.py)."""
     d = layout.dp
     out = []
     for r in range(d * layout.pp):
         compute = healthy_s * 0.8 * (SLOW_FACTOR if r == SLOW_RANK else 1.0)
-        out.append(Heartbeat(
-            rank=r, node=r // layout.ranks_per_node, iteration=iteration, iter_s=iter_s, time=now,
-            replica=r % d, mb_s=compute / MICROBATCHES, micro=MICROBATCHES, role=r, stage=r // d, tp=1,
-            pp=layout.pp, grad_bytes=GRAD_BYTES, act_bytes=ACT_BYTES, score_iteration=iteration,
-            est_iter_s=iter_s, compute_s=compute, wait_s=max(0.0, iter_s - compute)))
+        fields = beat_fields(
+            replica=r % d, mb_s=compute / MICROBATCHES, micro=MICROBATCHES, restart_s=0.0, switch_s=0.0,
+            role={"role": r, "stage": r // d, "tp": 1, "pp": layout.pp, "grad_bytes": GRAD_BYTES,
+                  "act_bytes": ACT_BYTES},
+            score_iteration=iteration, est_iter_s=iter_s, compute_s=compute, wait_s=max(0.0, iter_s - compute))
+        beat = heartbeat(r, r // layout.ranks_per_node, iteration, iter_s, now, fields)
+        if beat is not None:
+            out.append(beat)
     return out
 
 
@@ -143,8 +157,8 @@ def profiles(layout: Layout, session: int, iter_s: float, healthy_s: float, allr
     out = []
     for r in range(layout.dp * layout.pp):
         mine = {g: groups[g] for g in (f"dp{r // d}", f"pp{r % d}")}  # its DP and PP groups
-        out.append(ProfileData.compact(r, session, {g: role for g, (role, _) in mine.items()},
-                                       {g: m for g, (_, m) in mine.items()}, calls.get(r, {})))
+        out.append(profile_data(r, session, {g: role for g, (role, _) in mine.items()},
+                                {g: m for g, (_, m) in mine.items()}, calls.get(r, {})))
     return out
 
 
@@ -163,7 +177,7 @@ def validation_results(world: int, session: int, plan: dict[str, Any],
         flops = None
         if r in gemm:
             flops = HEALTHY_TFLOPS * 1e12 * (1 + rng.normal(0, 0.01)) / (SLOW_FACTOR if r == SLOW_RANK else 1.0)
-        out.append(ValidationResult(r, session, flops, links.get(r, [])))
+        out.append(validation_result(r, session, flops, links.get(r, [])))
     return out
 
 
@@ -303,14 +317,14 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             reached = iteration + (time.monotonic() - clock0) / slow_s
             time.sleep(max(0.0, (suspend_at - reached) * slow_s))  # the ranks reach the agreed iteration
             held = time.time()
-            sim.post([SessionAck(r, session, "held", suspend_at, held) for r in range(ranks)])
+            sim.post([held_ack(r, session, suspend_at, held) for r in range(ranks)])
         elif isinstance(msg, Go) and msg.session == session:
             row["report_to_go_s"] = round(now - t_report, 3)
             t0 = time.perf_counter()
             made = validation_results(ranks, session, plan, rng)
             sim.busy_s += time.perf_counter() - t0
             sim.post(made)
-            sim.post([SessionAck(r, session, "resumed", suspend_at, time.time(), time.time() - held)
+            sim.post([resumed_ack(r, session, suspend_at, time.time(), time.time() - held, False, False)
                       for r in range(ranks)])
     return row
 
@@ -388,8 +402,9 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         # 2. every rank reports the fail-slow; the simulated ranks answer the controller
         # until it posts its verdict
         t_report = time.perf_counter()
-        sim.post([FailSlowReport(r, iteration - 12, iteration, round(slow_s / healthy_s, 4), healthy_s, time.time(), 1)
-                  for r in range(ranks)])
+        reports = [fail_slow_report(r, FAIL_SLOW, 1, iteration - 12, iteration, round(slow_s / healthy_s, 4), healthy_s,
+                                    time.time()) for r in range(ranks)]
+        sim.post([rep for rep in reports if rep is not None])
         def gave_up() -> str | None:
             if proc.poll() is not None:
                 return "the controller died"

@@ -24,7 +24,6 @@ from typing import Any
 
 from falconext.config import FalconConfig
 from falconext.experiments.des import (
-    Fault,
     Job,
     MitigationCosts,
     RunResult,
@@ -37,6 +36,7 @@ from falconext.experiments.des import (
 from falconext.experiments.result import Comparison, ExperimentResult
 from falconext.mitigate.planner import slowdown_removed
 from falconext.mitigate.topology import Layout
+from falconext.model.faults import Fault
 from falconext.model.itertime import JobCosts
 
 DP, PP, RANKS_PER_NODE = 16, 4, 8
@@ -69,21 +69,23 @@ def job(seed: int = SEED) -> Job:
 
 def trace(duration_s: float = FULL_S) -> list[Fault]:
     """Two congested links and eight slow GPUs (module docstring), those starting
-    within ``duration_s``. Stage s runs on nodes 2s and 2s+1, so link (2s, 2s+1) carries
-    stage s's DP ring; process p is on node p // 8."""
+    within ``duration_s``; start and end in simulated seconds. Stage s runs on nodes 2s
+    and 2s+1, so link (2s, 2s+1) carries stage s's DP ring; process p is on node p // 8.
+    A link of factor f adds (f - 1) / 25 GB/s per byte (des.link_excess): 3.5x is
+    1e-10 s/byte, 3x 0.8e-10 s/byte."""
     faults = [
-        Fault("link", 480.0, 1380.0, link=(2, 3), excess=1.0e-10),
-        Fault("link", 1980.0, 2880.0, link=(4, 5), excess=0.8e-10),
-        Fault("gpu", 150.0, 420.0, gpu=5, factor=1.5),
-        Fault("gpu", 700.0, 1100.0, gpu=20, factor=2.0),
-        Fault("gpu", 1500.0, 1800.0, gpu=41, factor=1.3),
-        Fault("gpu", 2150.0, 2500.0, gpu=58, factor=2.5),
-        Fault("gpu", 2600.0, 2800.0, gpu=12, factor=1.8),
-        Fault("gpu", 2950.0, 3200.0, gpu=33, factor=1.4),
-        Fault("gpu", 3250.0, 3400.0, gpu=47, factor=3.0),
-        Fault("gpu", 3450.0, 3580.0, gpu=9, factor=1.6),
+        Fault("link", 3.5, 480.0, 1380.0, nodes=(2, 3)),
+        Fault("link", 3.0, 1980.0, 2880.0, nodes=(4, 5)),
+        Fault("compute", 1.5, 150.0, 420.0, rank=5),
+        Fault("compute", 2.0, 700.0, 1100.0, rank=20),
+        Fault("compute", 1.3, 1500.0, 1800.0, rank=41),
+        Fault("compute", 2.5, 2150.0, 2500.0, rank=58),
+        Fault("compute", 1.8, 2600.0, 2800.0, rank=12),
+        Fault("compute", 1.4, 2950.0, 3200.0, rank=33),
+        Fault("compute", 3.0, 3250.0, 3400.0, rank=47),
+        Fault("compute", 1.6, 3450.0, 3580.0, rank=9),
     ]
-    return [f for f in faults if f.start_s < duration_s]
+    return [f for f in faults if f.start < duration_s]
 
 
 def healthy_iterations(j: Job, duration_s: float) -> int:
@@ -136,7 +138,7 @@ def measure(quick: bool) -> ExperimentResult:
         f"healthy iteration {h.jct_s / h.iterations:.2f} s; every run does {h.iterations} iterations "
         f"(a healthy job's {duration:.0f} s).",
         f"Trace: {len([f for f in trace(duration) if f.kind == 'link'])} congested link(s), "
-        f"{len([f for f in trace(duration) if f.kind == 'gpu'])} slow GPU(s) (table7.trace).",
+        f"{len([f for f in trace(duration) if f.kind == 'compute'])} slow GPU(s) (table7.trace).",
         f"Costs charged: S4 restart {job().mitigation.restart_s:.0f} s (RestartCost save+load + start-up), "
         f"S3 switch {job().mitigation.switch_s:.1f} s (in-memory hand-over + regroup), suspensions as measured in "
         "the simulation (bus hops + benchmarks + barrier).",
@@ -144,8 +146,8 @@ def measure(quick: bool) -> ExperimentResult:
         f"fault {line}" for line in fault_outcomes(trace(duration), m.events)]
     data: dict[str, Any] = {
         "curves": {k: throughput(r.times, BIN_S, r.jct_s) for k, r in out.items()},
-        "faults": [[f.kind, f.start_s, f.end_s, f.gpu if f.kind == "gpu" else list(f.link),
-                    f.factor if f.kind == "gpu" else f.excess] for f in trace(duration)],
+        "faults": [[f.kind, f.start, f.end, f.rank if f.kind == "compute" else list(f.nodes or ()), f.factor]
+                   for f in trace(duration)],
         "pauses": [[t, what, sec] for t, what, sec in m.pauses if what in ("S3", "S4")],
         "mitigations": [[e["t"], e["strategy"]] for e in m.events if e.get("type") == "mitigation"],
     }

@@ -49,21 +49,26 @@ DEFAULT_LINK_BANDWIDTH = 20e6
 @dataclass(frozen=True)
 class Fault:
     """One injected fault: a compute fault slows process ``rank``'s device by ``factor``, a
-    link fault the link between ``nodes``; in force from iteration ``start`` until
-    ``end`` (exclusive; None: to the end)."""
+    link fault the link between ``nodes`` (a transfer over it takes ``factor`` times as
+    long as at the link's nominal bandwidth); in force from ``start`` until ``end``
+    (exclusive; None: to the end).
+
+    ``start`` and ``end`` are on the clock of whatever injects the fault: loop
+    iterations on the test bed (:func:`parse_faults` reads whole iterations and nothing
+    else), simulated seconds in the discrete-event simulator (``experiments/des.py``)."""
 
     kind: str  # "compute" or "link"
     factor: float
-    start: int
-    end: int | None
+    start: float  # an iteration (int) on the test bed, simulated seconds in the simulator
+    end: float | None
     rank: int | None = None
     nodes: tuple[int, int] | None = None
     #: a compute fault named by its hardware: emulated node and local rank
     node: int | None = None
     local_rank: int | None = None
 
-    def active(self, iteration: int) -> bool:
-        """True when the fault is in force at ``iteration``."""
+    def active(self, iteration: float) -> bool:
+        """True when the fault is in force at ``iteration`` (or simulated time: the fault's clock)."""
         return self.start <= iteration and (self.end is None or iteration < self.end)
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from falconext.config import FalconConfig
 from falconext.protocol.eventlog import EventLog
+from falconext.protocol.rank_side import FAIL_SLOW_END, FAIL_SLOW_UPDATE, EventReports
 from falconext.detect.events import FailSlowEvent
 from falconext.detect.scores import BusyClock, RankSample, recent_sample, split_iteration
 from falconext.detect.itertime import IterationTime
@@ -156,8 +157,8 @@ class RankMonitor:
         #: with loop hooks: whether the followed period's spans are shorter than the loop's
         #: iterations (a micro-batch or a layer): see _shorter_than_the_loop
         self._below_loop: tuple[int, list[int] | bool] | None = None  # (period, its spans' loop iterations or the verdict)
-        self._reported: set[int] = set()
-        self._ids: dict[tuple[int, int], int] = {}  # (detector generation, its event id) -> reported id
+        #: which changes of the detector's events are reported, under run-wide ids
+        self._reports = EventReports()
         self.on_event = on_event
         self._recent = RecentCollectives()
         self._recent_lock = threading.Lock()
@@ -384,16 +385,10 @@ class RankMonitor:
             return self._series_to_loop[k - 1] + 1
         return None
 
-    def _event_id(self, ev: FailSlowEvent) -> int:
-        """Ids unique for the whole run: a restarted detector numbers its events from 0
-        again, and its first event must not pass for a ladder step of an earlier one."""
-        key = (self.tracking.restarts, ev.id)
-        if key not in self._ids:
-            self._ids[key] = len(self._ids)
-        return self._ids[key]
-
     def _report(self, ev: FailSlowEvent) -> None:
-        event_id = self._event_id(ev)
+        """Log a change of a detector event, in loop iterations, and pass a reported one
+        (a first sighting or an end: :class:`EventReports`) to ``on_event``."""
+        event_id = self._reports.event_id(self.tracking.restarts, ev.id)
         fields = {
             "rank": self.rank,
             "event_id": event_id,
@@ -403,15 +398,11 @@ class RankMonitor:
             "slowdown": round(ev.slowdown, 4),
             "baseline_s": round(ev.baseline, 6),
         }
-        if ev.end is not None:
-            kind, fields["ended_at"] = "fail_slow_end", self._map(ev.ended_at)
-        elif event_id in self._reported:  # a ladder: the same event got slower
-            kind = "fail_slow_update"
-        else:
-            self._reported.add(event_id)
-            kind = "fail_slow"
+        kind = self._reports.kind(event_id, ev.end is not None)  # an update: a ladder, the same event got slower
+        if kind == FAIL_SLOW_END:
+            fields["ended_at"] = self._map(ev.ended_at)
         self.events.emit(kind, **fields)
-        if self.on_event is not None and kind != "fail_slow_update":
+        if self.on_event is not None and kind != FAIL_SLOW_UPDATE:
             try:
                 self.on_event(kind, fields)
             except Exception as exc:  # reporting must not stop tracking

@@ -31,7 +31,6 @@ import collections
 import datetime
 import math
 import os
-import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -43,7 +42,7 @@ from falconext.config import FalconConfig
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
 from falconext.protocol.actions import MitigationAction
 from falconext.protocol.commands import Go, Release, Resume, Suspend, ValidationShare
-from falconext.protocol.messages import FailSlowReport, SessionAck
+from falconext.protocol.rank_side import beat_fields, beat_iter_s, beat_mb_s, fail_slow_report, missed_ack
 from falconext.protocol.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
 from falconext.validate.gemm import gemm_benchmark
@@ -199,7 +198,7 @@ class FalconRuntime:
     def _missed(self, session: int, it: int) -> None:
         """Tell the controller this rank will not hold for ``session``."""
         if self.client is not None:
-            self.client.post(SessionAck(self.rank, session, "missed", it, time.time()))
+            self.client.post(missed_ack(self.rank, session, it, time.time()))
 
     # --- falconext on and off (benchmarks) ----------------------------------------------------
 
@@ -356,22 +355,14 @@ class FalconRuntime:
         """The optional fields of this rank's next heartbeat: replica, median compute seconds
         per micro-batch, measured restart and switch costs, role, micro-batch count and the
         latest straggler sample (when there is one)."""
-        mb = sorted(self._mb_s)
         scored = self.monitor.score_sample
         score = {} if scored is None else {
             "score_iteration": scored[0], "est_iter_s": scored[1].iter_s,
             "compute_s": scored[1].compute_s, "wait_s": scored[1].wait_s,
         }
-        return {
-            "into_s": self.into_s(),
-            "replica": self.replica,
-            "mb_s": mb[len(mb) // 2] if mb else 0.0,
-            "restart_s": self.restart_s,
-            "switch_s": self.switch_s,
-            **self.role,
-            "micro": self._micro,
-            **score,
-        }
+        return beat_fields(into_s=self.into_s(), replica=self.replica, mb_s=beat_mb_s(self._mb_s),
+                           restart_s=self.restart_s, switch_s=self.switch_s, role=self.role, micro=self._micro,
+                           **score)
 
     def into_s(self) -> float:
         """Seconds the current loop iteration has been running (perf_counter, as the loop's
@@ -388,10 +379,7 @@ class FalconRuntime:
         if not self.hooked:
             scored = self.monitor.score_sample
             return scored[1].iter_s if scored is not None else 0.0
-        starts = self.loop_starts[-(self.cfg.beat_iter_window + 1):]
-        if len(starts) < min(3, self.cfg.beat_iter_window + 1):
-            return 0.0
-        return statistics.median(b - a for a, b in zip(starts, starts[1:]))
+        return beat_iter_s(self.loop_starts, self.cfg.beat_iter_window)
 
     def profile(self, window_s: float, limit: int = 1500) -> dict[str, Any]:
         """ProfileData's fields: at most ``limit`` of the calls of the last ``window_s``, and
@@ -487,18 +475,15 @@ class FalconRuntime:
         self._action = (self._iteration + 1, action)
 
     def _on_event(self, kind: str, fields: dict[str, Any]) -> None:
-        if self.client is None or fields.get("onset") is None:
+        """The monitor's reported event (its event-log record's ``kind`` and fields, in loop
+        iterations) as a FailSlowReport to the controller."""
+        if self.client is None:
             return
-        end = None
-        if kind == "fail_slow_end":
-            end = fields.get("end") or fields.get("ended_at") or fields["onset"]
-        self.client.post(
-            FailSlowReport(
-                self.rank, int(fields["onset"]), int(fields.get("detected_at") or fields["onset"]),
-                float(fields["slowdown"]), float(fields["baseline_s"]), time.time(),
-                int(fields["event_id"]), None if end is None else int(end),
-            )
-        )
+        report = fail_slow_report(self.rank, kind, fields["event_id"], fields.get("onset"), fields.get("detected_at"),
+                                  fields["slowdown"], fields["baseline_s"], time.time(), fields.get("end"),
+                                  fields.get("ended_at"))
+        if report is not None:
+            self.client.post(report)
 
     def _pending_timeout(self, iter_s: float) -> None:
         """How long the tracer waits for a call's completion: scaled to the iteration."""

@@ -41,7 +41,8 @@ from typing import Any, Callable
 
 from falconext.protocol.actions import MitigationAction
 from falconext.protocol.commands import ValidationPlan
-from falconext.protocol.messages import SessionAck, ValidationResult
+from falconext.protocol.messages import ValidationResult
+from falconext.protocol.rank_side import held_ack, resumed_ack, validation_result
 from falconext.validate.plan import RankWork
 
 
@@ -136,7 +137,7 @@ class Suspension:
     def run(self, end: float) -> None:
         """Runs on the trapped training thread; ``end`` is the deadline (monotonic)."""
         t0 = self.clock()
-        self.post(SessionAck(self.rank, self.session, "held", self.iteration, time.time()))
+        self.post(held_ack(self.rank, self.session, self.iteration, time.time()))
         next_ack = t0 + self.resend_s
         while not (self._go.is_set() or self._release.is_set()):
             now = self.clock()
@@ -145,7 +146,7 @@ class Suspension:
                 self.expired = True
                 break
             if now >= next_ack:  # the controller may not have heard: say it again
-                self.post(SessionAck(self.rank, self.session, "held", self.iteration, time.time()))
+                self.post(held_ack(self.rank, self.session, self.iteration, time.time()))
                 next_ack = now + self.resend_s
             self._wake.wait(min(left, 0.05))
         outcome = "released" if self._release.is_set() else "expired" if self.expired else "validated"
@@ -157,10 +158,8 @@ class Suspension:
             if self.action is not None and not self._voted:
                 self._agree()
         self.pause_s = self.clock() - t0
-        self.post(
-            SessionAck(self.rank, self.session, "resumed", self.iteration, time.time(), self.pause_s,
-                       self.expired, self.committed)
-        )
+        self.post(resumed_ack(self.rank, self.session, self.iteration, time.time(), self.pause_s, self.expired,
+                              self.committed))
         self.emit(
             "suspension", rank=self.rank, session=self.session, iteration=self.iteration,
             outcome=outcome, pause_s=round(self.pause_s, 4),
@@ -242,7 +241,6 @@ class Suspension:
         assert plan is not None
         work = self.work if self.work is not None else RankWork(covered=False)
         flops: float | None = None
-        links: list[list[float]] = []
         error = "" if work.covered else f"no share of the validation plan came for rank {self.rank}"
         t0 = self.clock()
         steps = done = 0
@@ -287,8 +285,8 @@ class Suspension:
         except Exception as exc:  # a broken benchmark must not take training down
             error = f"{type(exc).__name__}: {exc}"[:500]
             best = {}  # a pass that failed may have left its peers' timings half-taken
-        links = [[src, dst, sec] for (src, dst), sec in best.items()]
-        return ValidationResult(self.rank, self.session, flops, links, error)
+        return validation_result(self.rank, self.session, flops, ((src, dst, sec) for (src, dst), sec in best.items()),
+                                 error)
 
 
 class _BudgetSpent(Exception):
