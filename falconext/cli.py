@@ -8,6 +8,7 @@ traceback, because these commands sit in scripts and pipelines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -15,25 +16,38 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
-from falconext.config import ConfigError, add_config_arguments, config_from_args
+from falconext.config import ConfigError, FalconConfig, add_config_arguments, config_from_args, field_value
+from falconext.detect import METHOD_NAMES, UnknownMethod, detect, sweep
+from falconext.detect.evaluate import TraceScore, score_trace, summarize
+from falconext.detect.series_io import read_series
+from falconext.detect.sweep_report import write_all
+from falconext.experiments.runner import main as experiment_main
 from falconext.inputs import InputError
+from falconext.megatron_lm import patching
+from falconext.model.device import DEFAULT_INTER_BANDWIDTH
+from falconext.protocol.commands import (
+    MitigateRequest,
+    MuteRequest,
+    OperatorCommand,
+    SetRequest,
+    UnmuteRequest,
+    ValidateRequest,
+)
+from falconext.testbed.nodes import mbps_to_bytes, run_nodes
 from falconext.testbed.options import add_train_arguments
+from falconext.trace.logfile import read_call_log_lines
 from falconext.trace.records import RecordError
 
-# The detectors (numpy, scipy: half a second) are imported by the subcommands that use
-# them, so that `falconext ctl status` answers quickly.
+# What needs numpy, scipy or redis (half a second each) is imported by the subcommands that
+# use it, so that `falconext --help` answers quickly and without torch: the detectors'
+# classes on first use (falconext.detect), the modules below where they are marked lazy.
 
 EXIT_BAD_INPUT = 2
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    """The exceptions that are the user's input, not a bug (one line, exit 2); a
-    detector's UnknownMethod only where the detectors were imported (nothing else raises it)."""
-    errors: list[type[Exception]] = [InputError, RecordError, ConfigError]
-    detect = sys.modules.get("falconext.detect")
-    if detect is not None:
-        errors.append(detect.UnknownMethod)
-    return tuple(errors)
+    """The exceptions that are the user's input, not a bug (one line, exit 2)."""
+    return (InputError, RecordError, ConfigError, UnknownMethod)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,8 +58,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _method(value: str) -> str:
-    from falconext.detect import METHOD_NAMES
-
     if value not in METHOD_NAMES:
         raise argparse.ArgumentTypeError(
             f"unknown method {value!r} (choose from {', '.join(METHOD_NAMES)})"
@@ -163,9 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_detect(args: argparse.Namespace) -> int:
-    from falconext.detect import detect
-    from falconext.detect.series_io import read_series
-
     cfg = config_from_args(args)
     data = read_series(args.file)
     if data.format == "jsonl" or any(s.id is not None for s in data.series):
@@ -181,8 +190,7 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 
 def _cmd_period(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    from falconext.detect.itertime import iteration_numbers, iteration_times_by_rank
-    from falconext.trace.logfile import read_call_log_lines
+    from falconext.detect.itertime import iteration_numbers, iteration_times_by_rank  # lazy: start-up time (numpy)
 
     records, lines = read_call_log_lines(args.log)
     counts = Counter(r.rank for r in records)
@@ -213,10 +221,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.tolerance < 0:
         raise InputError(f"--tolerance must be >= 0, got {args.tolerance}")
-    from falconext.detect import METHODS
-    from falconext.detect.evaluate import summarize
-    from falconext.detect.series_io import read_series
-
     data = read_series(args.traces)
     if data.format != "jsonl":
         raise InputError(f"{args.traces}: eval-detect needs JSONL lines with id, iter_times and events (got {data.format})")
@@ -227,7 +231,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return _sweep(args, data.series, cfg)
     if args.out is not None:
         raise InputError("--out names the sweep's folder: give it with --sweep")
-    methods = args.method or list(METHODS)
+    methods = args.method or list(METHOD_NAMES)
     groups = sorted({s.kind for s in data.series if s.kind})
     report: dict[str, dict] = {}
     jobs = [(s.iter_times, m, cfg, s.labels or [], args.tolerance) for m in methods for s in data.series]
@@ -247,12 +251,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep(args: argparse.Namespace, series: list, cfg: "FalconConfig") -> int:  # noqa: F821
+def _sweep(args: argparse.Namespace, series: list, cfg: FalconConfig) -> int:
     """``eval-detect --sweep``: every setting of each method's sensitivity scored on the
     set, the curves and the operating point printed, the files written to ``--out``."""
-    from falconext.detect import sweep
-    from falconext.detect.sweep_report import write_all
-
     if args.out is None:
         raise InputError("--sweep needs --out DIR (the folder for sweep.csv, curves.csv and sweep.png)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -304,10 +305,7 @@ def _sweep(args: argparse.Namespace, series: list, cfg: "FalconConfig") -> int: 
     return 0
 
 
-def _score_one(job: tuple) -> "TraceScore":  # noqa: F821 - falconext.detect.evaluate's
-    from falconext.detect import detect
-    from falconext.detect.evaluate import score_trace
-
+def _score_one(job: tuple) -> TraceScore:
     times, method, cfg, labels, tolerance = job
     return score_trace(detect(times, method, cfg), labels, tolerance)
 
@@ -327,7 +325,7 @@ def _table(report: dict[str, dict], n: int) -> str:
 
 
 def _cmd_gen_traces(args: argparse.Namespace) -> int:
-    from falconext.sim.traces import KINDS, generate_traces
+    from falconext.sim.traces import KINDS, generate_traces  # lazy: start-up time (numpy)
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if kinds == ["mixed"]:
@@ -344,24 +342,20 @@ def _cmd_gen_traces(args: argparse.Namespace) -> int:
 
 
 def _cmd_experiment(args: argparse.Namespace) -> int:
-    from falconext.experiments.runner import main as experiment_main
-
     return experiment_main(args.action, getattr(args, "name", None), getattr(args, "quick", False),
                            getattr(args, "out", None), getattr(args, "layouts", None))
 
 
 def _cmd_launch(argv: list[str]) -> int:
     """``falconext launch [torchrun options] SCRIPT [args]``: Megatron-LM with ``--falcon``."""
-    from falconext.megatron_lm.launcher import launch
+    from falconext.megatron_lm import launcher  # lazy: start-up time (numpy, redis)
 
     if not argv or argv[0] in ("-h", "--help"):
-        from falconext.megatron_lm import launcher
-
         print("usage: falconext launch [torchrun options] SCRIPT [script arguments, --falcon, --falcon-*]\n")
         print(launcher.__doc__)
         return 0
     try:
-        return launch(argv)
+        return launcher.launch(argv)
     except Exception as exc:
         if not isinstance(exc, _user_errors()):
             raise
@@ -370,22 +364,19 @@ def _cmd_launch(argv: list[str]) -> int:
 
 
 def _cmd_nodes(args: argparse.Namespace) -> int:
-    from falconext.model.device import DEFAULT_INTER_BANDWIDTH
-    from falconext.testbed.nodes import mbps_to_bytes, run_nodes
-
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     rate = DEFAULT_INTER_BANDWIDTH if args.link_mbps is None else mbps_to_bytes(args.link_mbps)
     return run_nodes(args.count, cmd, rate, args.out, args.timeout)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from falconext.testbed.launch import launch_training
+    from falconext.testbed.launch import launch_training  # lazy: start-up time (redis)
 
     return launch_training(args)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from falconext.report.figures import write_report
+    from falconext.report.figures import write_report  # lazy: start-up time (numpy)
 
     print(write_report(args.dir))
     return 0
@@ -407,15 +398,7 @@ def _await_outcome(tail, cmd: str, wait: float, late: str, failed_type: str, pre
 def _cmd_ctl(args: argparse.Namespace) -> int:
     """``falconext ctl``: 0 done, 1 refused by the controller or failed in the job, 2 bad
     input or a job that cannot be reached (one line on stderr either way)."""
-    from falconext.control import ctl
-    from falconext.protocol.commands import (
-        MitigateRequest,
-        MuteRequest,
-        OperatorCommand,
-        SetRequest,
-        UnmuteRequest,
-        ValidateRequest,
-    )
+    from falconext.control import ctl  # lazy: start-up time (redis)
 
     wait = getattr(args, "wait", None) or 0.0
     if wait < 0:
@@ -427,8 +410,6 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
         return 0
     run = ctl.open_run(args.run)
     if cmd == "set":
-        from falconext.config import field_value
-
         value = field_value(args.name, args.value)  # ConfigError: exit 2, nothing sent
         request: OperatorCommand | None = SetRequest(args.name, value)
     elif cmd == "force":
@@ -453,8 +434,6 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
         if cmd == "status":
             snap = session.status()
             if args.json:
-                import dataclasses
-
                 print(json.dumps(dataclasses.asdict(snap)))
             else:
                 print(ctl.format_status(snap))
@@ -488,8 +467,7 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
 
 
 def _cmd_megatron_patch(args: argparse.Namespace) -> int:
-    from falconext.megatron_lm import patching  # PatchError is an InputError: exit 2
-
+    # PatchError is an InputError: exit 2
     outcome = patching.check(args.dir) if args.action == "check" else patching.apply(args.dir)
     print(outcome.line())
     return 0

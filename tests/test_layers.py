@@ -10,11 +10,15 @@
   rank runtime, the run's report, the elastic launch and the emulated device; then what users
   run (the test bed, the Megatron-LM adapter, the experiments, the command line). Read from
   the source with ``ast`` (every import, also those inside functions).
+- Imports sit at the top of their module. One inside a function says why it waits, in a
+  ``# lazy: REASON (...)`` comment on its line or on the comment lines just above it (or above
+  the imports right before it), REASON one of :data:`LAZY_REASONS`.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -116,3 +120,93 @@ def test_no_import_cycle_between_packages() -> None:
                 elif nxt not in path:
                     stack.append((nxt, path + [nxt]))
     assert not cycles, cycles[:5]
+
+
+#: why an import may wait inside a function: a dependency that is not installed everywhere
+#: (or is found at run time); start-up time (what the command line, a launcher or a
+#: torch-free module must not import); an import cycle that cannot be removed; something
+#: that must happen first at run time (sys.path set, a fork server started, megatron-core
+#: imported the cheap way)
+LAZY_REASONS = ("optional dependency", "start-up time", "import cycle", "run-time order")
+_LAZY = re.compile(r"#\s*lazy:\s*(.*)")
+
+
+def _lazy_reason(line: str) -> str | None:
+    m = _LAZY.search(line)
+    return m.group(1) if m else None
+
+
+def lazy_imports_without_reason(source: str) -> list[tuple[int, str]]:
+    """(line, why) of each import inside a function of ``source`` that does not say why it is
+    there, in a ``# lazy:`` comment naming one of LAZY_REASONS."""
+    lines = source.splitlines()
+    bad: list[tuple[int, str]] = []
+
+    def check(stmt: ast.stmt, run_start: int) -> None:
+        reasons = [r for n in range(stmt.lineno, stmt.end_lineno + 1) if (r := _lazy_reason(lines[n - 1])) is not None]
+        n = stmt.lineno - 1
+        while not reasons and n >= 1:
+            text = lines[n - 1].strip()
+            if text.startswith("#"):
+                r = _lazy_reason(text)
+                if r is not None:
+                    reasons.append(r)
+            elif n < run_start:  # above the imports right before this one: nothing said
+                break
+            n -= 1
+        if not reasons:
+            bad.append((stmt.lineno, "no '# lazy: REASON' comment"))
+        elif not reasons[0].startswith(LAZY_REASONS):
+            bad.append((stmt.lineno, f"reason {reasons[0]!r} is none of {LAZY_REASONS}"))
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            body = getattr(node, field, None)
+            if not isinstance(body, list):
+                continue
+            run_start = 0
+            for k, stmt in enumerate(body):
+                if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    if k == 0 or not isinstance(body[k - 1], (ast.Import, ast.ImportFrom)):
+                        run_start = stmt.lineno
+                    if in_function:
+                        check(stmt, run_start)
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(source), False)
+    return bad
+
+
+def test_every_import_inside_a_function_says_why() -> None:
+    bad = [f"{path.relative_to(PKG.parent)}:{line}: {why}"
+           for path in sorted(PKG.rglob("*.py")) for line, why in lazy_imports_without_reason(path.read_text())]
+    assert not bad, "imports go at the top of the module, unless:\n" + "\n".join(bad)
+
+
+def test_the_lazy_import_check_finds_a_missing_reason() -> None:
+    source = """
+import os
+
+
+def f():
+    import torch  # lazy: start-up time (no torch at import)
+
+    # lazy: optional dependency (pynvml)
+    import pynvml
+    import pynvml.smi
+    # lazy: run-time order (after sys.path)
+    import megatron.training
+
+    x = 1
+    import json
+    try:
+        import triton  # lazy: for speed
+    except ImportError:
+        pass
+    return x
+"""
+    assert lazy_imports_without_reason(source) == [
+        (15, "no '# lazy: REASON' comment"),
+        (17, "reason 'for speed' is none of " + repr(LAZY_REASONS)),
+    ]

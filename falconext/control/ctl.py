@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import redis
+
 from falconext.control.client import CONTROLLER_KEY, CTL_STREAM, STATUS_KEY, reply_key
 from falconext.protocol.base import MessageError
 from falconext.protocol.codec import MAX_STATUS_BYTES, decode, encode
@@ -95,8 +97,6 @@ class Session:
     """One operator's connection to a job's Redis (auth checked at once)."""
 
     def __init__(self, run: Run) -> None:
-        import redis
-
         self.run = run
         self.prefix = f"falcon:{run.job}:"
         self._redis = redis

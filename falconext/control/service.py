@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args
+from falconext.control.agent import NodeAgent
 from falconext.control.bus import Bus
 from falconext.control.client import (
     BEATS_STREAM,
@@ -30,10 +31,12 @@ from falconext.control.client import (
     reply_key,
 )
 from falconext.control.controller import Controller
+from falconext.control.metrics import JobMetrics, MetricsServer
 from falconext.protocol.eventlog import EventLog
 from falconext.protocol.base import MessageError
 from falconext.protocol.codec import encode
 from falconext.protocol.messages import RankEvent
+from falconext.validate.health import gpu_health
 
 #: an operator's reply stays this long in Redis (``falconext ctl`` waits less)
 REPLY_TTL_S = 60.0
@@ -111,8 +114,6 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             emit("controller_redis", connected=ok, reason=why)
 
     if cfg.metrics_port:
-        from falconext.control.metrics import JobMetrics, MetricsServer
-
         metrics = JobMetrics()
         try:
             server = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
@@ -242,9 +243,6 @@ def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] |
     node (None: accept every rank); ``cfg``: the heartbeat period it combines heartbeats
     over, and the streams' length; ``since_ms``: forward what the ranks posted from that
     time on (an agent started after its ranks), else from now."""
-    from falconext.control.agent import NodeAgent
-    from falconext.validate.health import gpu_health
-
     cfg = cfg or FalconConfig()
     agent = NodeAgent(Bus(url, job, maxlen=cfg.stream_maxlen, since_ms=since_ms), node, gpu_health, ranks,
                       cfg.heartbeat_s)

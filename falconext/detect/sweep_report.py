@@ -43,10 +43,10 @@ def draw(path: str, points: Sequence[Point], curves: Mapping[str, Sequence[Curve
     dots, its lower envelope over all of them as a step line (the curve at the rates of
     ``curves`` is that line read there), its default setting ringed, and the rates the
     curves are read at shaded."""
-    import matplotlib
+    import matplotlib  # lazy: start-up time (matplotlib only where a figure is drawn)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after matplotlib.use("Agg"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k, (method, cps) in enumerate(curves.items()):

@@ -16,6 +16,9 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import redis
 
 from falconext.control.plane import ACCESS_FILE
 
@@ -57,8 +60,6 @@ def check_access(data: dict | None, rdzv_id: str) -> str | PlaneAccess:
 
 def ping(url: str, timeout_s: float = 2.0) -> str | None:
     """None when the Redis at ``url`` answers an authenticated PING, else why not (one line)."""
-    import redis
-
     try:
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         try:
@@ -73,8 +74,6 @@ def ping(url: str, timeout_s: float = 2.0) -> str | None:
 def find_plane(out: str, rdzv_id: str, deadline_s: float, poll_s: float = 0.5) -> PlaneAccess | str:
     """Wait at most ``deadline_s`` for this job's control plane in ``out``; the plane, or the
     last reason none was usable (one line, naming the address when Redis did not answer)."""
-    from urllib.parse import urlparse
-
     end = time.monotonic() + deadline_s
     why = "no access.json in the run directory"
     while True:

@@ -19,12 +19,21 @@ This launcher adds three things around its agent, and no restart loop:
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
+import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 
+from falconext.control.bus import Bus
+from falconext.control.service import SPARE_PREFIX
+from falconext.elastic import restart
+from falconext.elastic.join import read_access
+from falconext.elastic.processes import stop_groups
+from falconext.elastic.supervisor import plane_teller
 from falconext.inputs import InputError
 
 #: how often the launcher looks for its node's leave file and refreshes its spare key, seconds
@@ -59,8 +68,6 @@ def run_node(run: NodeRun) -> int:
     """Run this node's agent until the job is over for this node; returns 0 when the job
     succeeded or this node left it (excluded, or a spare the job never needed), else
     raises InputError with one line."""
-    from falconext.elastic import restart
-
     if run.spare:
         if not _wait_until_training(run):
             print(f"falconext: spare node {run.name}: the job ended before it was needed", flush=True)
@@ -108,11 +115,6 @@ def _stop_agent(proc: subprocess.Popen) -> None:
     barrier (a blocking store call that defers SIGTERM), and must not join the next round.
     Workers still there after the grace are stopped with the agent
     (:func:`falconext.elastic.processes.stop_groups`: SIGTERM, SIGKILL after STOP_GRACE_S)."""
-    import os
-    import signal
-
-    from falconext.elastic.processes import stop_groups
-
     stop = time.monotonic() + LEAVE_GRACE_S
     while proc.poll() is None and _children(proc.pid) != [] and time.monotonic() < stop:
         time.sleep(0.1)
@@ -127,8 +129,6 @@ def _stop_agent(proc: subprocess.Popen) -> None:
 def _children(pid: int) -> list[int] | None:
     """The child processes of ``pid`` (Linux /proc), or None where that cannot be told
     (no such process, or a kernel without /proc/PID/task/TID/children)."""
-    import os
-
     kids: list[int] = []
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -141,8 +141,6 @@ def _children(pid: int) -> list[int] | None:
 
 def _job_ended(run: NodeRun) -> bool:
     """Whether the job's plane says the job is over (access.json ended)."""
-    from falconext.elastic.join import read_access
-
     data = read_access(run.out)
     return data is not None and data.get("ended") is not None
 
@@ -151,11 +149,6 @@ def _wait_until_training(run: NodeRun) -> bool:
     """A spare waits until the job trains (its rank 0 wrote run.json after the plane
     started) and returns True, or False when the job ended first. Waits without a
     deadline, as a spare does: the job's own end releases it."""
-    import json
-    import os
-
-    from falconext.elastic.join import read_access
-
     while True:
         if _job_ended(run):
             return False
@@ -173,10 +166,6 @@ def _wait_until_training(run: NodeRun) -> bool:
 
 def _keep_spare_key(run: NodeRun, stop: threading.Event) -> None:
     """Keep ``spare:<host>`` alive on the plane until this node's ranks train (or stop)."""
-    from falconext.control.bus import Bus
-    from falconext.control.service import SPARE_PREFIX
-    from falconext.elastic.restart import joined
-
     if not run.url:
         return
     try:
@@ -184,7 +173,7 @@ def _keep_spare_key(run: NodeRun, stop: threading.Event) -> None:
     except Exception:  # noqa: BLE001 - no plane: nobody to tell
         return
     try:
-        while not stop.is_set() and not joined(run.out, run.name):
+        while not stop.is_set() and not restart.joined(run.out, run.name):
             bus.put(SPARE_PREFIX + run.name, "waiting", SPARE_TTL_S)
             stop.wait(SPARE_TTL_S / 3)
         bus.put(SPARE_PREFIX + run.name, "joined", 0.001)
@@ -215,8 +204,6 @@ def on_exclude(run: NodeRun, command: str) -> None:
 
 def _tell_plane(run: NodeRun, type_: str, **fields: object) -> None:
     """Post one event for the job's events.jsonl to the controller (best effort)."""
-    from falconext.elastic.supervisor import plane_teller
-
     tell = plane_teller(run.url, run.job)
     if tell is not None:
         tell(type_, **fields)

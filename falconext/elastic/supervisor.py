@@ -27,9 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from falconext.control.bus import Bus
+from falconext.control.client import CTL_STREAM
 from falconext.elastic.restart import DEFAULT_MAX_RESTARTS
 from falconext.inputs import InputError
 from falconext.mitigate.restart import LAUNCH_TIME_ENV, RESTART_FILE, CheckpointError, RestartRequest, read_request
+from falconext.protocol.messages import RankEvent
 
 
 @dataclass(frozen=True)
@@ -110,10 +113,6 @@ def plane_teller(url: str | None, job: str) -> Callable[..., None] | None:
         return None
 
     def tell(type_: str, **fields: object) -> None:
-        from falconext.control.bus import Bus
-        from falconext.control.client import CTL_STREAM
-        from falconext.protocol.messages import RankEvent
-
         try:
             bus = Bus(url, job)
             try:

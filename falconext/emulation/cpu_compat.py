@@ -137,7 +137,7 @@ def import_megatron_core() -> None:
     compile_ = torch.compile
     torch.compile = _no_compile  # type: ignore[assignment]
     try:
-        import megatron.core  # noqa: F401
+        import megatron.core  # noqa: F401  # lazy: run-time order (megatron-core with torch.compile off)
     finally:
         torch.compile = compile_  # type: ignore[assignment]
 
@@ -151,7 +151,7 @@ def enable(fast: bool = False) -> None:
     if _state:
         return
     import_megatron_core()
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # lazy: run-time order (after import_megatron_core)
 
     mode = _Factories() if fast else _CudaToCpu()
     mode.__enter__()
@@ -187,7 +187,7 @@ def disable() -> None:
     """Undo :func:`enable` (tests use it to leave the process as they found it)."""
     if not _state:
         return
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # lazy: run-time order (after import_megatron_core)
 
     _state["mode"].__exit__(None, None, None)
     torch.cuda.current_device = _state["current_device"]  # type: ignore[assignment]

@@ -57,7 +57,7 @@ class BusyKernel:
         self.queued: dict[int, float] = {}
 
     def _calibrate(self) -> float:
-        import torch
+        import torch  # lazy: start-up time (the launcher imports megatron_lm.hooks: no torch there)
 
         torch.cuda._sleep(CALIBRATION_CYCLES)  # warm-up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -80,7 +80,7 @@ class BusyKernel:
                 return 0.0
         seconds = busy_seconds(factor, self.healthy_s)
         if self._sleep is None:
-            import torch
+            import torch  # lazy: start-up time (the launcher imports megatron_lm.hooks: no torch there)
 
             self._sleep = torch.cuda._sleep
         if self._cycles_per_s is None:

@@ -116,7 +116,7 @@ def measure(quick: bool) -> ExperimentResult:
 
 def draw(result: ExperimentResult, path: str) -> None:
     """One bar per variant: its JCT over healthy."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     rows = result.rows
     fig, ax = plt.subplots(figsize=(8, 4.2))

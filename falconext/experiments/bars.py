@@ -11,7 +11,7 @@ def before_after_bars(path: str, labels: Sequence[str], before: Sequence[float],
     """Write a PNG of grouped bars: ``before`` (red) and ``after`` (``after_label``) per
     label, a black line at each non-None ``marks`` value over the second bar, and the
     healthy level (1.0) dotted."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     fig, ax = plt.subplots(figsize=(max(4.5, 0.9 * len(labels) + 2.5), 3.2))
     xs = list(range(len(labels)))

@@ -129,7 +129,7 @@ def _paper_pct(cell: str) -> float | None:
 
 def draw_kind(result: ExperimentResult, path: str, title: str) -> None:
     """Three panels (accuracy, FPR, FNR): a bar per method, the paper's value as a marker."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     kind = result.data["kind"]
     summaries: dict[str, Summary] = result.data["summaries"]

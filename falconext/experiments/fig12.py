@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
+
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.experiments.training import Job, JobResult, jobs_folder, run_job
 
@@ -254,8 +256,7 @@ def draw(result: ExperimentResult, path: str) -> None:
     """Bars per layout (S then M): median, p90 and the mean from iteration ``SETTLED_FROM``,
     the mean over all iterations written above them; the paper's single-node bound and its
     two multi-node figures as black marks."""
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     rows = result.rows
     x = np.arange(len(rows))

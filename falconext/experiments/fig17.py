@@ -125,7 +125,7 @@ def notes(base) -> list[str]:
 def draw(result: ExperimentResult, path: str) -> None:
     """Iteration time over iterations, as the paper's timeline, with onsets (red) and
     mitigations (green) marked."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     times = result.data["times"]
     fig, ax = plt.subplots(figsize=(7, 3.2))

@@ -30,9 +30,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from falconext.experiments.fig12 import FULL_LAYOUTS, Layout, layout_job
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.experiments.training import jobs_folder, run_job
+from falconext.report.summary import toggle_split
 
 #: iterations per on or off phase
 TOGGLE = 5
@@ -56,8 +59,6 @@ def on_off(times: dict[int, float], toggles: list, warmup: int = WARMUP) -> tupl
     """(iteration times with falconext on, with it off): ``times`` per iteration, ``toggles``
     as the job recorded them ([iteration, on]); iterations before ``warmup`` and the first
     of each phase are left out. Raises ValueError if either state has no iteration."""
-    from falconext.report.summary import toggle_split
-
     on, off = toggle_split(times, toggles, skip=1, first=warmup)
     if not on or not off:
         raise ValueError(f"no iterations with falconext {'on' if not on else 'off'} after iteration {warmup} "
@@ -152,8 +153,7 @@ def measure(quick: bool, layouts: tuple[Layout, ...] | None = None) -> Experimen
 
 def draw(result: ExperimentResult, path: str) -> None:
     """Bars per layout: on/off overhead (ours) and CPU share, with the paper's mean and max."""
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     rows = result.rows
     x = np.arange(len(rows))

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.experiments.training import Job, JobResult, jobs_folder, run_job
 
@@ -126,7 +128,7 @@ def startup_s(events: list[dict[str, Any]]) -> float | None:
 
 def stand_in_state(nbytes: int) -> dict[str, Any]:
     """A state of ``nbytes`` in float32 tensors of at most ``CHUNK_ELEMENTS`` elements."""
-    import torch
+    import torch  # lazy: start-up time (torch only for the disk baseline)
 
     if nbytes < 4:
         raise ValueError(f"nbytes = {nbytes}: too small for a state")
@@ -144,7 +146,7 @@ def disk_roundtrip(nbytes: int, directory: Path, repeats: int = DISK_REPEATS,
                    clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """(save s, load s), medians over ``repeats``: a state of ``nbytes`` written with
     torch.save and fsync, dropped from the page cache, read back with torch.load."""
-    import torch
+    import torch  # lazy: start-up time (torch only for the disk baseline)
 
     state = stand_in_state(nbytes)
     path = directory / f"disk-baseline-{nbytes}.pt"
@@ -270,8 +272,7 @@ def measure(quick: bool) -> ExperimentResult:
 def draw(result: ExperimentResult, path: str) -> None:
     """Stacked bars per model size, M (memory) beside D (disk) and checkpoint-restart,
     broken down into phases as the paper's Fig. 19."""
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     rows = result.rows
     x = np.arange(len(rows))

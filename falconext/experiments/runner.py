@@ -83,10 +83,10 @@ def render_table(exp: Experiment, result: ExperimentResult, quick: bool, seconds
 
 def draw_figure(exp: Experiment, result: ExperimentResult, path: Path) -> None:
     """The experiment's figure as a PNG (no display needed)."""
-    import matplotlib
+    import matplotlib  # lazy: start-up time (matplotlib only where a figure is drawn)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after matplotlib.use("Agg"))
 
     try:
         exp.load().draw(result, str(path))
@@ -174,7 +174,7 @@ def layouts_for(exp_name: str, text: str) -> tuple:
     takers = [e.name for e in EXPERIMENTS if e.takes_layouts]
     if exp_name == "all" or not lookup(exp_name).takes_layouts:
         raise InputError(f"--layouts: {exp_name} measures its own layouts; only {' and '.join(takers)} take them")
-    from falconext.experiments.fig12 import parse_layouts
+    from falconext.experiments.fig12 import parse_layouts  # lazy: start-up time (numpy; the CLI imports the runner)
 
     try:
         return parse_layouts(text)

@@ -40,9 +40,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import redis
 
 from falconext.config import FalconConfig
+from falconext.control.agent import HeartbeatAggregator
+from falconext.control.bus import Bus
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM
+from falconext.control.redis_server import start_redis
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
 from falconext.protocol.commands import Go, ProfileRequest, Share, Suspend
 from falconext.protocol.messages import Heartbeat, Localized, ProfileData, ValidationResult
@@ -194,11 +198,6 @@ class _Ranks:
     making and posting the ranks' messages (on a cluster they do it in parallel)."""
 
     def __init__(self, url: str, job: str, layout: Layout, cfg: FalconConfig) -> None:
-        import redis
-
-        from falconext.control.agent import HeartbeatAggregator
-        from falconext.control.bus import Bus
-
         self.bus = Bus(url, job, maxlen=cfg.stream_maxlen)
         self.raw = redis.Redis.from_url(url)
         self.ctl_key = self.bus.key(CTL_STREAM)
@@ -360,8 +359,6 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
 
     The controller's events.jsonl and stderr go to a temporary folder, removed at the
     end, or to ``workdir``, kept."""
-    from falconext.control.redis_server import start_redis
-
     cfg = cfg or FalconConfig()
     layout = layout_for(ranks)
     healthy_s, slow_s, allreduce_s = iteration_seconds(layout)
@@ -518,7 +515,7 @@ def measure(quick: bool) -> ExperimentResult:
 def draw(result: ExperimentResult, path: str) -> None:
     """Controller load (heartbeats drained against offered; CPU at the offered rate) and
     time to localize against job size."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     rows = result.rows
     fig, (a, c, b) = plt.subplots(1, 3, figsize=(14, 3.9))

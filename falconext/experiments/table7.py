@@ -157,7 +157,7 @@ def measure(quick: bool) -> ExperimentResult:
 def draw(result: ExperimentResult, path: str) -> None:
     """Fig. 20: throughput over time with and without falconext (and healthy), the
     mitigations marked, the fault trace below."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
     d = result.data
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 5.2), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})

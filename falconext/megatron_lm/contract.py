@@ -54,6 +54,7 @@ class MegatronLMChanged(RuntimeError):
 def megatron_version() -> str:
     """``core_vX.Y.Z`` of the Megatron-LM being imported ("unknown" if unreadable)."""
     try:
+        # lazy: run-time order (the Megatron-LM being imported: its checkout on sys.path)
         from megatron.core import package_info
 
         return "core_v" + package_info.__version__

@@ -17,10 +17,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import time
 import types
 from typing import Any
 
 import torch
+
+from falconext.emulation import cpu_compat
 
 #: Megatron-LM flags a CPU run needs, with their values (None: a switch), added unless the
 #: user gave them: local layers (no Transformer Engine), no fused CUDA kernels, no gradient
@@ -86,8 +89,6 @@ class _Event:
         self._t = 0.0
 
     def record(self, stream: Any = None) -> None:
-        import time
-
         self._t = time.perf_counter()
 
     def synchronize(self) -> None:
@@ -113,7 +114,6 @@ def enable() -> None:
     """
     if _saved:
         return
-    from falconext.emulation import cpu_compat
 
     cpu_compat.enable()
     cuda = torch.cuda
@@ -150,7 +150,7 @@ def _stub_triton_only_modules() -> None:
     initialize imports one name from it, used only with ``--batch-invariant-mode``."""
     name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  # lazy: optional dependency (triton)
         return
     except ImportError:
         pass
@@ -171,6 +171,7 @@ def _stub_triton_only_modules() -> None:
 def _patch_megatron_package() -> None:
     """``model_parallel_cuda_manual_seed`` is re-exported by ``megatron.core.tensor_parallel``:
     the CPU seed goes there too (cpu_compat patched the defining module)."""
+    # lazy: run-time order (after cpu_compat.enable imported megatron-core)
     import megatron.core.tensor_parallel as tp
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -196,17 +197,20 @@ def patch_training_modules() -> None:
     runs, so the wrapper there takes effect; the dataset helpers come compiled with the
     installed megatron-core, and the fused kernels are unused on CPU.
     """
+    # lazy: run-time order (megatron.training: once the script's folder is on sys.path)
     import megatron.training.initialize as init
     import megatron.training.training as training
     from megatron.core.datasets import utils as dutils
 
     try:  # Megatron-LM before core_v0.19 builds its fused kernels at start-up
+        # lazy: run-time order (megatron.legacy: once the script's folder is on sys.path)
         import megatron.legacy.fused_kernels as fk
     except ImportError:  # core_v0.19 and later: no legacy package, nothing to build
         pass
     else:
         fk.load = lambda args: None
     try:  # the installed megatron-core's compiled helpers: nothing to build
+        # lazy: run-time order (megatron-core: after cpu_compat, the checkout's when it brings its own)
         import megatron.core.datasets.helpers_cpp  # noqa: F401
     except ImportError:  # a checkout's own core (Megatron-LM main): Megatron builds them with make
         pass

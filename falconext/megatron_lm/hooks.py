@@ -25,18 +25,39 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
+import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args, parse_microbatches, parse_topology
+from falconext.control.client import JOB_ENV, REDIS_URL_ENV
+from falconext.control.plane import MAX_RESTARTS, agent_argv, falcon_argv
+from falconext.control.service import PARENT_ENV
+from falconext.elastic.hosts import HARDWARE_NODE_ENV, node_name
+from falconext.elastic.restart import RESTART_EXIT, NodeLeave, mark_joined, wait_left, write_leave
+from falconext.emulation.gpu_fault import BusyKernel
+from falconext.megatron_lm import contract
+from falconext.megatron_lm.sampler import PlanError, PlannedSampler, PlanSchedule
+from falconext.mitigate import restart
+from falconext.mitigate.restart import LAUNCH_TIME_ENV
+from falconext.mitigate.topology import rank0_on_first_node
+from falconext.model.device import DEFAULT_GFLOPS, DeviceModel, gpt_forward_flops
+from falconext.model.faults import on_hardware, placed, read_faults
 from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange
 from falconext.report.device import write_device_record
 from falconext.runtime.host import PlanRefused, apply_action, versions
 from falconext.model.roles import check_roles
+from falconext.protocol.eventlog import EventLog, ForwardingEventLog
+from falconext.protocol.messages import RankEvent
+from falconext.report import summary as report
+from falconext.report.summary import EstimatesFile
+from falconext.trace import groups
 
 #: the environment variable holding the launcher's ``--falcon*`` flags (a JSON list)
 FLAGS_ENV = "FALCONEXT_MEGATRON_FLAGS"
@@ -148,17 +169,12 @@ class Session:
     """falconext in one Megatron-LM rank (created by :func:`on_initialized`)."""
 
     def __init__(self, cfg: FalconConfig, flags: argparse.Namespace, margs: argparse.Namespace) -> None:
-        import torch
-
-        from falconext.protocol.eventlog import EventLog, ForwardingEventLog
-        from falconext.megatron_lm import contract
-        from falconext.elastic.hosts import node_name
+        import torch  # lazy: start-up time (the launcher imports megatron_lm.hooks: no torch there)
 
         self.cfg = cfg
         self.flags = flags
         self.margs = margs
         self.created = time.time()
-        from falconext.trace import groups
 
         self.rank = torch.distributed.get_rank()
         self.world = torch.distributed.get_world_size()
@@ -183,7 +199,6 @@ class Session:
         else:
             self.events = EventLog(os.path.join(self.out, "events.jsonl"))
         self._agent: Any = None
-        from falconext.report.summary import EstimatesFile
 
         self.estimates_file = EstimatesFile(self.out, self.process, self.suffix)
         self.loop_starts: list[float] = []
@@ -203,6 +218,7 @@ class Session:
         self._closed = False
         #: the training data loader draws from the planned sampler (S2 can run)
         self.sampler_planned = False
+        # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
         from megatron.core import parallel_state as ps
 
         self.tp = ps.get_tensor_model_parallel_world_size()
@@ -211,7 +227,6 @@ class Session:
         self.replica = ps.get_data_parallel_rank()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.ranks_per_node = flags.falcon_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        from falconext.megatron_lm.sampler import PlanSchedule
 
         microbatches = margs.global_batch_size // margs.micro_batch_size
         self.schedule = PlanSchedule(self.dp, microbatches)
@@ -234,7 +249,6 @@ class Session:
         self.job_faults: list = []
         if not self.flags.falcon_inject:
             return []
-        from falconext.model.faults import on_hardware, read_faults
 
         faults = read_faults(self.flags.falcon_inject, self.world, self.ranks_per_node)
         self.job_faults = faults
@@ -245,13 +259,11 @@ class Session:
 
     def _hardware(self) -> tuple[int, int] | None:
         """(emulated node, local rank) this process runs on under ``falconext nodes``, else None."""
-        from falconext.elastic.hosts import HARDWARE_NODE_ENV as ENV_NODE
-
-        hardware = os.environ.get(ENV_NODE, "")
+        hardware = os.environ.get(HARDWARE_NODE_ENV, "")
         return (int(hardware), self.local_rank) if hardware.isdigit() else None
 
     def _device_kind(self) -> str:
-        import torch
+        import torch  # lazy: start-up time (the launcher imports megatron_lm.hooks: no torch there)
 
         kind = self.flags.falcon_device or "auto"
         if kind == "auto":
@@ -260,21 +272,20 @@ class Session:
 
     def _start(self, iteration: int) -> None:
         """Everything that must happen on every rank at the same point: the first iteration."""
+        # lazy: start-up time (the launcher imports megatron_lm.hooks: no torch there)
         import torch
 
         from falconext.runtime.runtime import FalconRuntime
 
         kind = self._device_kind()
         if kind == "emulated":
-            from falconext.model.device import DEFAULT_GFLOPS, DeviceModel
+            # lazy: start-up time (the launcher imports megatron_lm.hooks: no torch there)
             from falconext.emulation.emulator import EmulatedDevice
 
             gflops = self.flags.falcon_device_gflops or DEFAULT_GFLOPS
             self.device = EmulatedDevice(DeviceModel(gflops=gflops), self.process, self.ranks_per_node, self.faults)
             self.device.install()  # below the tracer
         elif kind == "cuda" and self.faults:  # a compute fault is a busy kernel on this rank's stream
-            from falconext.emulation.gpu_fault import BusyKernel
-
             self.busy = BusyKernel(self.faults, self.process)
             if any(f.kind != "compute" for f in self.faults):
                 self.events.emit("control_error", rank=self.process,
@@ -298,21 +309,16 @@ class Session:
         self.runtime.set_role(self.rank, self.stage, self.tp, self.pp, *self._traffic())
         client = self.runtime.client
         if self.multi_node and client is not None:
-            from falconext.protocol.messages import RankEvent
-
             process = self.process
             self.events.forward_to(lambda record: client.post(RankEvent.of(process, record)))  # type: ignore[attr-defined]
             if self.local_rank == 0:
                 self._agent = NodeAgentProcess(self, topology["ranks"]).start()
         if self.multi_node and self.local_rank == 0:
-            from falconext.elastic.restart import mark_joined
-
             mark_joined(self.out, self.node_name)  # a spare that joined is one no longer
             self.events.emit("node_joined", node=self.process // self.ranks_per_node, host=self.node_name,
                              attempt=self.attempt, world=self.world, round_id=round_id(os.environ),
                              agent_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), ranks=sorted(int(r["process"]) for r in topology["ranks"]
                                                                 if r.get("host") == self.node_name))
-        from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
         launched = float(os.environ.get(LAUNCH_TIME_ENV, 0) or 0)
         if launched:  # S4's cost: this start-up (load included), measured
@@ -325,14 +331,13 @@ class Session:
             self.events.emit("control_error", rank=0, error=f"S2 off: {self.s2_refused}")
 
     def _topology(self) -> dict[str, Any]:
-        import torch
-
-        from falconext.control.client import REDIS_URL_ENV
+        import torch  # lazy: start-up time (the launcher imports megatron_lm.hooks: no torch there)
 
         mine = {"rank": self.rank, "process": self.process, "tp_rank": 0, "pp_rank": self.stage,
                 "dp_rank": self.replica, "node": self.process // self.ranks_per_node, "host": self.node_name,
                 "plane": bool(os.environ.get(REDIS_URL_ENV)), "flags": flags_digest(os.environ.get(FLAGS_ENV, "[]")),
                 "hardware": self._hardware()}
+        # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
         from megatron.core import parallel_state as ps
 
         mine["tp_rank"] = ps.get_tensor_model_parallel_rank()
@@ -347,8 +352,6 @@ class Session:
         launcher's ``--falcon*`` flags differ from the others', the job trains on with
         falconext's control off on every rank (rank 0 says why, once). Same on all ranks:
         decided from the all-gathered topology."""
-        import dataclasses
-
         why = plane_refusal(ranks)
         if why is None or not self.cfg.control_plane:
             return
@@ -375,8 +378,6 @@ class Session:
 
     def _placed_faults(self, ranks: list[dict[str, Any]]) -> list:
         """The job's faults, each named by hardware given the process running there."""
-        from falconext.model.faults import placed
-
         where = {tuple(r["hardware"]): int(r["process"]) for r in ranks if r.get("hardware") is not None}
         return placed(self.job_faults, where) if where else self.faults
 
@@ -388,8 +389,6 @@ class Session:
         return grad, act
 
     def _forward_flops(self) -> float:
-        from falconext.model.device import gpt_forward_flops
-
         a = self.margs
         vocab = getattr(a, "padded_vocab_size", None) or a.vocab_size or 0
         return gpt_forward_flops(a.num_layers // max(1, self.pp), a.hidden_size, a.seq_length, a.micro_batch_size,
@@ -435,8 +434,6 @@ class Session:
     def apply_plan(self, action: MicrobatchPlan, iteration: int) -> dict[str, Any] | None:
         """S2 from the first iteration the data loader has not fetched yet; one
         ``plan_applied`` per node (every node applies it)."""
-        from falconext.megatron_lm.sampler import PlanError
-
         why = self.s2_refused or (None if self.sampler_planned else
                                   "the training data loader does not draw from Megatron's single sampler")
         if why:
@@ -484,8 +481,6 @@ class Session:
             except ValueError as exc:
                 why = str(exc)
             if why is None and self.multi_node:  # ranks move between nodes: see resumed_roles
-                from falconext.mitigate.topology import rank0_on_first_node
-
                 anchored = rank0_on_first_node(roles, self.tp, self.dp, self.ranks_per_node)
                 if anchored is None:
                     why = ("no process of node 0 would play a first-stage rank, and rank 0's process serves the "
@@ -508,8 +503,6 @@ class Session:
                              exclude_nodes=self._restart["exclude_nodes"], strategy=strategy,
                              forced=action.reason == "forced", **fields)
         if self.rank == 0:  # now, before any rank exits: the next round's ranks read it at start
-            from falconext.mitigate import restart
-
             r = self._restart
             restart.write_request(self.out, restart.RestartRequest(
                 iteration=r["iteration"], exclude_nodes=r["exclude_nodes"], checkpoint=r["checkpoint"],
@@ -565,9 +558,8 @@ class Session:
     def train_sampler(self, batch_sampler: Any, dataset: Any) -> Any:
         """The planned sampler in place of Megatron's for the training split (other splits,
         and samplers other than Megatron's plain one, are left alone and S2 stays off)."""
-        from falconext.megatron_lm.sampler import PlannedSampler
-
         try:
+            # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
             from megatron.core.datasets.utils import Split
         except ImportError:  # pragma: no cover - megatron-core is a dependency
             return batch_sampler
@@ -590,11 +582,8 @@ class Session:
         if self._t_start and self.iteration >= 0:  # it ended at its step's end, not at exit (a checkpoint)
             end = self._t_end if self._t_end > self._t_start else time.perf_counter()
             self.measured.append((self.iteration, end - self._t_start, None))
-        from falconext.report import summary as report
 
         if self._restart is not None and self._leaving and self.local_rank == 0:
-            from falconext.elastic.restart import NodeLeave, write_leave
-
             leave = NodeLeave(self.node_name, self.process // self.ranks_per_node, self._restart["iteration"] - 1,
                               f"S4 without node {self.process // self.ranks_per_node}: {self._restart['reason']}",
                               time.time())
@@ -629,8 +618,6 @@ def exit_status(code: int) -> int:
     launchers, a rank that stopped for a restart and stays in the job exits with
     RESTART_EXIT, so its TorchElastic agent restarts the node's workers in a new round (a
     leaving node's ranks exit 0; their launcher stops the agent)."""
-    from falconext.elastic.restart import RESTART_EXIT, wait_left
-
     s = _session
     if code == 0 and s is not None and s.multi_node and s._restart is not None and not s._leaving:
         hosts = [s.node_hosts[n] for n in s._restart["exclude_nodes"] if 0 <= n < len(s.node_hosts)]
@@ -645,8 +632,6 @@ def exit_status(code: int) -> int:
 def flags_digest(flags_json: str) -> str:
     """A short digest of a launcher's ``--falcon*`` flags (the JSON list in FLAGS_ENV), to
     compare nodes' launchers without sending the flags around."""
-    import hashlib
-
     return hashlib.sha256(flags_json.encode()).hexdigest()[:16]
 
 
@@ -688,11 +673,8 @@ class NodeAgentProcess:
     ``nodes/<host>/agent.log``."""
 
     def __init__(self, session: "Session", ranks: list[dict[str, Any]]) -> None:
-        from falconext.control.plane import agent_argv, falcon_argv
-
         node = session.process // session.ranks_per_node
         mine = sorted(int(r["process"]) for r in ranks if r.get("host") == session.node_name)
-        from falconext.control.client import JOB_ENV
 
         cfg = argparse.Namespace(**{"falcon_" + k: v for k, v in session.cfg.to_dict().items()})
         job = os.environ.get(JOB_ENV, "falcon")
@@ -707,10 +689,6 @@ class NodeAgentProcess:
     def start(self) -> "NodeAgentProcess":
         """Start the agent process (its parent: this rank, which it outlives by at most a
         parent-watch period); returns self."""
-        import subprocess
-
-        from falconext.control.service import PARENT_ENV
-
         argv = self.argv + (["--since-ms", str(self.since_ms)] if self.restarts == 0 else [])
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
@@ -719,16 +697,12 @@ class NodeAgentProcess:
 
     def check(self) -> None:
         """Start it again if it died (a bounded number of times)."""
-        from falconext.control.plane import MAX_RESTARTS
-
         if self.proc is not None and self.proc.poll() is not None and self.restarts < MAX_RESTARTS:
             self.restarts += 1
             self.start()
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s."""
-        import subprocess
-
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()

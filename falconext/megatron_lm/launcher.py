@@ -28,7 +28,36 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from falconext.config import ConfigError, FalconConfig, config_from_args, parse_topology
+from falconext.control.client import JOB_ENV, REDIS_URL_ENV
+from falconext.control.plane import start_plane
+from falconext.elastic import rendezvous
+from falconext.elastic.hosts import NODES_ON_HOST_ENV, node_name
+from falconext.elastic.join import find_plane
+from falconext.elastic.node import NodeRun, run_node
+from falconext.elastic.restart import DEFAULT_MAX_RESTARTS
+from falconext.elastic.supervisor import AttemptEnd, Supervisor
 from falconext.inputs import InputError, option, set_option
+from falconext.megatron_lm import contract
+from falconext.megatron_lm.hooks import (
+    ATTEMPT_ENV,
+    FLAGS_ENV,
+    MULTI_NODE_ENV,
+    ROLES_ENV,
+    FlagError,
+    flags_digest,
+    parse_flags,
+)
+from falconext.mitigate import restart
+from falconext.mitigate.restart import LAUNCH_TIME_ENV
+from falconext.mitigate.room import shrink_floor
+from falconext.model.device import DEFAULT_INTER_BANDWIDTH, EMULATED_TESTBED, MESSAGE_S, host_gflops
+from falconext.model.faults import copy_faults, read_faults
+from falconext.model.roles import check_roles
+from falconext.ports import free_port
+from falconext.report import summary as report
+from falconext.report.figures import report_at_end
+from falconext.trace.groups import processes_of
 
 #: torchrun options that take a value (both spellings are accepted by torchrun)
 _VALUE_OPTIONS = {
@@ -158,9 +187,6 @@ def launch(argv: list[str]) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
-    from falconext.megatron_lm.hooks import ATTEMPT_ENV, FLAGS_ENV
-
-    from falconext.elastic import rendezvous
 
     rdzv = rendezvous.parse(plan.torchrun)
     node = _NodeRole.of(rdzv, plan.torchrun)
@@ -176,7 +202,6 @@ def launch(argv: list[str]) -> int:
     env[FLAGS_ENV] = json.dumps(job.flags)
     if rdzv.multi_node:
         return _launch_node(plan, job, rdzv, node, env)
-    from falconext.elastic.supervisor import AttemptEnd, Supervisor
 
     plane = _start_plane(job, env)
 
@@ -216,8 +241,6 @@ class _NodeRole:
 
     @classmethod
     def of(cls, rdzv, opts: list[str]) -> "_NodeRole":
-        from falconext.elastic import rendezvous
-
         if not rdzv.multi_node:
             return cls(True, None, [])
         local = bool(rdzv.endpoint_host) and rendezvous.is_local_address(rdzv.endpoint_host)
@@ -234,12 +257,6 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
     loopback, the controller), the others find it through the shared run directory; every
     node runs its TorchElastic agent, which restarts the node's workers itself; the node
     that started the plane writes the summary once the job is over."""
-    from falconext.control.client import JOB_ENV, REDIS_URL_ENV
-    from falconext.elastic.join import find_plane
-    from falconext.elastic.node import NodeRun, run_node
-    from falconext.megatron_lm.hooks import FLAGS_ENV, MULTI_NODE_ENV, flags_digest
-    from falconext.elastic.hosts import node_name
-
     env[MULTI_NODE_ENV] = "1"
     # torch (2.4 and later) shares the rendezvous's TCP store with the workers and keeps the
     # round-0 rank 0's address for later rounds: a spare that joins a later round then waits
@@ -262,7 +279,6 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
             env[REDIS_URL_ENV] = ""
         else:
             env[REDIS_URL_ENV], env[JOB_ENV] = found.url, found.job
-    from falconext.mitigate.restart import LAUNCH_TIME_ENV
 
     env[LAUNCH_TIME_ENV] = repr(time.time())
     spare = rdzv.node_rank is not None and rdzv.node_rank >= rdzv.min_nodes
@@ -281,8 +297,6 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
 def shrink_floor_of(script_args: list[str], rdzv) -> int:
     """The fewest nodes this Megatron-LM job can train on with its global batch unchanged
     (its node count when it names no --global-batch-size: Megatron's default scales with DP)."""
-    from falconext.mitigate.room import shrink_floor
-
     gbs = option(script_args, "--global-batch-size")
     if gbs is None or not gbs.isdigit():
         return rdzv.min_nodes
@@ -297,8 +311,6 @@ def elastic_options(opts: list[str], rdzv, floor: int) -> list[str]:
     ``--nnodes``' MIN nodes (more launchers are spares, which torch keeps out of a full
     round), and may go on with as few as ``floor`` after an exclusion that no spare fills:
     ``--nnodes FLOOR:MIN``; ``--max-restarts`` DEFAULT_MAX_RESTARTS unless given (pure)."""
-    from falconext.elastic.restart import DEFAULT_MAX_RESTARTS
-
     out = set_option(opts, "--nnodes", f"{min(floor, rdzv.min_nodes)}:{rdzv.min_nodes}")
     if option(out, "--max-restarts") is None:
         out += ["--max-restarts", str(DEFAULT_MAX_RESTARTS)]
@@ -307,8 +319,6 @@ def elastic_options(opts: list[str], rdzv, floor: int) -> list[str]:
 
 def _config(job: "_Job"):
     """The job's FalconConfig."""
-    from falconext.config import FalconConfig
-
     return FalconConfig(**job.config)
 
 
@@ -324,10 +334,6 @@ class _Job:
 def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     """Check the ``--falcon*`` flags and complete the script's arguments for S2 and S4.
     ``hosts``: this launcher owns the run directory's job-wide files (one per job)."""
-    from falconext.config import ConfigError, config_from_args, parse_topology
-    from falconext.megatron_lm import contract
-    from falconext.megatron_lm.hooks import FlagError, parse_flags
-
     try:
         flags = parse_flags(plan.falcon_args)
         cfg = config_from_args(flags)
@@ -344,9 +350,6 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     rpn = flags.falcon_ranks_per_node or nproc
     extra: list[str] = ["--falcon-out", out]
     if flags.falcon_inject:
-        from falconext.model.faults import read_faults
-        from falconext.model.faults import copy_faults
-
         path = copy_faults(flags.falcon_inject, out)
         try:
             read_faults(path, world, rpn, hardware_nodes=rdzv.max_nodes)  # a spare's hardware too
@@ -376,14 +379,8 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     if option(plan.script_args, "--ckpt-format") is None and not _has_cuda():
         plan.script_args += ["--ckpt-format", "torch"]
     if not _has_cuda():  # the emulated device's validation settings, unless given
-        from falconext.model.device import EMULATED_TESTBED, MESSAGE_S
-        from falconext.model.device import DEFAULT_INTER_BANDWIDTH
-
         knobs = dict(EMULATED_TESTBED, falcon_p2p_bytes=max(4096, int(DEFAULT_INTER_BANDWIDTH * MESSAGE_S)))
         if flags.falcon_device_gflops is None:  # the device speed this host keeps up with
-            from falconext.model.device import host_gflops
-            from falconext.elastic.hosts import NODES_ON_HOST_ENV
-
             # the job's nodes on this host (a spare's ranks do not run until one leaves)
             sharing = min(int(os.environ.get(NODES_ON_HOST_ENV, "1") or 1), rdzv.min_nodes)
             cores = len(os.sched_getaffinity(0))
@@ -409,8 +406,6 @@ CUDA_GEMM_SIZE = 4096
 def checked_roles(roles: object, world: int, name: str) -> list[int]:
     """``roles`` if it is a permutation of the job's ``world`` ranks; else an
     :class:`InputError` naming ``name``."""
-    from falconext.model.roles import check_roles
-
     try:
         return list(check_roles(roles, world, name))  # type: ignore[arg-type]
     except ValueError as exc:
@@ -428,9 +423,6 @@ def roles_env(roles: list[int], env: dict[str, str]) -> dict[str, str]:
     one launcher holding every rank): the roles for falconext, and where there are GPUs, a
     ``CUDA_VISIBLE_DEVICES`` in which local rank ``r`` finds the GPU of the process that
     now plays it (Megatron picks the GPU by local rank)."""
-    from falconext.megatron_lm.hooks import ROLES_ENV
-    from falconext.trace.groups import processes_of
-
     out = {ROLES_ENV: json.dumps(roles)}
     if _has_cuda():
         listed = env.get("CUDA_VISIBLE_DEVICES", "")
@@ -458,7 +450,7 @@ def _without(flags: list[str], names: tuple[str, ...]) -> list[str]:
 
 
 def _has_cuda() -> bool:
-    import torch
+    import torch  # lazy: start-up time (no torch in the launcher until a --falcon job asks about CUDA)
 
     return torch.cuda.is_available()
 
@@ -467,8 +459,6 @@ def _torchrun(plan: LaunchPlan) -> list[str]:
     opts = list(plan.torchrun)
     if option(opts, "--master-port") is None and option(opts, "--rdzv-endpoint") is None \
             and "--standalone" not in opts:
-        from falconext.ports import free_port
-
         opts += ["--master-port", str(free_port())]
     return [sys.executable, "-m", "torch.distributed.run", *opts, "-m", "falconext.megatron_lm.rank",
             plan.script, *plan.script_args]
@@ -479,19 +469,15 @@ def _start_plane(job: _Job, env: dict[str, str], redis_bind: str = "127.0.0.1", 
     """The control plane (one per job), its variables in ``env``; None when off."""
     if not _config(job).control_plane:
         return None
-    from falconext.control.plane import start_plane as start
 
     ns = argparse.Namespace(falcon=True, out=job.out, nproc=job.world, ranks_per_node=job.ranks_per_node,
                             falcon_redis_url=None,
                             **{"falcon_" + k: v for k, v in job.config.items()})
-    return start(ns, env, redis_bind=redis_bind, agents=agents, access=access)
+    return start_plane(ns, env, redis_bind=redis_bind, agents=agents, access=access)
 
 
 def _drop_excluded_faults(job: _Job, req, env: dict[str, str]) -> None:
     """The test bed replaces an excluded (virtual) node: its faults are dropped."""
-    from falconext.megatron_lm.hooks import FLAGS_ENV
-    from falconext.mitigate import restart
-
     flags = json.loads(env[FLAGS_ENV])
     if "--falcon-inject" not in flags:
         return
@@ -507,12 +493,9 @@ def _drop_excluded_faults(job: _Job, req, env: dict[str, str]) -> None:
 
 
 def _finalize(out: str) -> None:
-    from falconext.report import summary as report
-
     if not os.path.exists(os.path.join(out, "run.json")):
         return
     summary = report.finalize(out)
     print(report.format_summary(summary), flush=True)
-    from falconext.report.figures import report_at_end
 
     print(report_at_end(out), flush=True)

@@ -16,7 +16,17 @@ import json
 import os
 import runpy
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+import torch
+
+from falconext.elastic.hosts import node_name
+from falconext.inputs import set_option
+from falconext.megatron_lm import contract, cpu, hooks
+from falconext.megatron_lm.patching import PatchError, megatron_version
+from falconext.mitigate import restart
+from falconext.model.roles import check_roles
 
 EXIT_REFUSED = 2
 
@@ -27,6 +37,7 @@ def use_compiled_helpers() -> bool:
     Makefile), turn Megatron-LM's ``compile_helpers`` (``make`` in that folder, which would
     fail) into nothing. True when the compiled helpers are used."""
     try:
+        # lazy: run-time order (the installed megatron-core, before the script's folder joins sys.path)
         import megatron.core.datasets.helpers_cpp  # noqa: F401
         from megatron.core.datasets import utils
     except ImportError:  # none installed, or not compiled: Megatron-LM compiles them as usual
@@ -40,10 +51,6 @@ def own_core_first(script: str) -> str | None:
     the installed megatron-core (Megatron-LM main: 0.20 against 0.19.2), or where none is
     installed, put the checkout first on the path, so that Megatron-LM's training code runs
     on its own core. Returns a line saying so, or None when the installed one is used."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from falconext.megatron_lm.patching import PatchError, megatron_version
-
     root = os.path.dirname(os.path.abspath(script))
     try:
         theirs = megatron_version(root)
@@ -70,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         print("falconext.megatron_lm.rank: usage: SCRIPT [script arguments]", file=sys.stderr)
         return EXIT_REFUSED
     script, script_args = argv[0], argv[1:]
-    from falconext.megatron_lm import hooks
 
     try:
         flags = hooks.parse_flags(json.loads(os.environ.get(hooks.FLAGS_ENV, "[]")))
@@ -80,12 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     said = own_core_first(script)
     if said and os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"falconext: {said}", file=sys.stderr, flush=True)
-    import torch
 
     cpu_mode = not torch.cuda.is_available()
     if cpu_mode:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-        from falconext.megatron_lm import cpu
 
         cpu.enable()  # megatron.core comes from the installed megatron-core from here on
         script_args = cpu.script_flags(script_args)
@@ -96,11 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     if not flags.falcon:  # CPU mode only: Megatron-LM as it is
         if cpu_mode:
-            from falconext.megatron_lm import cpu
-
             cpu.patch_training_modules()
         return _run(script, script_args)
-    from falconext.megatron_lm import contract
 
     try:
         contract.check()
@@ -108,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"falconext launch: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     if cpu_mode:
-        from falconext.megatron_lm import cpu
-
         cpu.patch_training_modules()
     install(flags)
     if os.environ.get(hooks.MULTI_NODE_ENV) == "1":  # a TorchElastic round after a restart resumes
@@ -123,10 +122,6 @@ def resumed_args(out: str, script_args: list[str], environ: Any) -> list[str]:
     job's ``restart.json`` names it) resume from its checkpoint: ``--load`` set, and the
     attempt and the restart's request time in ``environ`` (S4's cost is measured from
     it). Unchanged when the job has not restarted."""
-    from falconext.megatron_lm import hooks
-    from falconext.megatron_lm.launcher import set_option
-    from falconext.mitigate import restart
-
     path = os.path.join(out, restart.RESTART_FILE)
     if not os.path.exists(path):
         return script_args
@@ -154,10 +149,6 @@ def resumed_roles(extra: dict, environ: Any) -> str | None:
     world they were planned for, by node index, even when another host now has that index
     (then a line says so). ``LOCAL_RANK``, the process's device, is left alone. Returns a
     line to print, or None."""
-    from falconext.megatron_lm import hooks
-    from falconext.model.roles import check_roles
-    from falconext.elastic.hosts import node_name
-
     roles = extra.get("roles")
     if roles is None:
         return None
@@ -192,11 +183,10 @@ def _run(script: str, script_args: list[str]) -> int:
 
 def install(flags: Any) -> None:
     """falconext's wrappers in place of the hook points (all checked by :func:`contract.check`)."""
+    # lazy: run-time order (megatron.training: once the script's folder is on sys.path)
     import megatron.training.ft_integration as ft
     import megatron.training.training as training
     from megatron.training.global_vars import get_args
-
-    from falconext.megatron_lm import hooks
 
     get_fb = training.get_forward_backward_func
 
@@ -247,8 +237,6 @@ def install(flags: Any) -> None:
 
 def _reloader(loader: Any, dataset: Any, batch_sampler: Any) -> Any:
     """``loader`` again, with ``batch_sampler`` (a DataLoader's sampler is fixed once built)."""
-    import torch
-
     extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=batch_sampler, num_workers=loader.num_workers, pin_memory=loader.pin_memory,

@@ -347,7 +347,7 @@ def plan_microbatches_cvxpy(
             constraints.
     """
     t, m_total, caps = _validate(times, total, max_per_replica)
-    import cvxpy as cp  # lazy: heavy import, only needed for the reference solve
+    import cvxpy as cp  # lazy: start-up time (cvxpy is heavy; only the reference solve needs it)
 
     d = t.size
     m = cp.Variable(d, integer=True)

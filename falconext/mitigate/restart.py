@@ -66,6 +66,7 @@ def rng_state() -> dict[str, Any]:
     """Every random generator's state of this process (torch, Python, numpy, and CUDA when
     initialised), as tensors and plain values that a weights-only load accepts."""
 
+    # lazy: start-up time (the launchers read restart requests here: no torch in them)
     import numpy as np
     import torch
 
@@ -86,6 +87,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """Restore the generators from :func:`rng_state`'s dict, so the next draws equal those
     the saving process would have made (CUDA only where CUDA is available)."""
 
+    # lazy: start-up time (the launchers read restart requests here: no torch in them)
     import numpy as np
     import torch
 
@@ -140,7 +142,7 @@ def restore_payload(payload: Any, where: str, rank: int, layout: dict[str, int],
 def payload_to_bytes(payload: dict[str, Any]) -> bytes:
     """``payload`` serialised by ``torch.save`` into bytes (read back with :func:`payload_from_bytes`)."""
 
-    import torch
+    import torch  # lazy: start-up time (the launchers read restart requests here: no torch in them)
 
     buf = io.BytesIO()
     torch.save(payload, buf)
@@ -155,7 +157,7 @@ def payload_from_bytes(data: bytes, where: str) -> Any:
 def save_shard(directory: str, rank: int, layout: dict[str, int], iteration: int, model: Any, optimizer: Any,
                extra: dict[str, Any] | None = None) -> float:
     """Write this rank's shard; returns the seconds it took."""
-    import torch
+    import torch  # lazy: start-up time (the launchers read restart requests here: no torch in them)
 
     t0 = time.perf_counter()
     os.makedirs(directory, exist_ok=True)
@@ -180,7 +182,7 @@ def _read(path: str) -> Any:
 
 
 def _load(source: Any, where: str, kind: str) -> Any:
-    import torch
+    import torch  # lazy: start-up time (the launchers read restart requests here: no torch in them)
 
     try:
         return torch.load(source, map_location="cpu", weights_only=True)

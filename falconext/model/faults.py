@@ -33,6 +33,7 @@ fault file before any rank starts); :mod:`falconext.emulation.injector` applies 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -149,8 +150,6 @@ def on_hardware(faults: list[Fault], process: int, node: int, local_rank: int) -
     """``faults`` as process ``process`` sees them when it runs on emulated node ``node`` as
     local rank ``local_rank``: a fault named by hardware is this process's when it names
     this node and local rank, and no process's otherwise (pure)."""
-    import dataclasses
-
     out = []
     for f in faults:
         if f.node is None:
@@ -166,8 +165,6 @@ def placed(faults: list[Fault], hardware: dict[tuple[int, int], int]) -> list[Fa
     """``faults`` with each one named by hardware given the process that runs there
     (``hardware``: (emulated node, local rank) -> process); one whose hardware runs no
     process of the job (a node that left, or a spare not in it) is left out (pure)."""
-    import dataclasses
-
     out = []
     for f in faults:
         if f.node is None:

@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from falconext.mitigate.microbatch import plan_microbatches
+from falconext.model.faults import compute_factor, parse_faults
 
 
 def device_record_path(out: str, process: int, suffix: str = "") -> str:
@@ -55,8 +56,6 @@ def ceiling_from_run(out: str, run: dict[str, Any]) -> dict[str, Any] | None:
     micro-batch is its slowest rank's (device files under ``ranks/``), slowed by the
     compute faults in force at the first fault's start. None without device records or
     without a compute fault."""
-    from falconext.model.faults import compute_factor, parse_faults
-
     topo = run.get("topology") or {}
     ranks = topo.get("ranks") or []
     raw = run.get("faults") or []

@@ -115,10 +115,10 @@ def marks(events: list[dict[str, Any]]) -> list[tuple[int, str]]:
 def write_report(out: str) -> str:
     """Draw the run's figures and write ``report.html`` beside them; returns its path."""
     data = read_run(out)
-    import matplotlib
+    import matplotlib  # lazy: start-up time (matplotlib only where a figure is drawn)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: run-time order (after matplotlib.use("Agg"))
 
     run, events = data["run"], data["events"]
     its, times = loop_times(data["iterations"])

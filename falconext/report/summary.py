@@ -22,6 +22,10 @@ import os
 from statistics import fmean, median, pstdev
 from typing import Any
 
+from falconext.detect.scores import RankSample, rank_scores
+from falconext.mitigate.planner import slowdown_removed
+from falconext.report.device import ceiling_from_run, device_figures
+
 HEADER = ["rank", "iteration", "iter_time_s", "loss"]
 #: estimates.csv: the split of each estimated iteration, and the rank's score at it
 SCORE_COLUMNS = ["compute_s", "wait_s", "late_s", "score"]
@@ -94,8 +98,6 @@ def _scored(rows: list[list[str]], topology: dict[str, Any]) -> list[list[str]]:
     """Estimate rows with ``late_s`` and ``score`` added: each rank against its peers (same
     pipeline stage and tensor-parallel index) at the same iteration. Rows without a split
     (as older runs wrote them) get empty cells."""
-    from falconext.detect.scores import RankSample, rank_scores
-
     roles = {int(d["rank"]): (int(d["pp_rank"]), int(d["tp_rank"]))
              for d in topology.get("ranks") or [] if isinstance(d, dict) and {"rank", "pp_rank", "tp_rank"} <= set(d)}
     by_iter: dict[str, dict[int, RankSample]] = {}
@@ -234,8 +236,6 @@ def finalize(out: str) -> dict[str, Any]:
 
 def _add_device_figures(out: str, run: dict, summary: dict[str, Any]) -> None:
     """With the emulated device: its accounting, and S2's ceiling beside the measured share."""
-    from falconext.report.device import ceiling_from_run, device_figures
-
     world = int((run.get("topology") or {}).get("world", 0))
     summary["device"] = device_figures(out, world) if world else None
     ceiling = ceiling_from_run(out, run) if summary["device"] is not None else None
@@ -291,8 +291,6 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
     summary["mitigated_iter_s"] = round(median(mitigated), 6) if mitigated else None
     summary["slowdown_removed"] = None
     if mitigated and slow and healthy:
-        from falconext.mitigate.planner import slowdown_removed
-
         removed = slowdown_removed(median(healthy), median(slow), median(mitigated))
         summary["slowdown_removed"] = None if removed is None else round(removed, 4)
     summary["mitigation"] = mitigation_figures(events, steady)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import platform
 from typing import Any, Protocol
 
+import falconext
 from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 
 
@@ -70,12 +71,10 @@ def apply_action(host: RankHost, action: MitigationAction, iteration: int, event
 def versions() -> dict[str, str]:
     """What ran: Python, torch, megatron-core (the loaded one: a Megatron-LM checkout's where it
     is loaded), falconext."""
-    import torch
-
-    import falconext
+    import torch  # lazy: start-up time (the launcher imports megatron_lm.hooks: no torch there)
 
     try:
-        from megatron.core import package_info
+        from megatron.core import package_info  # lazy: run-time order (the loaded megatron-core, a checkout's)
 
         mcore = package_info.__version__
     except Exception:  # pragma: no cover - reported, not required

@@ -39,12 +39,14 @@ from typing import Any, Callable
 import torch
 
 from falconext.config import FalconConfig
-from falconext.control.client import JOB_ENV, REDIS_URL_ENV
+from falconext.control.client import JOB_ENV, REDIS_URL_ENV, RankClient
 from falconext.protocol.actions import MitigationAction
 from falconext.protocol.commands import Go, Release, Resume, Suspend, ValidationShare
 from falconext.protocol.rank_side import beat_fields, beat_iter_s, beat_mb_s, fail_slow_report, missed_ack
 from falconext.protocol.eventlog import EventLog
 from falconext.runtime.monitor import RankMonitor
+from falconext.trace.groups import megatron_roles, to_process, to_rank
+from falconext.trace.hooks import CallTracer
 from falconext.validate.gemm import gemm_benchmark
 from falconext.validate.p2p import run_passes
 from falconext.validate.plan import rank_work
@@ -91,9 +93,6 @@ class FalconRuntime:
         spill_estimates: Callable[[list], None] | None = None,
         chaos: Any = None,
     ) -> None:
-        from falconext.trace.groups import megatron_roles
-        from falconext.trace.hooks import CallTracer
-
         self.cfg = config
         self.rank = rank
         self.node = node
@@ -145,8 +144,6 @@ class FalconRuntime:
         )
         self.client = None
         if self.control:
-            from falconext.control.client import RankClient
-
             self.client = RankClient(url, job or os.environ.get(JOB_ENV, "falcon"), rank, node, config, self, events.emit,
                                      chaos=chaos)
         self.monitor.start()
@@ -491,8 +488,6 @@ class FalconRuntime:
         self.tracer.pending_timeout_s = max(c.pending_timeout_s, c.pending_timeout_iterations * iter_s)
 
     def _bench(self) -> Bench:
-        from falconext.trace.groups import to_process, to_rank
-
         tr = self.tracer
         send, recv, barrier = tr.original("send"), tr.original("recv"), tr.original("barrier")
         all_reduce = tr.original("all_reduce")

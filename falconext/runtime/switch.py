@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.distributed import distributed_c10d as c10d
 
 from falconext.mitigate import restart
 from falconext.model.roles import check_roles
@@ -100,8 +101,7 @@ def switch_roles(trainer: Any, after: list[int], process: int, layout: dict[str,
     Raises :class:`SwitchRefused`, with nothing changed, when any process could not
     serialise, receive or validate the state of its next role.
     """
-    from megatron.core import parallel_state as ps
-    from torch.distributed import distributed_c10d as c10d
+    from megatron.core import parallel_state as ps  # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
 
     dist = torch.distributed
     t0 = time.perf_counter()

@@ -35,9 +35,14 @@ import gc
 
 gc.disable()  # as falconext.testbed.train: no collections while torch imports
 
+import importlib  # noqa: E402
+import multiprocessing  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
+from multiprocessing import forkserver  # noqa: E402
 
 #: the one script this runner starts
 MODULE = "falconext.testbed.train"
@@ -69,7 +74,7 @@ def _rank(*argv: str) -> int:
     if _forks_dir is not None:
         _all_forked(os.path.join(_forks_dir, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                     os.environ["LOCAL_RANK"], int(os.environ["LOCAL_WORLD_SIZE"]))
-    from falconext.testbed import train
+    from falconext.testbed import train  # lazy: run-time order (no torch before main() starts the fork server)
 
     return train.main(list(argv))
 
@@ -99,12 +104,6 @@ def _nodes(launcher_args: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the ranks as torchrun would, forked; returns 0 when every rank returned 0
     (a failed rank raises torch's ChildFailedError, whose report names it)."""
-    import importlib
-    import multiprocessing
-    import shutil
-    import tempfile
-    from multiprocessing import forkserver
-
     launcher_args, rank_args = split_argv(list(sys.argv[1:] if argv is None else argv))
     method = "fork" if _nodes(launcher_args) == "1" else "forkserver"
     if method == "forkserver":
@@ -112,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         multiprocessing.get_context("forkserver").set_forkserver_preload([PRELOAD])
         forkserver.ensure_running()
 
+    # lazy: run-time order (torch after the fork server has started)
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    from falconext.testbed import forkrun  # this module by its name: run as -m, it is __main__
+    # lazy: import cycle (this module by its name: run as -m, it is __main__)
+    from falconext.testbed import forkrun
 
     # torchrun's own parser needs a script: ours is the module's, whose arguments are ours
     args = parse_args([*launcher_args, "--start-method", method, "-m", MODULE])

@@ -15,16 +15,27 @@ from __future__ import annotations
 import argparse
 import os
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
+from urllib.parse import urlparse
 
 from falconext.inputs import InputError
 from falconext.control.plane import start_plane
 from falconext.elastic.processes import stop_groups
-from falconext.model.device import MESSAGE_S, TESTBED_KNOBS
-from falconext.model.faults import copy_faults
+from falconext.elastic.supervisor import AttemptEnd, Supervisor
+from falconext.mitigate import restart
+from falconext.model.device import DEFAULT_INTER_BANDWIDTH, MESSAGE_S, TESTBED_KNOBS
+from falconext.model.faults import copy_faults, read_faults
+from falconext.model.roles import check_roles
 from falconext.ports import free_port
+from falconext.testbed import netns
+from falconext.testbed.options import check_train_arguments
+from falconext.testbed.priority import raise_priority
+from falconext.testbed.progress import Progress
+from falconext.testbed.zygote import run_job
 
 
 #: torchrun, with the ranks forked from one process that has imported torch and
@@ -60,8 +71,6 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
 
 def testbed_knobs(args: argparse.Namespace) -> dict[str, float]:
     """The validation settings this test bed gets unless given on the command line."""
-    from falconext.model.device import DEFAULT_INTER_BANDWIDTH
-
     knobs: dict[str, float] = dict(TESTBED_KNOBS.get(args.device, {}))
     if args.device == "emulated" or getattr(args, "net", "emulated") == "netns":
         rate = DEFAULT_INTER_BANDWIDTH if args.link_bandwidth is None else args.link_bandwidth
@@ -73,9 +82,6 @@ def launch_training(args: argparse.Namespace) -> int:
     """``falconext train``: check the arguments, start the control plane, run torchrun
     (again after each S4 restart request), then write the summary and report; returns
     the exit status (2 for bad input, with one line)."""
-    from falconext.model.faults import read_faults
-    from falconext.testbed.options import check_train_arguments
-
     if args.nproc < 1:
         raise InputError("--nproc must be >= 1")
     try:
@@ -83,6 +89,7 @@ def launch_training(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise InputError(str(exc)) from None
     if getattr(args, "nvrx_report_s", None) is not None:  # the benchmark extra is there, before anything starts
+        # lazy: start-up time (testbed.nvrx imports torch: none in the launcher)
         from falconext.testbed.nvrx import check_available
 
         check_available()
@@ -91,7 +98,6 @@ def launch_training(args: argparse.Namespace) -> int:
         read_faults(args.inject, args.nproc, args.ranks_per_node)  # fail early, with a clear message
     if getattr(args, "net", "emulated") == "netns":
         _check_netns(args)
-    from falconext.testbed.priority import raise_priority
 
     why = raise_priority()  # every device: the CPU bed's timings are the host's, as easily stretched
     if why is not None:
@@ -105,13 +111,10 @@ def launch_training(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONWARNINGS", "ignore")
     if getattr(args, "net", "emulated") == "netns":
         return _launch_netns(args, env)
-    from falconext.elastic.supervisor import AttemptEnd, Supervisor
 
     plane = start_plane(args, env)  # first: its Redis holds its port before torchrun's is picked
     progress = None
     if plane is not None and plane.url:
-        from falconext.testbed.progress import Progress
-
         progress = Progress(plane.url, plane.job, args.iters).start()
     try:
         return Supervisor.for_plane(args.out, env, plane).run(
@@ -128,8 +131,6 @@ def _run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
     """Run forkrun's command line ``cmd`` and return its exit status: forked from the
     zygote named in the environment when one serves it (:mod:`falconext.testbed.zygote`,
     the same run without importing torch again), otherwise as a fresh process."""
-    from falconext.testbed.zygote import run_job
-
     code = run_job(cmd[len(TORCHRUN):], env) if cmd[:len(TORCHRUN)] == TORCHRUN else None
     return subprocess.run(cmd, env=env).returncode if code is None else code
 
@@ -137,8 +138,6 @@ def _run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
 def _prepare_restart(args: argparse.Namespace, req) -> None:
     """Relaunch from the checkpoint without the excluded nodes. On the test bed the
     excluded virtual node is replaced by a healthy one: its faults are dropped."""
-    from falconext.mitigate import restart
-
     if args.inject:
         with open(args.inject) as f:
             faults = json.load(f)
@@ -160,8 +159,6 @@ def restored_roles(req, world: int) -> list[int] | None:
     """The roles (process -> role) a restart request says were in force, when they are
     not the launch's own; None otherwise. Raises InputError for roles that are not a
     permutation of the job's ranks."""
-    from falconext.model.roles import check_roles
-
     roles = req.extra.get("roles")
     if roles is None:
         return None
@@ -185,10 +182,6 @@ STOP_GRACE_S = 10.0
 def _check_netns(args: argparse.Namespace) -> None:
     """Refuse what ``--net netns`` cannot do (one-line InputError), or fall back to the
     emulated link model, with a one-line notice, where this machine has no namespaces."""
-    from urllib.parse import urlparse
-
-    from falconext.testbed import netns
-
     if os.geteuid() != 0:
         raise InputError("--net netns needs root (it creates network namespaces, veths and tc qdiscs); "
                          "run as root or use --net emulated")
@@ -232,10 +225,6 @@ def fold_exit_codes(codes: list[int | None]) -> tuple[int, int | None]:
 def _launch_netns(args: argparse.Namespace, env: dict[str, str]) -> int:
     """The ``--net netns`` job: namespaces up, control plane on the bridge address, one
     torchrun per node, the S4 restart loop, and everything removed however it ends."""
-    from falconext.elastic.supervisor import AttemptEnd, Supervisor
-    from falconext.testbed import netns
-    from falconext.model.device import DEFAULT_INTER_BANDWIDTH
-
     removed = netns.cleanup_stale()
     if removed:
         print(f"falconext: removed {len(removed)} leftover(s) of killed netns runs: {' '.join(removed)}", flush=True)
@@ -299,9 +288,6 @@ class _signals_raise:
     namespaces. The previous handlers come back on exit."""
 
     def __enter__(self) -> "_signals_raise":
-        import signal
-        import threading
-
         self._old = None
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGTERM, self._raise)
@@ -309,13 +295,9 @@ class _signals_raise:
 
     @staticmethod
     def _raise(signum: int, frame) -> None:
-        import signal
-
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
         raise SystemExit(128 + signum)
 
     def __exit__(self, *exc) -> None:
-        import signal
-
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)

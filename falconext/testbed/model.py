@@ -29,6 +29,7 @@ class ModelShape:
 
 def build(shape: ModelShape, device: str):
     """(ddp_model, optimizer, transformer_config) for this rank's pipeline stage."""
+    # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads

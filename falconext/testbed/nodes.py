@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import IO, Sequence
 
 from falconext.elastic.hosts import NODE_NAME_ENV, NODES_ON_HOST_ENV
+from falconext.elastic.processes import stop_groups
 from falconext.inputs import InputError
+from falconext.testbed import netns
 
 #: once every node's command has been asked to stop, how long before SIGKILL, seconds
 STOP_GRACE_S = 15.0
@@ -80,7 +82,7 @@ def run_nodes(count: int, cmd: Sequence[str], rate: float, out: str | None = Non
               timeout_s: float | None = None) -> int:
     """Run ``cmd`` on ``count`` emulated nodes (see the module); returns the bed's status.
     Raises InputError for what the bed cannot do here (no root, no namespaces, no command)."""
-    from falconext.testbed import netns
+    # lazy: start-up time (redis; the CLI imports this module)
     from falconext.testbed.launch import _signals_raise, fold_exit_codes
 
     if not cmd:
@@ -152,6 +154,4 @@ def _write_nodes(out: str, nodes: list[_Node], rate: float) -> None:
 def _stop(nodes: list[_Node]) -> None:
     """Stop every node's still-running command (its whole process group): SIGTERM, SIGKILL
     after STOP_GRACE_S."""
-    from falconext.elastic.processes import stop_groups
-
     stop_groups([n.proc for n in nodes], STOP_GRACE_S)

@@ -43,6 +43,7 @@ SCORES = ("relative_perf_scores", "individual_perf_scores")
 def _nvrx() -> tuple[Any, Any]:
     """NVRx's ReportGenerator and Statistic, or InputError naming the missing extra."""
     try:
+        # lazy: optional dependency (nvidia-resiliency-ext)
         from nvidia_resiliency_ext.straggler.reporting import ReportGenerator
         from nvidia_resiliency_ext.straggler.statistics import Statistic
     except ImportError as exc:

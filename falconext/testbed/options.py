@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import math
+from urllib.parse import urlparse
 
 from falconext.config import ConfigError, add_config_arguments, parse_microbatches, parse_topology
+from falconext.model.roles import check_roles
+from falconext.testbed.chaos import ChaosError, parse_chaos
 
 
 def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
@@ -70,8 +73,6 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
 def redis_url_from(args: argparse.Namespace) -> None:
     """``args.falcon_redis_url`` from ``--falcon-redis-url-file`` when given; a URL with a
     password on the command line (readable by every user in ``ps``) is refused."""
-    from urllib.parse import urlparse
-
     given = getattr(args, "falcon_redis_url", None)
     if given and urlparse(given).password:
         raise ValueError("--falcon-redis-url: a password on the command line is visible to every user; "
@@ -91,7 +92,6 @@ def redis_url_from(args: argparse.Namespace) -> None:
 def check_train_arguments(args: argparse.Namespace, world: int) -> None:
     """Reject impossible layouts up front, before any process starts."""
     redis_url_from(args)
-    from falconext.testbed.chaos import ChaosError, parse_chaos
 
     try:
         parse_chaos(getattr(args, "chaos", None), world, -(-world // max(1, args.ranks_per_node)))
@@ -124,8 +124,8 @@ def check_train_arguments(args: argparse.Namespace, world: int) -> None:
     except ConfigError as exc:
         raise ValueError(f"--falcon-force-topology: {exc}") from None
     if topo is not None:
+        # lazy: start-up time (numpy; the CLI imports this module)
         from falconext.mitigate.topology import check_tp_in_nodes
-        from falconext.model.roles import check_roles
 
         roles = check_roles(topo[1], world, "--falcon-force-topology roles")
         check_tp_in_nodes(roles, args.tp, args.ranks_per_node, "--falcon-force-topology")

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, TextIO
 
+import redis
+
 from falconext.control.client import STATUS_KEY
 from falconext.protocol.codec import MAX_STATUS_BYTES, decode
 from falconext.protocol.messages import StatusSnapshot
@@ -92,8 +94,6 @@ class Progress:
             return None
 
     def _run(self) -> None:
-        import redis
-
         client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
             while not self._stop.wait(POLL_S):

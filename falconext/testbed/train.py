@@ -16,6 +16,7 @@ import gc
 gc.disable()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -26,16 +27,35 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from falconext.config import config_from_args, parse_microbatches, parse_topology  # noqa: E402
+from falconext.control.client import JOB_ENV  # noqa: E402
+from falconext.emulation.emulator import EmulatedDevice  # noqa: E402
+from falconext.emulation.injector import FaultInjector  # noqa: E402
 from falconext.protocol.actions import MicrobatchPlan, Restart, TopologyChange  # noqa: E402
 from falconext.report.device import write_device_record  # noqa: E402
 from falconext.runtime.host import PlanRefused, apply_action, versions  # noqa: E402
 from falconext.mitigate import restart  # noqa: E402
+from falconext.mitigate.topology import check_tp_in_nodes  # noqa: E402
+from falconext.model import faults as faults_mod  # noqa: E402
+from falconext.model.device import DEFAULT_GFLOPS, DEFAULT_INTER_BANDWIDTH, DeviceModel  # noqa: E402
+from falconext.model.roles import check_roles  # noqa: E402
+from falconext.protocol.eventlog import EventLog  # noqa: E402
+from falconext.report import summary as report  # noqa: E402
+from falconext.report.figures import report_at_end  # noqa: E402
+from falconext.runtime.runtime import FalconRuntime  # noqa: E402
+from falconext.runtime.switch import SwitchRefused, switch_roles  # noqa: E402
+from falconext.testbed.chaos import BusChaos, kill_now, parse_chaos  # noqa: E402
+from falconext.testbed.model import ModelShape  # noqa: E402
+from falconext.testbed.netns import LinkShaper  # noqa: E402
+from falconext.testbed.nvrx import NvrxBeside  # noqa: E402
 from falconext.testbed.options import add_train_arguments, check_train_arguments  # noqa: E402
+from falconext.testbed.trainer import Trainer, TrainOptions, init_distributed  # noqa: E402
+from falconext.trace.groups import to_rank  # noqa: E402
 
 _STARTED = time.time()  # this process's start, near enough: the module runs as __main__
 
 
 def _topology(world: int, tp: int, pp: int, ranks_per_node: int) -> dict:
+    # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
     from megatron.core import parallel_state as ps
 
     mine = {
@@ -114,11 +134,6 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, Any]:
 def _start(args: argparse.Namespace, world: int, cfg: Any) -> _Job:
     """Everything before the first iteration: process groups, output folders, the test
     bed's devices, the model (resumed after a restart), run.json and falconext's runtime."""
-    from falconext.report import summary as report
-    from falconext.testbed.chaos import BusChaos, parse_chaos
-    from falconext.testbed.model import ModelShape
-    from falconext.testbed.trainer import Trainer, TrainOptions, init_distributed
-
     opts = TrainOptions(
         tp=args.tp,
         pp=args.pp,
@@ -149,8 +164,6 @@ def _start(args: argparse.Namespace, world: int, cfg: Any) -> _Job:
     job.estimates_file = report.EstimatesFile(args.out, rank, job.suffix)
     job.chaos = parse_chaos(args.chaos)  # checked by the launcher
     if args.nvrx_report_s is not None:
-        from falconext.testbed.nvrx import NvrxBeside
-
         job.nvrx = NvrxBeside(args.out, rank, rank // args.ranks_per_node, args.nvrx_report_s)
         if rig.device is not None:
             rig.device.on_window = job.nvrx.window
@@ -164,9 +177,6 @@ def _start(args: argparse.Namespace, world: int, cfg: Any) -> _Job:
 def _open_output(out: str, rank: int):
     """Create ``out``'s folders and return the event log; a stale events.jsonl of an
     earlier run is removed unless the launcher's controller may have written it."""
-    from falconext.control.client import JOB_ENV
-    from falconext.protocol.eventlog import EventLog
-
     os.makedirs(os.path.join(out, "ranks"), exist_ok=True)
     os.makedirs(os.path.join(out, "calls"), exist_ok=True)
     # under the launcher, the controller may have written events already: keep them
@@ -180,25 +190,18 @@ def _install_rig(args: argparse.Namespace, rank: int, world: int) -> _Rig:
     """Install the test bed's emulated device, link shaper or fault injector that the
     arguments ask for, below the tracer (installed later), so the tracer sees their
     device-timed or delayed transfers."""
-    from falconext.model import faults as faults_mod
-
     rig = _Rig(faults_mod.read_faults(args.inject, world, args.ranks_per_node) if args.inject else [])
     if args.device == "emulated":
         # the emulated accelerator takes the faults itself: they multiply device time
-        from falconext.emulation.emulator import EmulatedDevice
-
         rig.device = EmulatedDevice(device_model(args), rank, args.ranks_per_node, rig.faults,
                                     real_links=args.net == "netns")
         rig.device.install()  # below the tracer: the tracer sees device-timed transfers
     if args.net == "netns":
         # real links: a link fault is the kernel's rate limit on this node's veth
-        from falconext.testbed.netns import LinkShaper
-
         rig.shaper = LinkShaper.from_env(rig.faults)
     if rig.device is None and rig.faults:
         bw = args.link_bandwidth or faults_mod.DEFAULT_LINK_BANDWIDTH
         injected = [f for f in rig.faults if f.kind != "link"] if rig.shaper is not None else rig.faults
-        from falconext.emulation.injector import FaultInjector
 
         rig.injector = FaultInjector(injected, rank, args.ranks_per_node, bw)
         rig.injector.install()  # below the tracer: injected delays look like slow transfers
@@ -234,8 +237,6 @@ def _write_run_info(job: _Job, topology: dict) -> None:
 def _start_runtime(job: _Job, bus_chaos):
     """falconext's runtime for this rank (tracer, monitor, control client), whose
     validation GEMMs run on the test bed's device or injector when there is one."""
-    from falconext.runtime.runtime import FalconRuntime
-
     args, cfg, rig = job.args, job.cfg, job.rig
     if rig.device is not None:
         matmul = rig.device.matmul
@@ -306,8 +307,6 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
 def _begin_iteration(job: _Job, it: int) -> None:
     """Tell the test bed's devices the iteration; on rank 0, run the chaos kills due now
     and note a restarted attempt's first iteration."""
-    from falconext.testbed.chaos import kill_now
-
     rig = job.rig
     if rig.injector is not None:
         rig.injector.iteration = it
@@ -358,8 +357,6 @@ def _finish(job: _Job, measured: list[tuple[int, float, float | None]],
             request: "restart.RestartRequest | None") -> None:
     """Write this rank's files; then rank 0 writes the restart request or the summary
     (and the HTML report with ``--report``); the process group is destroyed."""
-    from falconext.report import summary as report
-
     out, rank, runtime = job.args.out, job.rank, job.runtime
     report.write_rank_files(out, rank, measured, runtime.monitor.estimates if runtime else {}, job.suffix,
                             overhead=runtime.overhead() if runtime else None,
@@ -374,8 +371,6 @@ def _finish(job: _Job, measured: list[tuple[int, float, float | None]],
         summary = report.finalize(out)
         print(report.format_summary(summary), flush=True)
         if job.args.report:
-            from falconext.report.figures import report_at_end
-
             print(report_at_end(out), flush=True)
     job.events.close()
     torch.distributed.barrier()
@@ -395,8 +390,6 @@ def _set_up() -> None:
 
 def device_model(args: argparse.Namespace):
     """The emulated device of ``--device emulated`` from the command line."""
-    from falconext.model.device import DEFAULT_GFLOPS, DEFAULT_INTER_BANDWIDTH, DeviceModel
-
     return DeviceModel(gflops=DEFAULT_GFLOPS if args.device_gflops is None else args.device_gflops,
                        inter_bandwidth=DEFAULT_INTER_BANDWIDTH if args.link_bandwidth is None else args.link_bandwidth)
 
@@ -405,14 +398,6 @@ def _switch(action: TopologyChange, it: int, trainer, opts, epoch: int, events, 
             device=None):
     """S3 at this boundary (every process does, at the same one): new roles, same state.
     Returns the trainer of this process's new role (the old one if the switch was refused)."""
-    import dataclasses
-
-    from falconext.runtime.switch import SwitchRefused, switch_roles
-    from falconext.testbed.trainer import Trainer
-    from falconext.mitigate.topology import check_tp_in_nodes
-    from falconext.model.roles import check_roles
-    from falconext.trace.groups import to_rank
-
     world = layout["world"]
     probe = action.probe
     try:
@@ -449,6 +434,7 @@ def _switch(action: TopologyChange, it: int, trainer, opts, epoch: int, events, 
 
 
 def _tell_role(runtime, trainer, opts) -> None:
+    # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
     from megatron.core import parallel_state as ps
 
     grad, act = trainer.traffic()

@@ -15,6 +15,8 @@ from typing import Iterator
 
 import torch
 
+from falconext.emulation import cpu_compat
+from falconext.model.device import gpt_forward_flops
 from falconext.testbed import data
 from falconext.testbed.model import ModelShape, build
 
@@ -75,6 +77,7 @@ class Trainer:
     """Owns the model and optimizer of one rank; ``step(it)`` runs one iteration."""
 
     def __init__(self, opts: TrainOptions) -> None:
+        # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import random as mrandom
@@ -118,8 +121,6 @@ class Trainer:
     def forward_flops(self) -> float:
         """Forward FLOPs of one micro-batch of this rank's pipeline stage (the emulated
         device's work; see falconext.model.device)."""
-        from falconext.model.device import gpt_forward_flops
-
         sh = self.opts.shape
         return gpt_forward_flops(sh.layers // self.opts.pp, sh.hidden, sh.seq_len, self.opts.micro_batch_size,
                                  sh.vocab, self.opts.tp, self.last_stage)
@@ -164,13 +165,12 @@ def init_distributed(opts: TrainOptions) -> None:
     cuda) and megatron-core's parallel state for ``opts``. Raises ValueError when the
     world size is not a multiple of TP x PP."""
     if opts.device in ("cpu", "emulated"):
-        from falconext.emulation import cpu_compat
-
         cpu_compat.enable(fast=True)  # first: it imports megatron-core the cheap way on CPU
         backend = "gloo"
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
+    # lazy: run-time order (megatron-core only in ranks, after cpu_compat)
     from megatron.core import parallel_state as ps
 
     if not torch.distributed.is_initialized():

@@ -27,6 +27,7 @@ process of the zygote's own user may connect (SO_PEERCRED), in a private folder.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -35,6 +36,7 @@ import socket
 import struct
 import sys
 import time
+import traceback
 from typing import Any
 
 #: the environment variable that names a zygote's socket to ``falconext train``
@@ -134,9 +136,9 @@ def run_job(argv: list[str], env: dict[str, str], path: str | None = None) -> in
 def serve(path: str) -> None:
     """Import what forkrun's agent and ranks import, then serve requests on the Unix
     socket ``path`` (its folder must be private) until SIGTERM or SIGINT."""
-    import gc
-
+    # lazy: run-time order (importing forkrun turns the garbage collector off)
     from falconext.testbed import forkrun  # noqa: F401
+    # lazy: start-up time (the launcher imports this module for run_job: no torch there)
     import falconext.testbed.rankimports  # noqa: F401
     import torch.distributed.launcher.api  # noqa: F401
     import torch.distributed.run  # noqa: F401
@@ -256,14 +258,13 @@ def _become_job(req: dict[str, Any], fds: list[int]) -> None:
         os.environ.update(req["env"])
         os.setpriority(os.PRIO_PROCESS, 0, req["nice"])
         sys.argv = [sys.executable, *req["argv"]]
+        # lazy: run-time order (importing forkrun turns the garbage collector off)
         from falconext.testbed import forkrun
 
         code = forkrun.main(list(req["argv"]))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001  (reported as the fresh process would)
-        import traceback
-
         traceback.print_exc()
         code = 1
     finally:

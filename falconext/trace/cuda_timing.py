@@ -29,7 +29,7 @@ class CudaTiming:
         recalibrate_s: float = 10.0,
     ) -> None:
         if event_factory is None or side_record is None:
-            import torch
+            import torch  # lazy: start-up time (falconext.trace is torch-free: the CLI imports it)
 
             if not torch.cuda.is_available():
                 raise RuntimeError("cuda_events=True needs a CUDA device")

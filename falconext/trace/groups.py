@@ -121,6 +121,7 @@ def describe_group(group: object, roles: Callable[[object], str | None] | None) 
     Never raises: a group that cannot be described (the process is not a member, the
     default group is gone) gets an "unknown" id rather than failing a training call.
     """
+    # lazy: start-up time (falconext.trace is torch-free: the CLI imports it)
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -166,6 +167,7 @@ def megatron_role_table() -> dict[int, str]:
     is guarded: which ones work depends on the parallel configuration and version.
     """
     try:
+        # lazy: start-up time (falconext.trace is torch-free: the CLI imports it)
         from megatron.core import parallel_state as ps
     except Exception:
         return {}

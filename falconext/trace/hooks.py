@@ -152,6 +152,7 @@ class CallTracer:
                 return
             if _active is not None:
                 raise RuntimeError("another CallTracer is installed in this process")
+            # lazy: start-up time (falconext.trace is torch-free: the CLI imports it)
             import torch.distributed as dist
             from torch.distributed import distributed_c10d as c10d
 
@@ -198,7 +199,7 @@ class CallTracer:
         with _install_lock:
             if _active is not self:
                 return
-            import torch.distributed as dist
+            import torch.distributed as dist  # lazy: start-up time (falconext.trace is torch-free: the CLI imports it)
 
             for name, (orig, wrapper) in self._patched.items():
                 if getattr(dist, name, None) is wrapper:
@@ -231,7 +232,7 @@ class CallTracer:
         Validation traffic goes through these: it must not enter the training's call
         log, but must still pass through anything installed below (a fault injector).
         """
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: start-up time (falconext.trace is torch-free: the CLI imports it)
 
         if name in self._patched:
             return self._patched[name][0]
@@ -294,6 +295,7 @@ class CallTracer:
         """The process group if ``group`` is inside a ``_coalescing_manager`` (the call
         was only queued), else None."""
         if group is None:
+            # lazy: start-up time (falconext.trace is torch-free: the CLI imports it)
             from torch.distributed import distributed_c10d as c10d
 
             group = c10d._get_default_group()

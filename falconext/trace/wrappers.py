@@ -311,6 +311,7 @@ def coalescing_wrapper(tracer: CallTracer, orig: Callable[..., Any]) -> Callable
 
     @contextlib.contextmanager
     def traced(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
+        # lazy: start-up time (falconext.trace is torch-free: the CLI imports it)
         from torch.distributed import distributed_c10d as c10d
 
         cost.left -= 1

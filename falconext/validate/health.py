@@ -43,7 +43,7 @@ def decode_throttle_reasons(mask: int) -> list[str]:
 def gpu_health() -> list[dict[str, Any]]:
     """One dict per visible GPU: clocks, temperature, power, throttle reasons, utilization."""
     try:
-        import pynvml
+        import pynvml  # lazy: optional dependency (pynvml, nvidia-ml-py)
     except ImportError:
         return []
     try:
