@@ -559,3 +559,36 @@ def test_inner_period_none_cases() -> None:
     broken[10] = 77
     broken[200] = 78
     assert inner_period(broken, max_insert=8) is None
+
+
+def test_same_series_compares_major_and_minor_only() -> None:
+    from falconext.megatron_lm.patching import same_series
+
+    assert same_series("core_v0.19.0", "0.19.2") and same_series("core_v0.16.1", "0.16.1")
+    assert not same_series("core_v0.20.0", "0.19.2") and not same_series("core_v0.19.0", "0.1.9")
+    assert not same_series("core_v0.19.0", None) and not same_series("unknown", "0.19.2")
+
+
+def _checkout(root, major: int, minor: int) -> str:
+    """A folder with a Megatron-LM package_info.py of MAJOR.MINOR.0 and a pretrain_gpt.py."""
+    info = root / "megatron" / "core" / "package_info.py"
+    info.parent.mkdir(parents=True)
+    info.write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = 0\nPRE_RELEASE = ''\n")
+    (root / "pretrain_gpt.py").write_text("")
+    return str(root / "pretrain_gpt.py")
+
+
+def test_a_checkout_of_another_series_runs_on_its_own_core(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib.metadata import version
+
+    from falconext.megatron_lm.rank import own_core_first
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    major, minor = (int(x) for x in version("megatron-core").split(".")[:2])
+    same = _checkout(tmp_path / "same", major, minor)
+    assert own_core_first(same) is None and str(tmp_path / "same") not in sys.path
+    other = _checkout(tmp_path / "other", major, minor + 1)
+    said = own_core_first(other)
+    assert said is not None and f"core_v{major}.{minor + 1}.0 runs on its own megatron/core" in said
+    assert sys.path[0] == str(tmp_path / "other")
+    assert own_core_first(str(tmp_path / "not-a-checkout.py")) is None

@@ -120,6 +120,13 @@ def first_failing_file(stderr: str) -> str | None:
     return None
 
 
+def same_series(version: str, installed: str | None) -> bool:
+    """Whether a checkout of ``version`` (``core_vX.Y.Z``) and an installed megatron-core of
+    ``installed`` (``X.Y.Z``; None: none installed) are of one MAJOR.MINOR series."""
+    ours = _series(version)
+    return installed is not None and ours is not None and ours == _series("core_v" + installed)
+
+
 def _series(version: str) -> tuple[int, int] | None:
     m = _VERSION.fullmatch(version)
     return (int(m.group(1)), int(m.group(2))) if m else None

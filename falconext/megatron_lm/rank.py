@@ -24,7 +24,7 @@ import torch
 from falconext.elastic.hosts import node_name
 from falconext.inputs import set_option
 from falconext.megatron_lm import contract, cpu, hooks
-from falconext.megatron_lm.patching import PatchError, megatron_version
+from falconext.megatron_lm.patching import PatchError, megatron_version, same_series
 from falconext.mitigate import restart
 from falconext.model.roles import check_roles
 
@@ -60,7 +60,7 @@ def own_core_first(script: str) -> str | None:
         installed = version("megatron-core")
     except PackageNotFoundError:
         installed = None
-    if installed is not None and theirs.removeprefix("core_v").split(".")[:2] == installed.split(".")[:2]:
+    if same_series(theirs, installed):
         return None
     sys.path.insert(0, root)
     return f"Megatron-LM {theirs} runs on its own megatron/core (installed megatron-core: {installed or 'none'})"

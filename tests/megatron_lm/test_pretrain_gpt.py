@@ -51,11 +51,11 @@ def pretrain_script() -> str:
     on its own megatron/core, and the test is skipped until its dataset helpers are built."""
     from importlib.metadata import version as installed
 
-    from falconext.megatron_lm.patching import megatron_version
+    from falconext.megatron_lm.patching import megatron_version, same_series
 
     assert MLM is not None
     version, core = megatron_version(MLM), installed("megatron-core")
-    if version.removeprefix("core_v").split(".")[:2] != core.split(".")[:2] \
+    if not same_series(version, core) \
             and not list(Path(MLM, "megatron", "core", "datasets").glob("helpers_cpp*.so")):
         pytest.skip(f"{MLM} is {version} with its own megatron/core (installed: {core}), whose dataset "
                     f"helpers are not built (make -C {MLM}/megatron/core/datasets, with pybind11)")
