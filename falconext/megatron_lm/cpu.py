@@ -194,13 +194,12 @@ def patch_training_modules() -> None:
     """Once ``megatron.training`` is importable: no CUDA assertion, no kernel builds.
 
     ``initialize_megatron`` is looked up in ``megatron.training.training`` when ``pretrain``
-    runs, so the wrapper there takes effect; the dataset helpers come compiled with the
-    installed megatron-core, and the fused kernels are unused on CPU.
+    runs, so the wrapper there takes effect; the fused kernels are unused on CPU (the
+    dataset helpers: ``rank.use_compiled_helpers``, on either device).
     """
     # lazy: run-time order (megatron.training: once the script's folder is on sys.path)
     import megatron.training.initialize as init
     import megatron.training.training as training
-    from megatron.core.datasets import utils as dutils
 
     try:  # Megatron-LM before core_v0.19 builds its fused kernels at start-up
         # lazy: run-time order (megatron.legacy: once the script's folder is on sys.path)
@@ -209,13 +208,6 @@ def patch_training_modules() -> None:
         pass
     else:
         fk.load = lambda args: None
-    try:  # the installed megatron-core's compiled helpers: nothing to build
-        # lazy: run-time order (megatron-core: after cpu_compat, the checkout's when it brings its own)
-        import megatron.core.datasets.helpers_cpp  # noqa: F401
-    except ImportError:  # a checkout's own core (Megatron-LM main): Megatron builds them with make
-        pass
-    else:
-        dutils.compile_helpers = lambda: None
     original = init.initialize_megatron
 
     @functools.wraps(original)

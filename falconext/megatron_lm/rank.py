@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 
         cpu.enable()  # megatron.core comes from the installed megatron-core from here on
         script_args = cpu.script_flags(script_args)
-    else:  # as in CPU mode, megatron.core is the installed megatron-core where there is one
-        use_compiled_helpers()
+    # on either device megatron.core is the installed megatron-core where there is one (or
+    # the checkout's own, see own_core_first): its compiled helpers spare Megatron's make
+    use_compiled_helpers()
     # the script's folder, as ``python SCRIPT`` would put it: Megatron-LM's ``megatron``
     # namespace joins the installed megatron-core's
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
