@@ -14,6 +14,7 @@ import pytest
 
 from falconext.control.redis_server import RedisServer, start_redis
 from falconext.testbed.zygote import ZYGOTE_ENV
+import jobs as jobs_module
 from jobs import ISOLATED, LANE, JobCache, stop_jobs
 
 
@@ -123,3 +124,11 @@ def alone(request: pytest.FixtureRequest) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The host's pace, where an emulated job ran: the share of their named speed the
+    emulated devices ran at (tests/jobs.py: host_factor)."""
+    if jobs_module._factor:
+        terminalreporter.write_line(f"emulated devices ran at {jobs_module._factor[0]:.2f} of their named speed "
+                                    "on this host (tests/jobs.py: host_factor)")

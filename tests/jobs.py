@@ -17,10 +17,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from falconext.model.device import BACKWARD_PER_FORWARD, DEFAULT_GFLOPS, gpt_forward_flops
 from falconext.testbed.zygote import ZYGOTE_ENV
 
 
@@ -34,6 +36,8 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
     zygote (conftest.py), where a start's real cost is part of what is tested (S4's
     price is a restart's measured start-up, and a restart on a cluster starts fresh
     processes)."""
+    if device == "emulated":
+        args = host_paced(args)
     cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", str(nproc), "--out", str(out),
            "--device", device, "--report" if report else "--no-report", *args]
     if faults is not None:
@@ -57,6 +61,63 @@ def launch(out: Path, *args: str, nproc: int = 4, faults: list | None = None,
         finally:
             _running.discard(proc)
         return subprocess.CompletedProcess(cmd, proc.returncode, out_text, err_text)
+
+
+#: the emulated device must be slower than the host's real work, or its times are the
+#: host's and not a GPU's: the suite's device speeds (DEFAULT_GFLOPS, the ``--device-gflops``
+#: its jobs name) were chosen on a 2-core host that ran the S2 job's real work inside
+#: its device time with a few percent to spare; a slower host (a 2-core AMD EPYC ran the
+#: same work 1.45x slower, 2026-11-28) overran them by 35-70% and its ranks' times were
+#: no longer a GPU's (a 2x straggler read 1.43x). So every emulated job of the session
+#: runs its device at host_factor() times the speed it names: the CPU bed's time for the
+#: S2 job's iteration (DP4, 8 micro-batches of the default GPT per replica, all real
+#: work, no device), against that iteration's device time at DEFAULT_GFLOPS, kept under
+#: KEEP_UP of it (1 on a host fast enough, never above)
+KEEP_UP = 0.85
+CALIBRATION = ("--iters", "12", "--global-batch-size", "32", "--micro-batch-size", "1", "--no-falcon")
+_factor: list[float] = []
+_factor_lock = threading.Lock()
+
+
+def calibration_factor(cpu_iter_s: float, device_iter_s: float) -> float:
+    """The share of its named speed at which an emulated device stays KEEP_UP ahead of a
+    host whose CPU bed takes ``cpu_iter_s`` for an iteration the device takes
+    ``device_iter_s`` for at that speed: at most 1, rounded down to 0.01 (pure)."""
+    if not (cpu_iter_s > 0 and device_iter_s > 0):
+        raise ValueError(f"calibration: iteration times must be > 0, got {cpu_iter_s!r} and {device_iter_s!r}")
+    return min(1.0, int(100 * KEEP_UP * device_iter_s / cpu_iter_s) / 100)
+
+
+def host_factor() -> float:
+    """:func:`calibration_factor` of this host, measured once per session by a 12-iteration
+    CPU-bed run of the S2 job's shape in the job lane (its median over iterations 4-11 of
+    the slowest rank's time), and printed at the end of the session (conftest.py)."""
+    with LANE, _factor_lock:
+        if not _factor:
+            out = Path(tempfile.mkdtemp(prefix="falconext-calibration-")) / "run"
+            proc = launch(out, *CALIBRATION, nproc=4, device="cpu")
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            per_it: dict[int, float] = {}
+            with open(out / "iterations.csv", newline="") as f:
+                for row in csv.DictReader(f):
+                    it = int(row["iteration"])
+                    per_it[it] = max(per_it.get(it, 0.0), float(row["iter_time_s"]))
+            times = sorted(t for it, t in per_it.items() if it >= 4)
+            flops = 8 * (1 + BACKWARD_PER_FORWARD) * gpt_forward_flops(4, 64, 64, 1, 256, 1, last_stage=True)
+            _factor.append(calibration_factor(times[len(times) // 2], flops / (DEFAULT_GFLOPS * 1e9)))
+        return _factor[0]
+
+
+def host_paced(args: tuple[str, ...] | list[str]) -> list[str]:
+    """An emulated job's arguments with its ``--device-gflops`` (DEFAULT_GFLOPS when it
+    names none) times :func:`host_factor`."""
+    rest = list(args)
+    gflops = DEFAULT_GFLOPS
+    if "--device-gflops" in rest:
+        i = rest.index("--device-gflops")
+        gflops = float(rest[i + 1])
+        del rest[i:i + 2]
+    return [*rest, "--device-gflops", f"{gflops * host_factor():.4g}"]
 
 
 #: the jobs running now, and whether the session has ended (stop_jobs)

@@ -20,7 +20,7 @@ from falconext.control.bus import Bus
 from falconext.control.client import CMD_STREAM, CTL_STREAM, node_stream
 from falconext.protocol.commands import Suspend, ValidateRequest, ValidationPlan
 from falconext.control.redis_server import start_redis
-from jobs import LANE, JobCache
+from jobs import LANE, JobCache, host_paced
 
 JOB = "e2e"
 DEADLINE_S = 3.0
@@ -64,7 +64,7 @@ def _scenario(folder: Path) -> tuple[Path, dict[str, float]]:
         redis = start_redis()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FALCON_REDIS_URL=redis.url, FALCON_JOB=JOB)
         cmd = [sys.executable, "-m", "falconext.cli", "train", "--no-report", "--nproc", "4", "--pp", "2", "--iters", "110",
-               "--device-gflops", "4",
+               *host_paced(["--device-gflops", "4"]),
                "--out", str(out), "--falcon-suspend-deadline-s", str(DEADLINE_S)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         marks: dict[str, float] = {}

@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from falconext.cli import main
 from falconext.config import FalconConfig
 from falconext.control import ctl as ctl_mod
-from jobs import events
+from jobs import events, host_paced
 
 ITERS = 105
 #: 3x: detected even when other jobs share the 2-core host (a 2x one was missed at 30% CV);
@@ -176,7 +176,7 @@ def steered(tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", "4", "--out", str(out), "--device", "emulated",
            "--no-report", "--iters", str(ITERS), "--global-batch-size", "16", "--micro-batch-size", "1",
-           "--falcon-mitigation-strategies", "S2", "--falcon-metrics-port", str(port), "--inject", str(inject)]
+           *host_paced(["--falcon-mitigation-strategies", "S2", "--falcon-metrics-port", str(port), "--inject", str(inject)])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     op = Operator(out, port, proc)

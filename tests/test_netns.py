@@ -25,6 +25,7 @@ import pytest
 from falconext.inputs import InputError
 from falconext.testbed import launch, netns
 from falconext.model.faults import Fault
+from jobs import host_paced
 
 NET = ipaddress.IPv4Network("10.213.7.0/24")
 
@@ -357,7 +358,7 @@ def congested(tmp_path_factory) -> tuple[list[dict], dict]:
     cmd = [sys.executable, "-m", "falconext.cli", "train", "--no-report", "--device", "emulated", "--net", "netns", "--nproc", "4",
            "--ranks-per-node", "2", "--tp", "1", "--pp", "2", "--layers", "2", "--hidden", "32", "--seq-len", "256",
            "--global-batch-size", "16", "--micro-batch-size", "1", "--link-bandwidth", "5e6", "--iters", "100",
-           "--falcon-mitigation-strategies", "S3", "--inject", str(faults), "--out", str(out)]
+           *host_paced(["--falcon-mitigation-strategies", "S3", "--inject", str(faults), "--out", str(out)])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]

@@ -137,6 +137,11 @@ def s4_job(script: str, tmp_path: Path, count: int, rdzv_id: str, *extra: str) -
     return output, out
 
 
+
+#: long: with the uninterrupted run it compares with, about 6 minutes of the 3.11 CI leg on a
+#: 2-core host (2026-11-28), more than the leg's share of CI's 30 minutes beside both Pythons;
+#: CI runs the two-node S2 job above, `bash .ci/run --long` this one too
+@pytest.mark.long
 def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted: str, tmp_path: Path) -> None:
     """Three launchers for a 2-node job (--nnodes 2:3, node 2 a spare); a 3x compute fault on
     node 1 from iteration 40; S4 only. Node 1 leaves (its launcher exits 0 saying why, its
