@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 #: case -> (faults, extra job arguments). Consolidation gains only where one stage is
-#: lighter (tests/test_topology_e2e.py), so that job has the heavier output layer.
+#: lighter (tests/test_consolidation_e2e.py), so that job has the heavier output layer.
 CASES: dict[str, tuple[list, list[str]]] = {
     "links 0-1 x8 (DP path) and 0-2 x3 (PP path)": ([
         {"kind": "link", "nodes": [0, 1], "factor": 8.0, "start": 45},
