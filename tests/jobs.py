@@ -19,10 +19,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import promserver
 from falconext.model.device import BACKWARD_PER_FORWARD, DEFAULT_GFLOPS, gpt_forward_flops
+from falconext.ports import free_port
 from falconext.testbed.zygote import ZYGOTE_ENV
 
 
@@ -127,10 +130,14 @@ _stopping = threading.Event()
 
 def stop_jobs() -> None:
     """The session is over: no job starts any more, and a running one (one run ahead
-    whose tests were not reached) is stopped; its launcher stops its ranks."""
+    whose tests were not reached) is stopped; its launcher stops its ranks; the S2 job's
+    Prometheus stops."""
     _stopping.set()
     for proc in list(_running):
         proc.terminate()
+    server = S2_PROMETHEUS.pop("server", None)
+    if server is not None:
+        server.stop()
 
 
 def train(out: Path, *args: str, nproc: int = 4, faults: list | None = None, timeout: int = 500,
@@ -360,13 +367,37 @@ S2_ITERS = 100
 S2_JOB = ("--iters", str(S2_ITERS), "--global-batch-size", "32", "--micro-batch-size", "1")
 
 
+#: the S2 job serves its controller's Prometheus metrics here, scraped every second from
+#: before its start to the session's end by a real Prometheus where one is installed
+#: (tests/promserver.py; test_prometheus reads it): chosen once, so every caller's
+#: arguments, and so the job, are the same
+S2_METRICS_PORT = free_port()
+#: the Prometheus scraping the S2 job (one, once it started), its reason where none could
+#: start, and the job's wall-clock span
+S2_PROMETHEUS: dict[str, Any] = {}
+
+
 def s2_job(jobs: JobCache) -> Path:
     """Emulated DP4, 8 micro-batches per replica, rank 1 computing 2x slower from
     iteration 45 on; only S2 allowed (test_mitigation_e2e's S2 run, test_train's
-    detection and localization of a compute fault)."""
-    return jobs.train(*S2_JOB, "--falcon-mitigation-strategies", "S2",
-                      faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": S2_FAULT_START}],
-                      device="emulated", report=True)
+    detection and localization of a compute fault, test_prometheus's scraped job)."""
+    args = (*S2_JOB, "--falcon-mitigation-strategies", "S2", "--falcon-metrics-port", str(S2_METRICS_PORT))
+    faults = [{"kind": "compute", "rank": 1, "factor": 2.0, "start": S2_FAULT_START}]
+
+    def run(out: Path) -> Path:
+        if promserver.WHY_NOT is not None:
+            S2_PROMETHEUS["why_not"] = promserver.WHY_NOT
+        else:
+            try:
+                S2_PROMETHEUS["server"] = promserver.Prometheus(out.parent / f"{out.name}-prometheus", S2_METRICS_PORT)
+            except RuntimeError as exc:
+                S2_PROMETHEUS["why_not"] = str(exc)
+        started = time.time()
+        done = train(out, *args, faults=faults, device="emulated", report=True)
+        S2_PROMETHEUS["span"] = (started, time.time())
+        return done
+
+    return jobs.once(json.dumps([list(args), 4, faults, "emulated", True, False]), run)
 
 
 def s2_reference(jobs: JobCache) -> Path:

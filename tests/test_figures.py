@@ -3,6 +3,7 @@ drawn at the end of the S2 job (tests/jobs.py s2_job) and on demand."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -38,12 +39,18 @@ def test_the_figures_show_the_runs_decisions(run):
     detected = min(e["detected_at"] for e in events(run, "fail_slow"))
     assert marked["detected"] == detected and detected > S2_FAULT_START
     s2 = events(run, "mitigation")[0]
-    assert marked["S2"] == s2["iteration"] and marked["localized"] < s2["iteration"]
+    (localized,) = [label for label in marked if label.startswith("localized")]
+    assert localized in ("localized (detector)", "localized (score trigger)"), marked
+    assert marked["S2"] == s2["iteration"] and marked[localized] < s2["iteration"]
     its, _ = figures.loop_times(data["iterations"])
-    steps = figures.plan_steps(data["events"], its, 4, 32)
+    steps = figures.plan_in_force(data["events"], its[0], 4, 32)
     assert steps[0] == (0, [8, 8, 8, 8])
     applied = [e for e in events(run, "plan_applied")]
     assert steps[1:] == [(e["iteration"], e["plan"]) for e in applied] and steps[1][1][1] < 8
+    # what plan.png drew (figures.json) is that plan at every iteration
+    drawn = json.loads((run / "figures.json").read_text())
+    assert drawn["plan"]["iterations"] == its
+    assert drawn["plan"]["replicas"] == figures.plan_series(steps, its)
     ranks, s_its, scores = figures.score_matrix(data["estimates"])
     assert ranks == [0, 1, 2, 3]
     after = [k for k, it in enumerate(s_its) if S2_FAULT_START + 2 <= it < s2["iteration"]]

@@ -56,7 +56,7 @@ def s4_job(jobs: JobCache) -> Path:
     S4 first."""
     fault = {"kind": "compute", "rank": 1, "start": FAULT_START, "factor": 3.0}
     return jobs.train(*S4_JOB, "--device-gflops", "4", "--falcon-mitigation-strategies", "S2,S4",
-                      faults=[fault], nproc=2, device="emulated", fresh=True)
+                      faults=[fault], nproc=2, device="emulated", fresh=True, report=True)
 
 
 def s4_reference(jobs: JobCache) -> Path:
@@ -143,6 +143,30 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
           f"records, {summary['mitigated_iter_s'] / summary['healthy_iter_s']:.3f} by the wall clock")
     assert device["mitigated_iter_s"] == pytest.approx(device["healthy_iter_s"], rel=1e-3), device
     assert summary["mitigation"]["restarts"][0]["downtime_s"] > 0
+
+
+def test_the_report_follows_s2_then_the_s4_restart(runs):
+    """What report's figures drew for the S2-then-S4 run (figures.json, the data of the
+    pictures): the plan in force at every iteration from the events (even before S2, S2's
+    plan from its iteration, even again from the restart), the restart a boundary, each
+    label clear of the others, and the localization's label naming who started it."""
+    out = runs["s4"]
+    s2, s4 = events(out, "mitigation")
+    (restart,) = events(out, "restarted")
+    drawn = json.loads((out / "figures.json").read_text())
+    plan = drawn["plan"]
+    for k, it in enumerate(plan["iterations"]):
+        expected = s2["plan"] if s2["iteration"] <= it < restart["iteration"] else [6, 6]
+        assert [plan["replicas"][r][k] for r in (0, 1)] == expected, (it, expected)
+    assert plan["restarts"] == [restart["iteration"]]
+    marks = drawn["iterations"]["marks"]
+    labels = [m["label"] for m in marks]
+    assert "S2" in labels and "S4" in labels and f"restart {restart['attempt']}" in labels, labels
+    assert [m for m in labels if m.startswith("localized")] == ["localized (detector)"] or \
+        [m for m in labels if m.startswith("localized")] == ["localized (score trigger)"], labels
+    boxes = [m["bbox"] for m in marks]
+    assert all(not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3])
+               for i, a in enumerate(boxes) for b in boxes[i + 1:]), marks
 
 
 def test_forced_uneven_plan_learns_the_same_dp2_pp2(jobs):

@@ -4,13 +4,19 @@ From the files every run leaves (``iterations.csv``, ``estimates.csv``, ``events
 ``run.json``, ``summary.json``) it draws, with matplotlib (no display needed):
 
 - ``iterations.png``: the loop's iteration time (median over ranks) with each injected
-  fault's window shaded and the decisions marked: fail-slow detected, localized, each
-  mitigation applied;
+  fault's window shaded and the decisions marked, each label with its iteration and
+  on a row above the plot where it overlaps no other: fail-slow detected, each
+  localization with who started it (detector, score trigger, operator), each mitigation
+  applied, each restart (a solid line: an attempt's boundary);
 - ``scores.png``: every rank's straggler score per iteration, a heat map (which rank is
   slow, at a glance);
-- ``plan.png``: the micro-batches each data-parallel replica runs, over iterations;
+- ``plan.png``: the micro-batches each data-parallel replica runs, over iterations: the
+  plan in force from the events of each attempt (an S4 restart runs the even plan
+  again), every replica visible where plans are equal;
 
-and ``report.html`` with the summary's key figures in a table and the three pictures.
+``figures.json`` with what was drawn (the plan series, the marks and their labels'
+boxes), and ``report.html`` with the summary's key figures in a table and the three
+pictures.
 Reading is strict: a folder that is not a run is an :class:`InputError` naming what is
 missing.
 """
@@ -28,6 +34,9 @@ from falconext.inputs import InputError
 from falconext.report.summary import read_events
 
 FIGURES = ("iterations.png", "scores.png", "plan.png")
+#: the figures' resolution, the figure's own and the saved picture's alike (so that the
+#: pixel boxes in figures.json are the picture's)
+DPI = 110
 
 
 def _rows(path: str) -> list[dict[str, str]]:
@@ -79,22 +88,77 @@ def score_matrix(estimates: list[dict[str, str]]) -> tuple[list[int], list[int],
     return ranks, its, [[cells.get((rk, it), float("nan")) for it in its] for rk in ranks]
 
 
-def plan_steps(events: list[dict[str, Any]], iterations: list[int], dp: int,
-               total: int) -> list[tuple[int, list[int]]]:
-    """(from iteration, micro-batches per replica) at the start (``total`` micro-batches per
-    global batch, even) and at each applied plan."""
-    steps: list[tuple[int, list[int]]] = []
+def even_plan(total: int, dp: int) -> list[int]:
+    """``total`` micro-batches over ``dp`` replicas as evenly as they go (the first
+    replicas take the remainder)."""
+    if dp < 1:
+        return []
+    return [total // dp + (1 if k < total % dp else 0) for k in range(dp)]
+
+
+def plan_in_force(events: list[dict[str, Any]], first: int, dp: int, total: int) -> list[tuple[int, list[int]]]:
+    """The micro-batch plan in force as steps (from iteration, micro-batches per replica),
+    following the job through its attempts: the even plan from ``first`` and again from
+    every restart's iteration (a restarted attempt runs the even plan until it applies one),
+    each applied plan (S2, a revert: ``plan_applied``) from its iteration. A restart that
+    resumes at iteration r drops the steps from r on (the iterations it runs again);
+    events in the order they were written."""
+    even = even_plan(total, dp)
+    steps: list[tuple[int, list[int]]] = [(first, even)]
     for e in events:
-        if e.get("type") == "plan_applied" and isinstance(e.get("plan"), list) and e.get("rank", 0) == 0:
-            steps.append((int(e["iteration"]), [int(x) for x in e["plan"]]))
-    first = iterations[0] if iterations else 0
-    if not steps or steps[0][0] > first:
-        steps.insert(0, (first, [total // dp] * dp if dp else []))
-    return sorted(steps)
+        kind = e.get("type")
+        if kind == "plan_applied" and isinstance(e.get("plan"), list) and e.get("rank", 0) == 0:
+            at, plan = int(e["iteration"]), [int(x) for x in e["plan"]]
+        elif kind == "restarted" and e.get("iteration") is not None:
+            at, plan = int(e["iteration"]), even
+        else:
+            continue
+        steps = [st for st in steps if st[0] < at] + [(at, plan)]
+    return steps
+
+
+def plan_series(steps: list[tuple[int, list[int]]], iterations: list[int]) -> list[list[int]]:
+    """Per replica, the micro-batches it ran at each of ``iterations`` under ``steps``."""
+    replicas = len(steps[0][1]) if steps else 0
+    out: list[list[int]] = [[] for _ in range(replicas)]
+    k = 0
+    for it in iterations:
+        while k + 1 < len(steps) and steps[k + 1][0] <= it:
+            k += 1
+        plan = steps[k][1]
+        for r in range(replicas):
+            out[r].append(plan[r] if r < len(plan) else 0)
+    return out
+
+
+#: who started a localization: the controller's trigger (controller_state's ``trigger``)
+WHO = {"fail_slow": "detector", "operator": "operator", "relocalize": "re-localization", "baseline": "link baseline"}
+#: a score-trigger episode is a ``straggler_suspected`` event written this close before its
+#: session starts (the controller writes both in one round)
+SAME_ROUND_S = 1.0
+
+
+def localization_trigger(localized: dict[str, Any], events: list[dict[str, Any]]) -> str:
+    """Who started the session that made ``localized``: "detector" (a rank's fail-slow
+    report), "score trigger" (the controller's per-rank scores, before any detector),
+    "operator" (``ctl validate``), "re-localization", or "unknown"."""
+    session = (localized.get("evidence") or {}).get("session")
+    started = [e for e in events if e.get("type") == "controller_state" and e.get("new") == "profiling"
+               and e.get("session") == session]
+    if not started:
+        return "unknown"
+    t, trigger = float(started[0].get("time", 0.0)), str(started[0].get("trigger"))
+    if trigger == "fail_slow" and any(
+            e.get("type") == "straggler_suspected" and e.get("action") == "localize"
+            and 0 <= t - float(e.get("time", -1e18)) <= SAME_ROUND_S for e in events):
+        return "score trigger"
+    return WHO.get(trigger, "unknown")
 
 
 def marks(events: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    """(iteration, label) of the decisions: detection, localization, mitigations."""
+    """(iteration, label) of the decisions and boundaries: fail-slow detected, each
+    localization with its trigger (at its suspension's iteration), each mitigation, each
+    restart."""
     out: list[tuple[int, str]] = []
     detected = [e for e in events if e.get("type") == "fail_slow" and e.get("detected_at") is not None]
     if detected:
@@ -104,12 +168,39 @@ def marks(events: list[dict[str, Any]]) -> list[tuple[int, str]]:
         if e.get("type") == "localized" and (e.get("gpus") or e.get("links")):
             it = sessions.get((e.get("evidence") or {}).get("session"))
             if it is not None:
-                out.append((int(it), "localized"))
-                break
+                out.append((int(it), f"localized ({localization_trigger(e, events)})"))
     for e in events:
         if e.get("type") == "mitigation" and e.get("iteration") is not None:
             out.append((int(e["iteration"]), str(e.get("strategy", "mitigation"))))
+        elif e.get("type") == "restarted" and e.get("iteration") is not None:
+            out.append((int(e["iteration"]), f"restart {int(e.get('attempt', 0))}"))
     return sorted(out)
+
+
+def stagger(spans: list[tuple[float, float]]) -> list[int]:
+    """A level for each label of horizontal extent ``(x0, x1)`` (in any one unit) such that
+    no two labels on one level overlap: each takes the lowest level free over its extent,
+    in order of x0 (pure)."""
+    levels: list[list[tuple[float, float]]] = []
+    out = [0] * len(spans)
+    for k in sorted(range(len(spans)), key=lambda k: spans[k][0]):
+        x0, x1 = spans[k]
+        for level, taken in enumerate(levels):
+            if all(x1 < a or x0 > b for a, b in taken):
+                taken.append((x0, x1))
+                out[k] = level
+                break
+        else:
+            levels.append([(x0, x1)])
+            out[k] = len(levels) - 1
+    return out
+
+
+def overlaps(boxes: list[tuple[float, float, float, float]]) -> list[tuple[int, int]]:
+    """Pairs of boxes ``(x0, y0, x1, y1)`` that overlap (pure)."""
+    return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes))
+            if boxes[i][0] < boxes[j][2] and boxes[j][0] < boxes[i][2]
+            and boxes[i][1] < boxes[j][3] and boxes[j][1] < boxes[i][3]]
 
 
 def write_report(out: str) -> str:
@@ -125,26 +216,48 @@ def write_report(out: str) -> str:
     topo = run.get("topology") or {}
     dp = int(topo.get("dp") or 0) or max(1, int(topo.get("world", 1) or 1))
 
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    drawn: dict[str, Any] = {}
+    restarts = sorted({int(e["iteration"]) for e in events if e.get("type") == "restarted"
+                       and e.get("iteration") is not None})
+    fig, ax = plt.subplots(figsize=(9, 4.2), dpi=DPI)
     ax.plot(its, times, lw=1.2, color="#1f4e79", label="iteration time (median over ranks)")
     for f in run.get("faults") or []:
         end = f.get("end") if f.get("end") is not None else (its[-1] + 1 if its else f["start"] + 1)
         ax.axvspan(f["start"], end, color="#f4b183", alpha=0.35, lw=0,
                    label=f"injected {f.get('kind', 'fault')} x{f.get('factor', '?')}")
     if times:  # suspensions are seconds long: keep the scale on the iterations
-        typical = sorted(times)[int(0.95 * (len(times) - 1))]
-        ax.set_ylim(0, 2.5 * typical)
+        typical = sorted(times)[int(0.98 * (len(times) - 1))]
+        ax.set_ylim(0, 1.15 * typical)
         for it in sorted({int(e["iteration"]) for e in events if e.get("type") == "suspended"}):
             ax.axvline(it, color="#a6a6a6", lw=0.8)
-    colors = {"detected": "#c00000", "localized": "#7030a0"}
-    for it, label in marks(events):
-        ax.axvline(it, color=colors.get(label, "#548235"), ls="--", lw=1)
-        ax.annotate(label, (it, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=8)
+    for it in restarts:
+        ax.axvline(it, color="#000000", lw=1.6)
+    colors = {"detected": "#c00000", "localized": "#7030a0", "restart": "#000000"}
+    placed = marks(events)
+    labels = []
+    right = its[0] + 0.7 * (its[-1] - its[0]) if its else 0
+    for it, label in placed:
+        ax.axvline(it, color=colors.get(label.split(" ")[0], "#548235"), ls="--", lw=1)
+        labels.append(ax.text(it, 1.02, f"{label} @{it}", transform=ax.get_xaxis_transform(), fontsize=8,
+                              ha="right" if it > right else "left", va="bottom", clip_on=False))
     ax.set_xlabel("iteration")
     ax.set_ylabel("seconds")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "iterations.png"), dpi=110)
+    # labels above the plot, each on the lowest row where it overlaps none (measured extents)
+    renderer = fig.canvas.get_renderer()
+    spans = [(t.get_window_extent(renderer).x0 - 2, t.get_window_extent(renderer).x1 + 2) for t in labels]
+    rows = stagger(spans)
+    row_h = 0.075
+    for t, row in zip(labels, rows):
+        t.set_y(1.02 + row_h * row)
+    fig.subplots_adjust(top=min(0.88, 0.9 - row_h * 0.8 * max(rows, default=0)))
+    fig.canvas.draw()
+    boxes = [tuple(round(v, 1) for v in t.get_window_extent(renderer).extents) for t in labels]
+    drawn["iterations"] = {"marks": [{"iteration": it, "label": label, "bbox": list(box)}
+                                     for (it, label), box in zip(placed, boxes)],
+                           "ylim": [round(v, 6) for v in ax.get_ylim()], "restarts": restarts}
+    fig.savefig(os.path.join(out, "iterations.png"), dpi=DPI)
     plt.close(fig)
 
     ranks, s_its, matrix = score_matrix(data["estimates"])
@@ -160,27 +273,34 @@ def write_report(out: str) -> str:
     ax.set_xlabel("iteration")
     ax.set_title("which rank keeps the others waiting (score = late_s / iteration time)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "scores.png"), dpi=110)
+    fig.savefig(os.path.join(out, "scores.png"), dpi=DPI)
     plt.close(fig)
 
     args = run.get("args") or {}
     total = int(args.get("global_batch_size") or dp) // max(1, int(args.get("micro_batch_size") or 1))
-    steps = plan_steps(events, its, dp, total)
-    fig, ax = plt.subplots(figsize=(9, 2.6))
-    last = its[-1] + 1 if its else 1
-    for replica in range(len(steps[0][1]) if steps else 0):
-        xs, ys = [], []
-        for k, (start, plan) in enumerate(steps):
-            stop = steps[k + 1][0] if k + 1 < len(steps) else last
-            xs += [start, stop]
-            ys += [plan[replica], plan[replica]] if replica < len(plan) else [0, 0]
-        ax.plot(xs, ys, lw=1.5, label=f"replica {replica}")
+    steps = plan_in_force(events, its[0] if its else 0, dp, total)
+    series = plan_series(steps, its)
+    fig, ax = plt.subplots(figsize=(9, 2.6), dpi=DPI)
+    for replica, ys in enumerate(series):
+        # equal plans draw on top of each other: each replica's dashes fill its own share
+        # of the pattern, so every replica stays visible where the lines coincide
+        n = max(1, len(series))
+        ax.plot(its, ys, lw=1.8, drawstyle="steps-post", label=f"replica {replica}",
+                linestyle=(3.0 * replica, (3.0, 3.0 * (n - 1))) if n > 1 else "-")
+    for it in restarts:
+        ax.axvline(it, color="#000000", lw=1.2)
+        ax.text(it, 1.01, f"restart @{it}", transform=ax.get_xaxis_transform(), fontsize=7, ha="left", va="bottom")
     ax.set_xlabel("iteration")
     ax.set_ylabel("micro-batches")
-    ax.legend(loc="upper left", fontsize=8, ncol=4)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # outside: the plot holds only the plan
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "plan.png"), dpi=110)
+    fig.savefig(os.path.join(out, "plan.png"), dpi=DPI)
+    drawn["plan"] = {"iterations": its, "replicas": series, "steps": [[it, plan] for it, plan in steps],
+                     "restarts": restarts, "xlim": list(ax.get_xlim()),
+                     "axes_px": [round(v, 1) for v in ax.get_window_extent().extents]}
     plt.close(fig)
+    with open(os.path.join(out, "figures.json"), "w") as f:
+        json.dump(drawn, f)
 
     path = os.path.join(out, "report.html")
     with open(path, "w") as f:
@@ -215,4 +335,4 @@ def report_at_end(out: str) -> str:
         return f"report not written: {type(exc).__name__}: {exc}"
 
 
-__all__ = ["FIGURES", "read_run", "report_at_end", "write_report"]
+__all__ = ["FIGURES", "marks", "plan_in_force", "plan_series", "read_run", "report_at_end", "write_report"]
