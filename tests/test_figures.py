@@ -35,13 +35,19 @@ def test_the_run_draws_its_report_at_the_end(run):
 
 def test_the_figures_show_the_runs_decisions(run):
     data = figures.read_run(str(run))
-    marked = dict((label, it) for it, label in figures.marks(data["events"]))
+    placed = figures.marks(data["events"])
+    marked = dict((label, it) for it, label in placed)
     detected = min(e["detected_at"] for e in events(run, "fail_slow"))
     assert marked["detected"] == detected and detected > S2_FAULT_START
     s2 = events(run, "mitigation")[0]
-    (localized,) = [label for label in marked if label.startswith("localized")]
-    assert localized in ("localized (detector)", "localized (score trigger)"), marked
-    assert marked["S2"] == s2["iteration"] and marked[localized] < s2["iteration"]
+    assert marked["S2"] == s2["iteration"]
+    # the first localization, before S2, was started by the detector or the score trigger;
+    # a later one (host noise lifting the level after S2) names who started it too
+    localized = [(it, label) for it, label in placed if label.startswith("localized")]
+    assert localized[0][1] in ("localized (detector)", "localized (score trigger)"), placed
+    assert localized[0][0] < s2["iteration"]
+    assert all(label in ("localized (detector)", "localized (score trigger)", "localized (re-localization)")
+               for _, label in localized[1:]), placed
     its, _ = figures.loop_times(data["iterations"])
     steps = figures.plan_in_force(data["events"], its[0], 4, 32)
     assert steps[0] == (0, [8, 8, 8, 8])

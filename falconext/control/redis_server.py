@@ -38,8 +38,13 @@ class RedisUnavailable(RuntimeError):
 class RedisServer:
     """One running ``redis-server`` process that this Python process owns."""
 
-    def __init__(self, binary: str, port: int, password: str, bind: str, ready_timeout_s: float) -> None:
+    def __init__(self, binary: str, port: int, password: str, bind: str, ready_timeout_s: float,
+                 cluster: bool = False) -> None:
         self.port = port
+        #: a Redis Cluster node (falconext.control.redis_cluster): cluster mode on, its
+        #: cluster state in its own folder (kept across restart(), so it rejoins as itself)
+        self.cluster = cluster
+        self.bus_port: int | None = None  # a cluster node's bus port, chosen at its first start
         self.password = password
         self.bind = bind
         # Clients connect to the first bound address; a wildcard bind is reached on loopback.
@@ -84,13 +89,20 @@ class RedisServer:
             "--loglevel", "warning",
             "--dir", str(self._dir),
         ]  # fmt: skip
+        if self.cluster:
+            if self.bus_port is None:
+                self.bus_port = free_port(self.host)
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(self.bus_port),
+                     "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"]
         with open(self._dir / LOG_NAME, "ab") as log:
             self._proc = subprocess.Popen(
                 args, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=self._dir
             )
         assert self._proc.stdin is not None
         try:
-            self._proc.stdin.write(f'requirepass "{_config_quote(self.password)}"\n'.encode())
+            quoted = _config_quote(self.password)
+            config = f'requirepass "{quoted}"\n' + (f'masterauth "{quoted}"\n' if self.cluster else "")
+            self._proc.stdin.write(config.encode())
             self._proc.stdin.close()
         except BrokenPipeError:
             pass  # it exited already; _wait_ready reports why from the log
@@ -173,13 +185,15 @@ def start_redis(
     password: str | None = None,
     bind: str = "127.0.0.1",
     ready_timeout_s: float = 10.0,
+    cluster: bool = False,
 ) -> RedisServer:
     """Start a private redis-server and wait until it answers an authenticated PING.
 
     ``bind`` stays on loopback unless the caller passes another address (for a
     multi-node job, the cluster interface's address, never a public one). With
     ``port=None`` a free port is picked; since another process could take it before
-    Redis binds, that case is retried on a fresh port a few times.
+    Redis binds, that case is retried on a fresh port a few times. ``cluster``: a node
+    of a Redis Cluster, started empty (falconext.control.redis_cluster joins it).
     """
     binary = shutil.which("redis-server")
     if binary is None:
@@ -189,7 +203,8 @@ def start_redis(
     _config_quote(password)  # reject an unusable password before starting anything
     attempts = 3 if port is None else 1
     for attempt in range(attempts):
-        server = RedisServer(binary, port if port is not None else free_port(bind.split()[0]), password, bind, ready_timeout_s)
+        server = RedisServer(binary, port if port is not None else free_port(bind.split()[0]), password, bind, ready_timeout_s,
+                             cluster)
         try:
             server.start()
             return server
