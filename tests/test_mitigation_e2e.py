@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from falconext.report import figures
+
 from jobs import (
     S2_FAULT_START,
     S2_ITERS,
@@ -164,9 +166,7 @@ def test_the_report_follows_s2_then_the_s4_restart(runs):
     assert "S2" in labels and "S4" in labels and f"restart {restart['attempt']}" in labels, labels
     assert [m for m in labels if m.startswith("localized")] == ["localized (detector)"] or \
         [m for m in labels if m.startswith("localized")] == ["localized (score trigger)"], labels
-    boxes = [m["bbox"] for m in marks]
-    assert all(not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3])
-               for i, a in enumerate(boxes) for b in boxes[i + 1:]), marks
+    assert figures.overlaps([tuple(m["bbox"]) for m in marks]) == [], marks
 
 
 def test_forced_uneven_plan_learns_the_same_dp2_pp2(jobs):
