@@ -210,6 +210,7 @@ def write_report(out: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: run-time order (after matplotlib.use("Agg"))
+    from matplotlib.lines import Line2D  # lazy: run-time order (after matplotlib.use("Agg"))
 
     run, events = data["run"], data["events"]
     its, times = loop_times(data["iterations"])
@@ -287,12 +288,15 @@ def write_report(out: str) -> str:
         n = max(1, len(series))
         ax.plot(its, ys, lw=1.8, drawstyle="steps-post", label=f"replica {replica}",
                 linestyle=(3.0 * replica, (3.0, 3.0 * (n - 1))) if n > 1 else "-")
+    # the legend's samples solid: a dash phase could leave a replica's sample blank
+    handles = [Line2D([0], [0], color=line.get_color(), lw=2) for line in ax.get_lines()]
     for it in restarts:
         ax.axvline(it, color="#000000", lw=1.2)
         ax.text(it, 1.01, f"restart @{it}", transform=ax.get_xaxis_transform(), fontsize=7, ha="left", va="bottom")
     ax.set_xlabel("iteration")
     ax.set_ylabel("micro-batches")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # outside: the plot holds only the plan
+    ax.legend(handles, [f"replica {r}" for r in range(len(series))], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              fontsize=8)  # outside: the plot holds only the plan
     fig.tight_layout()
     fig.savefig(os.path.join(out, "plan.png"), dpi=DPI)
     drawn["plan"] = {"iterations": its, "replicas": series, "steps": [[it, plan] for it, plan in steps],
