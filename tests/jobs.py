@@ -302,9 +302,16 @@ class JobCache:
     def train(self, *args: str, nproc: int = 4, faults: list | None = None, device: str = "cpu",
               report: bool = False, fresh: bool = False) -> Path:
         """:func:`train`'s run of these arguments, run now unless it ran or runs already."""
-        key = json.dumps([list(args), nproc, faults, device, report, fresh])
-        return self.once(key, lambda out: train(out, *args, nproc=nproc, faults=faults, device=device,
-                                                report=report, fresh=fresh))
+        return self.once(self.key(args, nproc, faults, device, report, fresh),
+                         lambda out: train(out, *args, nproc=nproc, faults=faults, device=device,
+                                           report=report, fresh=fresh))
+
+    @staticmethod
+    def key(args: tuple[str, ...] | list[str], nproc: int = 4, faults: list | None = None, device: str = "cpu",
+            report: bool = False, fresh: bool = False) -> str:
+        """The cache key of a :meth:`train` run (also for a plain job run through
+        :meth:`once` with more around it, such as the S2 job's Prometheus)."""
+        return json.dumps([list(args), nproc, faults, device, report, fresh])
 
     def once(self, key: str, run: Callable[[Path], Any]) -> Any:
         """``run(folder)``'s result for ``key``, run now (in a new folder of the cache)
@@ -397,7 +404,7 @@ def s2_job(jobs: JobCache) -> Path:
         S2_PROMETHEUS["span"] = (started, time.time())
         return done
 
-    return jobs.once(json.dumps([list(args), 4, faults, "emulated", True, False]), run)
+    return jobs.once(JobCache.key(args, faults=faults, device="emulated", report=True), run)
 
 
 def s2_reference(jobs: JobCache) -> Path:

@@ -1,6 +1,6 @@
 """A real Prometheus server for the tests (Debian's package ``prometheus``, 2.42 here):
 started on a free loopback port with a scrape config for one target, queried over its
-HTTP API, stopped with its data folder."""
+HTTP API, stopped at the end (its data folder stays with the test's other files)."""
 
 from __future__ import annotations
 
