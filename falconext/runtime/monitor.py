@@ -142,7 +142,10 @@ class RankMonitor:
         #: loop iteration -> (compute, waiting) seconds of the estimated iteration
         self.splits: dict[int, tuple[float, float]] = {}
         self._busy = BusyClock()
-        self._recent_its: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=config.score_window)
+        #: the newest score_window estimates, one per loop iteration (a later span that maps to
+        #: an iteration already here replaces its estimate, as in ``estimates``)
+        self._recent_its: collections.deque[tuple[int, float, float, float]] = collections.deque(
+            maxlen=config.score_window)
         #: (newest loop iteration, medians over the last score_window iterations), replaced
         #: whole by the monitor thread so the control thread reads it without a lock
         self.score_sample: tuple[int, RankSample] | None = None
@@ -317,8 +320,8 @@ class RankMonitor:
                 self.estimates[n] = it.duration
                 split = split_iteration(it.duration, self._busy.busy(it.t_begin, it.t_end))
                 self.splits[n] = split
-                self._recent_its.append((it.duration, *split))
-                sample = recent_sample(list(self._recent_its))
+                self._remember(n, (it.duration, *split))
+                sample = recent_sample([row[1:] for row in self._recent_its])
                 if sample is not None:
                     self.score_sample = (n, sample)
                     if self.on_iteration_s is not None:
@@ -338,6 +341,15 @@ class RankMonitor:
             for ev in update.events:
                 if not below:
                     self._report(ev)
+
+    def _remember(self, n: int, row: tuple[float, float, float]) -> None:
+        """Keep loop iteration ``n``'s estimate among the recent ones: in place of an earlier
+        estimate of the same iteration, else as the newest."""
+        for i, old in enumerate(self._recent_its):
+            if old[0] == n:
+                self._recent_its[i] = (n, *row)
+                return
+        self._recent_its.append((n, *row))
 
     def _shorter_than_the_loop(self, period: int, n: int) -> bool:
         """Whether spans of ``period`` calls are shorter than the loop's iterations. Judged

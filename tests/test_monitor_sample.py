@@ -1,0 +1,55 @@
+"""The straggler sample a rank's heartbeat carries (falconext/runtime/monitor.py:
+RankMonitor.score_sample) is the median over the rank's newest ``score_window`` loop
+iterations, one estimate each, the same ones estimates.csv gets: Prometheus pairs the two."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from falconext.config import FalconConfig
+from falconext.protocol.eventlog import EventLog
+from falconext.runtime.monitor import RankMonitor
+from falconext.trace.records import CallRecord
+
+#: a data-parallel iteration's calls: (op, bytes)
+PATTERN = [("all_reduce", 4096), ("all_gather", 8192), ("all_reduce", 4096), ("reduce_scatter", 8192),
+           ("all_reduce", 1 << 20), ("all_reduce", 4)]
+
+
+def _job(iterations: int, merged: set[int]) -> tuple[list[CallRecord], list[float]]:
+    """A rank's calls and loop starts: each iteration computes, then calls; iterations
+    slow down by 3% each (so a window one iteration off has another median). The loop
+    starts of ``merged`` iterations are left out: the loop iteration before each then holds
+    two iterations of calls (a loop that runs an extra pass, as a switch's does)."""
+    recs, starts = [], []
+    t, seq = 1.0, 0
+    for it in range(iterations):
+        if it not in merged:
+            starts.append(t)
+        t += 0.2 * 1.03 ** it
+        for op, nbytes in PATTERN:
+            recs.append(CallRecord(0, op, "dp:0,1", nbytes, t, None, t + 0.004, seq))
+            seq += 1
+            t += 0.01
+    starts.append(t)
+    return recs, starts
+
+
+def test_the_heartbeat_sample_is_the_median_of_the_newest_window_of_estimates(tmp_path: Path) -> None:
+    cfg = FalconConfig()
+    recs, starts = _job(60, merged={30, 41})
+    batches = [recs[i:i + len(PATTERN)] for i in range(0, len(recs), len(PATTERN))]
+    mon = RankMonitor(lambda: batches.pop(0) if batches else [], cfg, 0, starts,
+                      EventLog(str(tmp_path / "events.jsonl")), None)
+    checked = 0
+    while batches:
+        mon._process()
+        if mon.score_sample is None:
+            continue
+        n, sample = mon.score_sample
+        window = sorted(i for i in mon.estimates if i <= n)[-cfg.score_window:]
+        assert sample.iter_s == statistics.median(mon.estimates[i] for i in window), n
+        checked += 1
+    # the two merged loop iterations each got a second estimate, which replaced the first
+    assert len(mon.estimates) < 58 and checked >= 40, (len(mon.estimates), checked)
