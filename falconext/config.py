@@ -275,6 +275,10 @@ class ControlConfig:
     # --- control plane (control/) ----------------------------------------------------------
     #: run the control plane (Redis bus, agents, controller) when tracking is on
     control_plane: bool = True
+    #: a Redis Cluster of this many shards (>= 3) instead of one Redis server: started by
+    #: the launcher, or, with a URL given (--falcon-redis-url-file), the cluster it names;
+    #: 0: one server (control/shards.py)
+    redis_shards: int = 0
     #: a job of several launchers: the fewest nodes it can train on with its global batch
     #: unchanged (set by the launcher); an exclusion that no spare fills and that would
     #: take the job below it is refused. 0: one launcher, which replaces nodes itself
@@ -339,6 +343,8 @@ class ControlConfig:
         _check(self.control_slack_s >= 0.0, "control_slack_s must be >= 0")
         _check(self.restart_floor_nodes >= 0, "restart_floor_nodes must be >= 0")
         _check(self.plane_wait_s >= 0.0, "plane_wait_s must be >= 0")
+        _check(self.redis_shards == 0 or self.redis_shards >= 3,
+               "redis_shards must be 0 (one server) or >= 3 (Redis Cluster runs with at least 3 masters)")
         _check(self.on_exclude_timeout_s > 0.0, "on_exclude_timeout_s must be > 0")
         _check(self.leave_wait_s >= 0.0, "leave_wait_s must be >= 0")
         _check(self.heartbeat_history >= 1, "heartbeat_history must be >= 1")

@@ -22,8 +22,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from falconext.control.bus import Bus
-from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_stream
+from falconext.control.shards import AnyBus
+from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_copy, node_stream
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, pack_heartbeats
 from falconext.protocol.commands import Suspend
 from falconext.protocol.messages import Heartbeat, NodeHealth, NodeHeartbeats
@@ -88,7 +88,7 @@ class NodeAgent:
     answers a suspension with the node's GPU health. ``forwarded`` counts the ranks'
     messages that reached the controller (each heartbeat in a NodeHeartbeats counts)."""
 
-    def __init__(self, bus: Bus, node: int, health: Callable[[], list[dict[str, Any]]],
+    def __init__(self, bus: AnyBus, node: int, health: Callable[[], list[dict[str, Any]]],
                  ranks: set[int] | None = None, heartbeat_s: float = 0.5) -> None:
         self.bus = bus
         self.node = node
@@ -108,10 +108,11 @@ class NodeAgent:
         wait = self.beats.wait_s(time.monotonic())
         if wait is not None:
             block_ms = min(block_ms, int(wait * 1000))
-        for stream, msg in self.bus.read([node_stream(self.node), CMD_STREAM], block_ms=block_ms):
-            if stream == CMD_STREAM:
+        cmd, ctl = node_copy(CMD_STREAM, self.node), node_copy(CTL_STREAM, self.node)
+        for stream, msg in self.bus.read([node_stream(self.node), cmd], block_ms=block_ms):
+            if stream == cmd:
                 if isinstance(msg, Suspend):
-                    self.bus.post(CTL_STREAM, NodeHealth(self.node, msg.session, self.health()))
+                    self.bus.post(ctl, NodeHealth(self.node, msg.session, self.health()))
                 continue
             if type(msg).__name__ not in RANK_MESSAGES:
                 continue
@@ -120,11 +121,11 @@ class NodeAgent:
                 continue
             if isinstance(msg, Heartbeat):
                 self.beats.add(msg, time.monotonic())
-            elif self.bus.post(CTL_STREAM, msg):
+            elif self.bus.post(ctl, msg):
                 self.forwarded += 1
         if self.beats.due(time.monotonic()):
             for agg in self.beats.flush():
-                if self.bus.post(BEATS_STREAM, agg):
+                if self.bus.post(node_copy(BEATS_STREAM, self.node), agg):
                     self.forwarded += len(agg.rows)
 
     def _from_this_node(self, msg: Any) -> bool:

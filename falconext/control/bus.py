@@ -59,6 +59,8 @@ ERRORS_KEPT = 100
 MAX_SEQ = 2**64 - 1
 
 _ID = re.compile(r"^(\d+)-(\d+)$")
+#: the ``@N`` that names node N's copy of a stream every node has
+_NODE_COPY = re.compile(r"@\d+$")
 # Connection-level trouble: server gone, unreachable, too slow, not (yet) accepting us.
 _DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 
@@ -77,6 +79,7 @@ class Bus:
         on_state: Callable[[bool, str], None] | None = None,
         maxlen: int = 10000,
         since_ms: int | None = None,
+        tag: str | None = None,
     ) -> None:
         if not job or ":" in job or any(ch.isspace() for ch in job):
             raise ValueError(f"job name {job!r} must be non-empty, without ':' or whitespace (it namespaces the keys)")
@@ -86,7 +89,10 @@ class Bus:
             raise ValueError(f"maxlen must be at least 1, got {maxlen}")
         self.url = url
         self.job = job
-        self.prefix = f"falcon:{job}:"
+        #: one shard of a Redis Cluster: every key carries hash tag ``{tag}`` (a slot the
+        #: shard serves; :mod:`falconext.control.shards`)
+        self.tag = tag
+        self.prefix = f"falcon:{job}:" if tag is None else f"falcon:{{{tag}}}:{job}:"
         self.socket_timeout_s = socket_timeout_s
         self.maxlen = maxlen
         self.on_state = on_state
@@ -108,10 +114,13 @@ class Bus:
     # --- public API ---------------------------------------------------------------------
 
     def key(self, name: str) -> str:
-        """The Redis key of a stream or liveness name in this job's namespace."""
+        """The Redis key of a stream or liveness name in this job's namespace. A name
+        ``base@N`` (node N's copy of a stream every node has, such as ``ctl@3``) is
+        ``base`` here: on one server all nodes share it (on a cluster each shard has its
+        own, :class:`~falconext.control.shards.ShardedBus`)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"stream/key name must be a non-empty string, got {name!r}")
-        return self.prefix + name
+        return self.prefix + _NODE_COPY.sub("", name)
 
     def post(self, stream: str, msg: Any) -> bool:
         """Append one message; False when Redis is unreachable or refuses it."""

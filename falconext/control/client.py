@@ -19,7 +19,8 @@ import time
 from typing import Any, Callable
 
 from falconext.config import FalconConfig
-from falconext.control.bus import FIELD, Bus
+from falconext.control.bus import FIELD
+from falconext.control.shards import AnyBus, open_bus
 from falconext.protocol.base import MessageError
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
 from falconext.protocol.commands import Command, Go, ProfileRequest, Release, Resume, Share, Suspend
@@ -44,6 +45,12 @@ STATUS_KEY = "status"
 def reply_key(command_id: str) -> str:
     """Where the controller leaves its CommandReply to the operator command ``command_id``."""
     return f"reply:{command_id}"
+
+
+def node_copy(stream: str, node: int) -> str:
+    """Node ``node``'s copy of ``stream`` (``cmd``, ``ctl``, ``beats``): on one Redis server
+    the stream itself, on a cluster the copy on the node's shard (control/shards.py)."""
+    return f"{stream}@{node}"
 
 
 def node_stream(node: int) -> str:
@@ -120,7 +127,7 @@ class RankClient:
             self.emit("control_lost", rank=self.rank, what=what, reason=reason)
 
     def _run(self) -> None:
-        bus = Bus(self._url, self._job, on_state=lambda ok, why: self._state("redis", ok, why))
+        bus = open_bus(self._url, self._job, on_state=lambda ok, why: self._state("redis", ok, why))
         self._next_beat = 0.0  # next heartbeat and controller check (monotonic)
         self._since = time.monotonic()  # the controller's absence counts from here
         self._busy_until = 0.0  # wait briefly for commands until then (monotonic)
@@ -140,7 +147,7 @@ class RankClient:
             bus.close()
             self._cpu_s = time.thread_time()
 
-    def _flush(self, bus: Bus, most: int = 200) -> None:
+    def _flush(self, bus: AnyBus, most: int = 200) -> None:
         """Post what is still queued when the client stops (a rank's last events: it is
         leaving), at most ``most`` messages, heartbeats left out; never raises."""
         stream = node_stream(self.node)
@@ -157,7 +164,7 @@ class RankClient:
             except Exception:  # noqa: BLE001 - best effort at exit
                 return
 
-    def _round(self, bus: Bus) -> None:
+    def _round(self, bus: AnyBus) -> None:
         """One pass: heartbeat and controller check when due, queued posts, commands."""
         stream = node_stream(self.node)
         now = time.monotonic()
@@ -201,14 +208,14 @@ class RankClient:
         # rank's client wakes a few times per second rather than ten
         busy = now < self._busy_until
         idle_ms = int(1000 * max(0.1, min(self.cfg.control_idle_s, self._next_beat - time.monotonic())))
-        for _, cmd in bus.read([CMD_STREAM], block_ms=100 if busy else idle_ms, accept={"Command"}):
+        for _, cmd in bus.read([node_copy(CMD_STREAM, self.node)], block_ms=100 if busy else idle_ms, accept={"Command"}):
             self._busy_until = time.monotonic() + self.cfg.control_busy_s
             self._command(cmd)
         self._report_drops(bus)
         if not bus.connected:
             self._stop.wait(0.1)
 
-    def _post(self, bus: Bus, stream: str, msg: Any) -> bool:
+    def _post(self, bus: AnyBus, stream: str, msg: Any) -> bool:
         """``bus.post``, unless chaos mode drops, delays or damages the message first."""
         chaos = self.chaos
         if chaos is None:
@@ -222,7 +229,7 @@ class RankClient:
             return bus.post_raw(stream, {FIELD: chaos.damage(encode(msg))}) is not None
         return bus.post(stream, msg)
 
-    def _report_drops(self, bus: Bus) -> None:
+    def _report_drops(self, bus: AnyBus) -> None:
         """Malformed or unexpected messages were dropped by the bus: say so, once each."""
         while bus.dropped > self._dropped_seen:
             self._dropped_seen += 1

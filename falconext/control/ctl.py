@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from falconext.control.shards import home
 from falconext.control.client import CONTROLLER_KEY, CTL_STREAM, STATUS_KEY, reply_key
 from falconext.protocol.base import MessageError
 from falconext.protocol.codec import MAX_STATUS_BYTES, decode, encode
@@ -98,9 +99,9 @@ class Session:
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        self.prefix = f"falcon:{run.job}:"
+        url, self.prefix = home(run.url, run.job)  # the job's own keys (a cluster: shard 0)
         self._redis = redis
-        self.client = redis.Redis.from_url(run.url, socket_timeout=SOCKET_TIMEOUT_S,
+        self.client = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
                                            socket_connect_timeout=SOCKET_TIMEOUT_S, health_check_interval=0)
         self._call(self.client.ping)
 

@@ -28,7 +28,9 @@ import time
 from typing import Any, Iterable
 
 from falconext.config import config_from_args
+from falconext.control.redis_cluster import RedisCluster, cluster_problem, start_redis_cluster
 from falconext.control.redis_server import RedisServer, RedisUnavailable, start_redis
+from falconext.control.shards import cluster_url, read_shards
 from falconext.inputs import InputError
 from falconext.control.client import JOB_ENV, REDIS_URL_ENV
 
@@ -81,6 +83,7 @@ class ControlPlane:
         redis_bind: str = "127.0.0.1",
         agents: bool = True,
         access: dict[str, Any] | None = None,
+        shards: int = 0,
     ) -> None:
         self.out = out
         self.world = world
@@ -88,6 +91,9 @@ class ControlPlane:
         self.falcon_argv = falcon_argv
         self.job = job or os.environ.get(JOB_ENV) or secrets.token_hex(4)
         self.redis: RedisServer | None = None
+        #: a Redis Cluster of ``shards`` (>= 3) masters rather than one server (0)
+        self.shards = shards
+        self.cluster: RedisCluster | None = None
         self.url = redis_url
         self.redis_bind = redis_bind
         #: start the nodes' agents here (False: each node's launcher runs its own)
@@ -108,10 +114,18 @@ class ControlPlane:
     def start(self) -> "ControlPlane":
         """Start Redis (if none was given), the controller and the agents, write control.json
         and start the supervising thread; returns self. Raises RedisUnavailable when Redis
-        does not start."""
-        if self.url is None:
+        does not start (or, with ``shards``, when the given URL names no usable cluster)."""
+        if self.url is None and self.shards:
+            self.cluster = start_redis_cluster(self.shards, bind=self.redis_bind)
+            self.url = cluster_url(self.cluster.url, read_shards(self.cluster.url))
+        elif self.url is None:
             self.redis = start_redis(bind=self.redis_bind)
             self.url = self.redis.url
+        elif self.shards and "#" not in self.url:  # an existing cluster, named by one of its masters
+            problem = cluster_problem(self.url)
+            if problem is not None:
+                raise RedisUnavailable(problem)
+            self.url = cluster_url(self.url, read_shards(self.url))
         self._spawn("controller")
         for n in range(self.nodes if self.agents else 0):
             self._spawn(f"agent{n}")
@@ -150,6 +164,7 @@ class ControlPlane:
             "job": self.job,
             "redis_pid": self.redis.pid if self.redis else None,
             "redis_port": self.redis.port if self.redis else None,
+            "redis_shards": [{"pid": r.pid, "port": r.port} for r in self.cluster.shards] if self.cluster else None,
             "pids": {n: p.pid for n, p in self.procs.items()},
             "restarts": dict(self.restarts),
         }
@@ -171,6 +186,16 @@ class ControlPlane:
                     except Exception:  # noqa: BLE001 - counted; the next round tries again
                         pass
                     self._write()
+                for k, shard in enumerate(self.cluster.shards if self.cluster else []):
+                    key = f"redis{k}"
+                    if not shard.alive() and not self._stop.is_set() and self.restarts.get(key, 0) < MAX_RESTARTS:
+                        # as itself: its port, password and slots; its streams start empty
+                        self.restarts[key] = self.restarts.get(key, 0) + 1
+                        try:
+                            self.cluster.restart_shard(k)
+                        except Exception:  # noqa: BLE001 - counted; the next round tries again
+                            pass
+                        self._write()
                 for name, proc in list(self.procs.items()):
                     if proc.poll() is None or self._stop.is_set():
                         continue
@@ -197,6 +222,8 @@ class ControlPlane:
                     proc.kill()
         if self.redis is not None:
             self.redis.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
         if os.path.exists(os.path.join(self.out, ACCESS_FILE)):
             self._write_access(ended=time.time())
 
@@ -221,17 +248,23 @@ def start_plane(args: argparse.Namespace, env: dict[str, str], redis_bind: str =
     """Start the control plane when the job runs falconext with one (its variables go into
     ``env``); None otherwise. ``redis_bind``: the private Redis's addresses, first in the URL."""
     plane = None
-    if args.falcon and config_from_args(args).control_plane:
+    cfg = config_from_args(args) if args.falcon else None
+    if cfg is not None and cfg.control_plane:
         events = os.path.join(args.out, "events.jsonl")
         if os.path.exists(events):  # the controller appends from the start
             os.remove(events)
         nodes = -(-args.nproc // args.ranks_per_node)
         plane = ControlPlane(args.out, args.nproc, nodes, falcon_argv(args),
                              redis_url=args.falcon_redis_url or env.get(REDIS_URL_ENV), redis_bind=redis_bind,
-                             agents=agents, access=access)
+                             agents=agents, access=access, shards=cfg.redis_shards)
         try:
             plane.start()
         except RedisUnavailable as exc:
-            raise InputError(str(exc)) from None
+            if plane.url is None or not cfg.redis_shards:
+                raise InputError(str(exc)) from None
+            # a given cluster that cannot serve: the job trains on, without the control plane
+            print(f"falconext: {exc}; training goes on without falconext's control plane", flush=True)
+            env[REDIS_URL_ENV] = ""
+            return None
         env.update(plane.env())
     return plane

@@ -8,6 +8,7 @@ start-up PING loop), so a dead server must cost one timeout per call, nothing mo
 from __future__ import annotations
 
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -35,3 +36,8 @@ def redis_client(
         retry=Retry(NoBackoff(), 0),
         **extra,
     )
+
+
+def where(url: str) -> str:
+    """host:port of a redis:// URL, without its password (for messages)."""
+    return urlsplit(url.split("#", 1)[0]).netloc.rpartition("@")[2] or "?"

@@ -23,7 +23,7 @@ from types import TracebackType
 
 import redis
 
-from falconext.control.redis_client import redis_client
+from falconext.control.redis_client import redis_client, where
 from falconext.control.redis_server import RedisServer, RedisUnavailable, start_redis
 
 #: Redis Cluster's hash slots, and the fewest masters it runs with
@@ -169,25 +169,19 @@ def cluster_problem(url: str, timeout_s: float = 2.0) -> str | None:
     try:
         info = _cluster_info(client)
     except redis.AuthenticationError as exc:
-        return f"Redis at {_where(url)} refused the password: {exc}"
+        return f"Redis at {where(url)} refused the password: {exc}"
     except redis.ResponseError as exc:
         if "cluster support disabled" in str(exc).lower():
-            return f"Redis at {_where(url)} is not in cluster mode (cluster support disabled)"
-        return f"Redis at {_where(url)} refused CLUSTER INFO: {exc}"
+            return f"Redis at {where(url)} is not in cluster mode (cluster support disabled)"
+        return f"Redis at {where(url)} refused CLUSTER INFO: {exc}"
     except redis.RedisError as exc:
-        return f"Redis Cluster at {_where(url)} is not reachable: {type(exc).__name__}: {exc}"
+        return f"Redis Cluster at {where(url)} is not reachable: {type(exc).__name__}: {exc}"
     finally:
         client.close()
     if info.get("cluster_state") != "ok" or info.get("cluster_slots_ok") != str(SLOTS):
-        return (f"Redis Cluster at {_where(url)} is not serving every slot (cluster_state "
+        return (f"Redis Cluster at {where(url)} is not serving every slot (cluster_state "
                 f"{info.get('cluster_state')}, {info.get('cluster_slots_ok')} of {SLOTS} slots ok)")
     return None
-
-
-def _where(url: str) -> str:
-    """host:port of a redis:// URL, without its password."""
-    tail = url.split("@", 1)[-1]
-    return tail.split("/", 1)[0].removeprefix("redis://")
 
 
 __all__ = ["MIN_SHARDS", "RedisCluster", "check_shard_count", "cluster_problem", "slot_ranges",

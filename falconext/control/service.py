@@ -19,7 +19,7 @@ from typing import Any
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args
 from falconext.control.agent import NodeAgent
-from falconext.control.bus import Bus
+from falconext.control.shards import open_bus
 from falconext.control.client import (
     BEATS_STREAM,
     CMD_STREAM,
@@ -120,7 +120,7 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
         except OSError as exc:
             events.emit("metrics_failed", host=cfg.metrics_host, port=cfg.metrics_port, error=str(exc))
             metrics = None
-    bus = Bus(url, job, on_state=on_state)
+    bus = open_bus(url, job, on_state=on_state)
     # sessions of a restarted controller must not be taken for its predecessor's
     ctl = Controller(cfg, world, first_session=10_000 * (1 + int(time.time()) % 100_000))
     ctl.plane_host = plane_host
@@ -244,7 +244,7 @@ def run_agent(url: str, job: str, node: int, stop: list[bool], ranks: set[int] |
     over, and the streams' length; ``since_ms``: forward what the ranks posted from that
     time on (an agent started after its ranks), else from now."""
     cfg = cfg or FalconConfig()
-    agent = NodeAgent(Bus(url, job, maxlen=cfg.stream_maxlen, since_ms=since_ms), node, gpu_health, ranks,
+    agent = NodeAgent(open_bus(url, job, maxlen=cfg.stream_maxlen, since_ms=since_ms), node, gpu_health, ranks,
                       cfg.heartbeat_s)
     said = (0, 0)
     while not stop[0]:

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 import redis
 
+from falconext.control.shards import home
 from falconext.control.plane import ACCESS_FILE
 
 
@@ -61,7 +62,7 @@ def check_access(data: dict | None, rdzv_id: str) -> str | PlaneAccess:
 def ping(url: str, timeout_s: float = 2.0) -> str | None:
     """None when the Redis at ``url`` answers an authenticated PING, else why not (one line)."""
     try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client = redis.Redis.from_url(home(url, "")[0], socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         try:
             client.ping()
         finally:

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from falconext.control.bus import Bus
+from falconext.control.shards import open_bus
 from falconext.control.service import SPARE_PREFIX
 from falconext.elastic import restart
 from falconext.elastic.join import read_access
@@ -169,7 +169,7 @@ def _keep_spare_key(run: NodeRun, stop: threading.Event) -> None:
     if not run.url:
         return
     try:
-        bus = Bus(run.url, run.job)
+        bus = open_bus(run.url, run.job)
     except Exception:  # noqa: BLE001 - no plane: nobody to tell
         return
     try:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from falconext.control.bus import Bus
+from falconext.control.shards import open_bus
 from falconext.control.client import CTL_STREAM
 from falconext.elastic.restart import DEFAULT_MAX_RESTARTS
 from falconext.inputs import InputError
@@ -114,7 +114,7 @@ def plane_teller(url: str | None, job: str) -> Callable[..., None] | None:
 
     def tell(type_: str, **fields: object) -> None:
         try:
-            bus = Bus(url, job)
+            bus = open_bus(url, job)
             try:
                 bus.post(CTL_STREAM, RankEvent(-1, type_, time.time(), dict(fields)))
             finally:

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 import redis
 
+from falconext.control.shards import home
 from falconext.control.client import STATUS_KEY
 from falconext.protocol.codec import MAX_STATUS_BYTES, decode
 from falconext.protocol.messages import StatusSnapshot
@@ -64,6 +65,7 @@ class Progress:
     def __init__(self, url: str, job: str, iters: int | None = None, stream: TextIO | None = None,
                  tty: bool | None = None) -> None:
         self.url, self.job, self.iters = url, job, iters
+        self._home, self._prefix = home(url, job)  # where the job's status is (a cluster: shard 0)
         self.stream = stream if stream is not None else sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self._stop = threading.Event()
@@ -88,13 +90,13 @@ class Progress:
 
     def _read(self, client: Any) -> StatusSnapshot | None:
         try:
-            raw = client.get(f"falcon:{self.job}:{STATUS_KEY}")
+            raw = client.get(self._prefix + STATUS_KEY)
             return None if raw is None else decode(raw, accept={"StatusSnapshot"}, max_bytes=MAX_STATUS_BYTES)
         except Exception:  # noqa: BLE001 - Redis gone, a bad snapshot: progress must never stop training
             return None
 
     def _run(self) -> None:
-        client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        client = redis.Redis.from_url(self._home, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
             while not self._stop.wait(POLL_S):
                 snap = self._read(client)
