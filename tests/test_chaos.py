@@ -18,9 +18,10 @@ from jobs import events, launch, train
 
 
 def test_a_spec_reads_every_action():
-    spec = parse_chaos("kill-redis@20, kill-controller@30,kill-agent:1@40,drop:0.1,delay:50ms,corrupt:0.02",
-                       world=4, nodes=2)
-    assert spec.kills == (Kill("redis", 20), Kill("controller", 30), Kill("agent", 40, 1))
+    spec = parse_chaos("kill-redis@20, kill-controller@30,kill-agent:1@40,kill-shard:2@45,drop:0.1,delay:50ms,"
+                       "corrupt:0.02", world=4, nodes=2)
+    assert spec.kills == (Kill("redis", 20), Kill("controller", 30), Kill("agent", 40, 1), Kill("shard", 45, 2))
+    assert spec.kills[3].name == "shard2"
     assert (spec.drop, spec.delay_ms, spec.corrupt) == (0.1, 50.0, 0.02) and spec.bus
     assert parse_chaos(spec.to_text()) == spec
     assert parse_chaos(None) == ChaosSpec() and parse_chaos("") == ChaosSpec() and not ChaosSpec().bus
@@ -30,7 +31,8 @@ def test_a_spec_reads_every_action():
     ("kill-gpu@3", "expected kill-redis@I"),
     ("kill-redis", "expected kill-redis@I"),
     ("kill-agent@3", "kill-agent:N@I"),
-    ("kill-redis:1@3", "kill-agent only"),
+    ("kill-redis:1@3", "kill-agent:N@I and kill-shard:K@I only"),
+    ("kill-shard@3", "kill-shard:K@I only"),
     ("kill-agent:5@3", r"2 node\(s\)"),
     ("drop:1.5", "probability"),
     ("corrupt:-0.1", "probability"),
@@ -104,4 +106,33 @@ def test_training_survives_the_chaos_and_falconext_still_finds_and_fixes_the_fau
     found = [e for e in events(run, "fail_slow") if e["onset"] >= CHAOS_FAULT_START - 2]
     assert found, "no fail-slow after the restarts"
     assert any(e["gpus"] == [1] for e in events(run, "localized"))
+    assert [e["strategy"] for e in events(run, "mitigation")][:1] == ["S2"]
+
+
+SHARD_FAULT_START = 50
+
+
+@pytest.mark.long
+def test_a_job_on_a_redis_cluster_survives_a_lost_shard_and_still_finds_and_fixes_the_fault(tmp_path):
+    """Emulated DP4 on two nodes over a 3-shard Redis Cluster (--falcon-redis-shards 3):
+    node 1's shard is killed at 22 and the launcher starts it again; rank 2 (node 1) is
+    2x slow from 50. The job trains on, the controller says it lost the shard and got it
+    back, and node 1's fault is detected, localized and mitigated through that shard."""
+    run = train(tmp_path / "shard", "--iters", "110", "--global-batch-size", "16", "--micro-batch-size", "1",
+                "--falcon-mitigation-strategies", "S2", "--falcon-redis-shards", "3", "--chaos", "kill-shard:1@22",
+                faults=[{"kind": "compute", "rank": 2, "factor": 2.0, "start": SHARD_FAULT_START}],
+                device="emulated", timeout=900)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == 110
+    kill = [e for e in events(run, "chaos") if e["action"] == "kill-shard1"]
+    assert len(kill) == 1 and isinstance(kill[0]["pid"], int) and "error" not in kill[0], kill
+    control = json.loads((run / "control.json").read_text())
+    assert len(control["redis_shards"]) == 3 and control["restarts"] == {"redis1": 1}
+    said = [(e["connected"], e["reason"]) for e in events(run, "controller_redis")]
+    assert [ok for ok, _ in said] == [False, True] and all("shard 1" in why for _, why in said), said
+    lost = {e["rank"] for e in events(run, "control_lost")}
+    assert lost >= {2, 3} and not lost & {0, 1}, lost  # node 1's ranks post to the lost shard; node 0's do not
+    # after the shard came back, node 1's fault is found, localized and mitigated
+    assert [e for e in events(run, "fail_slow") if e["rank"] == 2 and e["onset"] >= SHARD_FAULT_START - 2]
+    assert any(e["gpus"] == [2] for e in events(run, "localized"))
     assert [e["strategy"] for e in events(run, "mitigation")][:1] == ["S2"]

@@ -2,9 +2,10 @@
 
 ``--chaos SPEC`` (``falconext train``) takes comma-separated actions:
 
-- ``kill-redis@I``, ``kill-controller@I``, ``kill-agent:N@I``: at loop iteration I, rank 0
-  sends SIGKILL to the control plane's Redis server, controller, or node N's agent (their
-  pids are in the run's ``control.json``); the launcher's supervisor brings them back;
+- ``kill-redis@I``, ``kill-controller@I``, ``kill-agent:N@I``, ``kill-shard:K@I``: at loop
+  iteration I, rank 0 sends SIGKILL to the control plane's Redis server, controller, node
+  N's agent, or shard K of its Redis Cluster (``--falcon-redis-shards``; their pids are in
+  the run's ``control.json``); the launcher's supervisor brings them back;
 - ``drop:P``: each message a rank posts to the bus is lost with probability P;
 - ``delay:MS``: each post waits MS milliseconds first (on the rank's control thread);
 - ``corrupt:P``: each post is replaced, with probability P, by a damaged copy (cut short,
@@ -25,8 +26,10 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Callable
 
-KILL_TARGETS = ("redis", "controller", "agent")
-_KILL = re.compile(r"^kill-(redis|controller|agent)(?::(\d+))?@(\d+)$")
+KILL_TARGETS = ("redis", "controller", "agent", "shard")
+_KILL = re.compile(r"^kill-(redis|controller|agent|shard)(?::(\d+))?@(\d+)$")
+#: the kills that name a number: a node's agent, a cluster's shard
+_NUMBERED = ("agent", "shard")
 
 
 class ChaosError(ValueError):
@@ -35,16 +38,17 @@ class ChaosError(ValueError):
 
 @dataclass(frozen=True)
 class Kill:
-    """One chaos kill: the control-plane process ``target`` (redis, controller, or agent of ``node``) dies
-    at ``iteration``."""
+    """One chaos kill: the control-plane process ``target`` (redis, controller, the agent of
+    node ``node``, or shard ``node`` of a Redis Cluster) dies at ``iteration``."""
 
-    target: str  # redis | controller | agent
+    target: str  # redis | controller | agent | shard
     iteration: int
-    node: int | None = None  # agents only
+    node: int | None = None  # agents and shards only
 
     @property
     def name(self) -> str:
-        """The process's name in the control plane: ``redis``, ``controller`` or ``agent<N>``."""
+        """The process's name in the control plane: ``redis``, ``controller``, ``agent<N>``
+        or ``shard<K>``."""
         return "redis" if self.target == "redis" else self.target + (str(self.node) if self.node is not None else "")
 
 
@@ -85,16 +89,16 @@ def parse_chaos(text: str | None, world: int | None = None, nodes: int | None = 
         m = _KILL.match(part)
         if m:
             target, node, it = m.group(1), m.group(2), int(m.group(3))
-            if (node is not None) != (target == "agent"):
-                raise ChaosError(f"--chaos {part!r}: a node number goes with kill-agent only (kill-agent:N@I)")
-            if node is not None and nodes is not None and int(node) >= nodes:
+            if (node is not None) != (target in _NUMBERED):
+                raise ChaosError(f"--chaos {part!r}: a number goes with kill-agent:N@I and kill-shard:K@I only")
+            if target == "agent" and nodes is not None and int(node) >= nodes:
                 raise ChaosError(f"--chaos {part!r}: the job has {nodes} node(s), 0..{nodes - 1}")
             kills.append(Kill(target, it, None if node is None else int(node)))
             continue
         name, sep, value = part.partition(":")
         if not sep or name not in values:
             raise ChaosError(f"--chaos {part!r}: expected kill-redis@I, kill-controller@I, kill-agent:N@I, "
-                             "drop:P, delay:MS or corrupt:P")
+                             "kill-shard:K@I, drop:P, delay:MS or corrupt:P")
         try:
             number = float(value.removesuffix("ms"))
         except ValueError:
@@ -115,7 +119,14 @@ def kill_now(kill: Kill, out: str) -> dict[str, Any]:
             info = json.load(f)
     except (OSError, ValueError) as exc:
         return {"action": f"kill-{kill.name}", "pid": None, "error": f"control.json: {exc}"}
-    pid = info.get("redis_pid") if kill.target == "redis" else (info.get("pids") or {}).get(kill.name)
+    if kill.target == "shard":
+        shards = info.get("redis_shards") or []
+        pid = shards[kill.node].get("pid") if kill.node is not None and kill.node < len(shards) else None
+        if pid is None:
+            return {"action": f"kill-{kill.name}", "pid": None,
+                    "error": f"the control plane has {len(shards)} shards (--falcon-redis-shards)"}
+    else:
+        pid = info.get("redis_pid") if kill.target == "redis" else (info.get("pids") or {}).get(kill.name)
     fields: dict[str, Any] = {"action": f"kill-{kill.name}", "pid": pid}
     if isinstance(pid, int) and pid > 0:
         try:
