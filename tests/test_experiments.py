@@ -7,6 +7,7 @@ is one line on stderr with exit status 2 (bad input) or 1 (an experiment not bui
 from __future__ import annotations
 
 import csv
+import json
 import sys
 import types
 from pathlib import Path
@@ -546,3 +547,16 @@ def test_fig19_disk_roundtrip_writes_and_removes(tmp_path: Path) -> None:
     assert save_s > 0 and load_s > 0 and list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="too small"):
         stand_in_state(2)
+
+
+def test_scale_64_ranks_on_a_three_shard_redis_cluster() -> None:
+    """The same job with the control plane on a real 3-shard Redis Cluster: each simulated
+    node posts to its own shard, the controller reads every shard and localizes rank 1."""
+    from falconext.experiments.scale import run_size
+
+    row = run_size(64, burst=2048, shards=3)
+    assert "error" not in row, row
+    assert row["redis"] == "cluster of 3" and row["localized_right"] is True
+    peaks = json.loads(row["redis_peak_mib_per_shard"])
+    assert len(peaks) == 3 and all(p > 0 for p in peaks)
+    assert row["burst_node_messages"] * 8 == row["burst_heartbeats"] and row["controller_heartbeats_per_s"] > 0

@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -44,9 +45,10 @@ import redis
 
 from falconext.config import FalconConfig
 from falconext.control.agent import HeartbeatAggregator
-from falconext.control.bus import Bus
-from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM
+from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM, node_copy
+from falconext.control.redis_cluster import start_redis_cluster
 from falconext.control.redis_server import start_redis
+from falconext.control.shards import ShardedBus, cluster_url, open_bus, read_shards, route
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
 from falconext.protocol.commands import Go, ProfileRequest, Share, Suspend
 from falconext.protocol.messages import Heartbeat, Localized, ProfileData, ValidationResult
@@ -99,11 +101,11 @@ def layout_for(ranks: int) -> Layout:
     return Layout(tp=1, dp=ranks // PP, pp=PP, ranks_per_node=RANKS_PER_NODE)
 
 
-def job_groups(layout: Layout) -> dict[str, tuple[str, list[int]]]:
+def job_groups(layout: Layout) -> dict[str, tuple[str, range]]:
     """Group id -> (role, members in group order), Megatron's order (role = dp_r + dp * pp_r)."""
     d = layout.dp
-    groups = {f"dp{s}": ("dp", [s * d + r for r in range(d)]) for s in range(layout.pp)}
-    groups.update({f"pp{r}": ("pp", [s * d + r for s in range(layout.pp)]) for r in range(d)})
+    groups = {f"dp{s}": ("dp", range(s * d, (s + 1) * d)) for s in range(layout.pp)}
+    groups.update({f"pp{r}": ("pp", range(r, r + d * layout.pp, d)) for r in range(d)})
     return groups
 
 
@@ -198,10 +200,12 @@ class _Ranks:
     making and posting the ranks' messages (on a cluster they do it in parallel)."""
 
     def __init__(self, url: str, job: str, layout: Layout, cfg: FalconConfig) -> None:
-        self.bus = Bus(url, job, maxlen=cfg.stream_maxlen)
-        self.raw = redis.Redis.from_url(url)
-        self.ctl_key = self.bus.key(CTL_STREAM)
-        self.beats_key = self.bus.key(BEATS_STREAM)
+        self.bus = open_bus(url, job, maxlen=cfg.stream_maxlen)
+        #: one plain client per shard (one for a single server): the simulated nodes post to
+        #: their own shard, every shard's pipeline at once
+        buses = self.bus.buses if isinstance(self.bus, ShardedBus) else [self.bus]
+        self.raws = [redis.Redis.from_url(b.url) for b in buses]
+        self.raw = self.raws[0]
         n = layout.ranks_per_node
         self.agents = [HeartbeatAggregator(node, cfg.heartbeat_s, set(range(node * n, (node + 1) * n)))
                        for node in range(layout.tp * layout.dp * layout.pp // n)]
@@ -209,31 +213,63 @@ class _Ranks:
         self.posted = 0
         self.busy_s = 0.0
         self._queue: deque[tuple[str, Any]] = deque()
+        self._keys: dict[str, tuple[int, str]] = {}
+
+    def where(self, stream: str) -> tuple[int, str]:
+        """(shard, Redis key) of ``stream`` (a node's copy, ``ctl@N``, on its node's shard)."""
+        found = self._keys.get(stream)
+        if found is None:
+            if isinstance(self.bus, ShardedBus):
+                k = route(stream, len(self.raws), post=True)
+                found = (k or 0, self.bus.buses[k or 0].key(stream))
+            else:
+                found = (0, self.bus.key(stream))
+            self._keys[stream] = found
+        return found
+
+    def stream_keys(self, stream: str) -> list[tuple[int, str]]:
+        """Every shard's copy of ``stream`` (one on a single server)."""
+        if isinstance(self.bus, ShardedBus):
+            return [(k, b.key(stream)) for k, b in enumerate(self.bus.buses)]
+        return [(0, self.bus.key(stream))]
+
+    def backlog(self) -> int:
+        """Node messages on the beats streams, all shards."""
+        return sum(int(self.raws[k].xlen(key)) for k, key in self.stream_keys(BEATS_STREAM))
 
     def post(self, msgs: list[Any]) -> float:
-        """Post ``msgs`` in one pipeline: heartbeats combined by their nodes' aggregators
-        (each node's go when all its ranks' beats are in), the rest one by one; returns
-        seconds."""
+        """Post ``msgs``, every shard's share in one pipeline, the shards' at once:
+        heartbeats combined by their nodes' aggregators (each node's go when all its
+        ranks' beats are in) to the node's copy of beats, the rest one by one to the
+        sender's node's copy of ctl; returns seconds."""
         t0 = time.perf_counter()
         now = time.monotonic()
+        per_node = RANKS_PER_NODE
         out: list[tuple[str, Any]] = []
         for m in msgs:
             if isinstance(m, Heartbeat):
                 self.agents[m.node].add(m, now)
             else:
-                out.append((self.ctl_key, m))
+                out.append((node_copy(CTL_STREAM, m.rank // per_node), m))
         for agent in self.agents:
             if agent.due(now):
-                out += [(self.beats_key, agg) for agg in agent.flush()]
-        data = [(key, m, encode(m)) for key, m in out]
+                out += [(node_copy(BEATS_STREAM, agent.node), agg) for agg in agent.flush()]
+        data = [(self.where(stream), m, encode(m)) for stream, m in out]
         for _, m, s in data:
             if len(s) > self.largest[1]:
                 self.largest = (type(m).__name__, len(s))
         t1 = time.perf_counter()
-        pipe = self.raw.pipeline(transaction=False)
-        for key, _, s in data:
-            pipe.xadd(key, {"m": s}, maxlen=self.bus.maxlen, approximate=True)
-        pipe.execute()
+        pipes = [r.pipeline(transaction=False) for r in self.raws]
+        for (k, key), _, s in data:
+            pipes[k].xadd(key, {"m": s}, maxlen=self.bus.maxlen, approximate=True)
+        if len(pipes) == 1:
+            pipes[0].execute()
+        else:
+            threads = [threading.Thread(target=p.execute) for p in pipes]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         self.posted += len(data)
         done = time.perf_counter()
         self.busy_s += done - t0
@@ -247,7 +283,8 @@ class _Ranks:
 
     def close(self) -> None:
         self.bus.close()
-        self.raw.close()
+        for raw in self.raws:
+            raw.close()
 
 
 def _cpu_s(pid: int) -> float:
@@ -340,7 +377,7 @@ def _drain(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s
         sim.post(beats)
     post_s = time.perf_counter() - t0
     deadline = time.monotonic() + VERDICT_TIMEOUT_S
-    while sim.raw.xlen(sim.beats_key) > 0:
+    while sim.backlog() > 0:
         if time.monotonic() > deadline:
             return {"burst_heartbeats": rounds * ranks, "burst_post_s": round(post_s, 3)}
         time.sleep(0.005)
@@ -353,9 +390,11 @@ def _drain(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s
             "drain_bounded_by_posting": drain <= 1.1 * post_s}
 
 
-def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = None, burst: int = BURST) -> Row:
+def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = None, burst: int = BURST,
+             shards: int = 0) -> Row:
     """One job size end to end; returns its measurements (and 'error' if it went wrong).
-    ``burst``: heartbeats in the throughput burst (at least one round).
+    ``burst``: heartbeats in the throughput burst (at least one round); ``shards``: a
+    Redis Cluster of that many shards (0: one server).
 
     The controller's events.jsonl and stderr go to a temporary folder, removed at the
     end, or to ``workdir``, kept."""
@@ -366,7 +405,9 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
     row: Row = {"ranks": ranks, "layout": f"1T{layout.dp}D{layout.pp}P", "nodes": ranks // RANKS_PER_NODE,
                 "healthy_iter_s": round(healthy_s, 4), "slow_iter_s": round(slow_s, 4)}
     job = f"scale{ranks}"
-    server = start_redis()
+    row["redis"] = f"cluster of {shards}" if shards else "one server"
+    server = start_redis_cluster(shards) if shards else start_redis()
+    url = cluster_url(server.url, read_shards(server.url)) if shards else server.url
     tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="falconext-scale-"))
     tmp.mkdir(parents=True, exist_ok=True)
     events_path = tmp / "events.jsonl"
@@ -374,7 +415,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
     proc = subprocess.Popen(
         [sys.executable, "-m", "falconext.control.service", "controller", "--job", job, "--world", str(ranks),
          "--events", str(events_path), "--falcon-mitigation", "false"],
-        env={**os.environ, "FALCON_REDIS_URL": server.url}, stdout=subprocess.DEVNULL, stderr=stderr)
+        env={**os.environ, "FALCON_REDIS_URL": url}, stdout=subprocess.DEVNULL, stderr=stderr)
     sim: _Ranks | None = None
     try:
         until = time.monotonic() + 30
@@ -383,7 +424,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
                 raise RuntimeError("the controller did not start")
             time.sleep(0.05)
         time.sleep(0.3)  # its bus fixed its start point at first contact
-        sim = _Ranks(server.url, job, layout, cfg)
+        sim = _Ranks(url, job, layout, cfg)
         # 1. steady state: heartbeats at their real pace (one per rank every heartbeat_s),
         # and the controller's CPU time meanwhile: its load at the offered rate
         iteration = FIRST_ITERATION
@@ -394,7 +435,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
             iteration += 1
             time.sleep(max(0.0, cfg.heartbeat_s - (time.monotonic() - t_round)))
         row["controller_cpu_share"] = round((_cpu_s(proc.pid) - cpu0) / (time.monotonic() - wall0), 3)
-        row["steady_backlog_node_msgs"] = int(sim.raw.xlen(sim.beats_key))
+        row["steady_backlog_node_msgs"] = sim.backlog()
         sim.busy_s = 0.0
         # 2. every rank reports the fail-slow; the simulated ranks answer the controller
         # until it posts its verdict
@@ -417,13 +458,16 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         row["offered_heartbeats_per_s"] = round(ranks / cfg.heartbeat_s)
         if "controller_heartbeats_per_s" in row:
             row["keeps_up"] = row["controller_heartbeats_per_s"] >= row["offered_heartbeats_per_s"]
-        raw = sim.raw
-        name, size = max([sim.largest] + [_largest_on(raw, sim.bus.key(s)) for s in (CMD_STREAM, LOCALIZED_STREAM)],
-                         key=lambda x: x[1])
+        posted = [_largest_on(sim.raws[k], key) for k, key in sim.stream_keys(CMD_STREAM)]
+        posted.append(_largest_on(sim.raw, sim.bus.key(LOCALIZED_STREAM)))
+        name, size = max([sim.largest] + posted, key=lambda x: x[1])
         row["largest_message"] = name
         row["largest_message_bytes"] = size
         row["cap_bytes"] = MAX_MESSAGE_BYTES
-        row["redis_peak_mib"] = round(int(raw.info("memory")["used_memory_peak"]) / 2**20, 1)
+        peaks = [round(int(raw.info("memory")["used_memory_peak"]) / 2**20, 1) for raw in sim.raws]
+        row["redis_peak_mib"] = max(peaks)
+        if shards:
+            row["redis_peak_mib_per_shard"] = json.dumps(peaks)
         for e in _events(events_path):
             if e["type"] == "localized" and "controller_localized_after_s" not in row:
                 row["controller_localized_after_s"] = e.get("after_event_s")

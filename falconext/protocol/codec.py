@@ -138,9 +138,20 @@ def _command(wire: CommandWire) -> Any:
     return cmd
 
 
+#: values JSON takes as they are (checked by exact type: the encoder's hot path)
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
 def _data(obj: Any) -> Any:
     """``obj`` as plain JSON data: a dataclass as the object of its fields (a tagged one,
     such as an action, led by its ``kind``), lists and objects item by item."""
+    t = type(obj)
+    if t in _PLAIN:
+        return obj
+    if t is list or t is tuple:  # the long ones (call rows, heartbeat rows): plain items as they are
+        return [v if type(v) in _PLAIN else _data(v) for v in obj]
+    if t is dict:
+        return {k: v if type(v) in _PLAIN else _data(v) for k, v in obj.items()}
     if is_dataclass(obj) and not isinstance(obj, type):
         out = {f.name: _data(getattr(obj, f.name)) for f in fields(obj)}
         kind = getattr(type(obj), "KIND", None)
@@ -174,7 +185,7 @@ def decode(data: str | bytes, accept: set[str] | None = None, max_bytes: int = M
     if len(data) > max_bytes:
         raise MessageError(f"message of {len(data)} characters exceeds {max_bytes}")
     try:
-        obj = json.loads(data, parse_constant=_no_constant)
+        obj = _JSON.decode(data)
     except (json.JSONDecodeError, MessageError) as exc:
         raise MessageError(f"malformed JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != {"v", "type", "body"}:
@@ -213,7 +224,15 @@ def _build(cls: type, body: dict[str, Any], where: str) -> Any:
             if f.default is not MISSING or f.default_factory is not MISSING:
                 continue  # optional: the dataclass default applies
             raise MessageError(f"{where}: missing field {fname}")
-        values[fname] = _check(body[fname], hints[fname], f"{where}.{fname}")
+        value, hint = body[fname], hints[fname]
+        kind_of = type(value)
+        # the plain fields that are right, without _check's call and its path's string
+        if kind_of is hint and (hint is int or hint is str or hint is bool):
+            values[fname] = value
+        elif hint is float and kind_of is float and math.isfinite(value):
+            values[fname] = value
+        else:
+            values[fname] = _check(value, hint, f"{where}.{fname}")
     try:
         msg = cls(**values)
     except TypeError as exc:
@@ -236,6 +255,10 @@ def _no_constant(name: str) -> float:
     raise MessageError(f"{name} is not allowed")
 
 
+#: one decoder for every message (json.loads with an option builds a new one per call)
+_JSON = json.JSONDecoder(parse_constant=_no_constant)
+
+
 @functools.lru_cache(maxsize=None)
 def _union_parts(hint: Any) -> tuple[dict[str, type], type | None]:
     """A union hint's tagged classes by ``kind`` (the actions), and its one dataclass when
@@ -247,12 +270,35 @@ def _union_parts(hint: Any) -> tuple[dict[str, type], type | None]:
 
 
 @functools.lru_cache(maxsize=None)
+def _is_class(hint: Any) -> bool:
+    """Whether a type hint is a message class (a dataclass), worked out once per hint."""
+    return is_dataclass(hint)
+
+
+@functools.lru_cache(maxsize=None)
 def _hint(hint: Any) -> tuple[Any, tuple[Any, ...]]:
     """A type hint's origin and arguments, worked out once per hint."""
     return typing.get_origin(hint), typing.get_args(hint)
 
 
 def _check(value: Any, hint: Any, where: str) -> Any:
+    # the plain types first: they are most of the values of a message
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise MessageError(f"{where}: expected true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise MessageError(f"{where}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
+            return float(value)
+        raise MessageError(f"{where}: expected a finite number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise MessageError(f"{where}: expected a string")
     origin, args = _hint(hint)
     if origin in (Union, types.UnionType):
         options = args
@@ -279,26 +325,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         raise MessageError(f"{where}: {value!r} is not a {hint}")
     if hint is Any:
         return _check_json_value(value, where)
-    if is_dataclass(hint):
+    if _is_class(hint):
         if not isinstance(value, dict):
             raise MessageError(f"{where}: expected an object")
         return _build(hint, value, where)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise MessageError(f"{where}: expected true or false")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise MessageError(f"{where}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value):
-            return float(value)
-        raise MessageError(f"{where}: expected a finite number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise MessageError(f"{where}: expected a string")
     if origin is list:
         if not isinstance(value, list):
             raise MessageError(f"{where}: expected a list")
@@ -314,6 +344,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
                 out = None
             if out is not None and all(map(math.isfinite, out)):
                 return out
+        if _hint(item) == (list, (float,)):  # rows of numbers (calls, heartbeats, links)
+            rows = [_finite_floats(v) for v in value]
+            if None not in rows:
+                return rows
         return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -321,6 +355,18 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         _, item = args
         return {k: _check(v, item, f"{where}.{k}") for k, v in value.items()}
     raise MessageError(f"{where}: unsupported field type {hint}")  # pragma: no cover
+
+
+def _finite_floats(value: Any) -> list[float] | None:
+    """``value`` as a list of finite floats when it is a list of finite numbers (no
+    bools), else None (the caller then takes the way that names the bad item)."""
+    if type(value) is not list or not all(type(v) is float or type(v) is int for v in value):
+        return None
+    try:
+        out = [float(v) for v in value]
+    except OverflowError:
+        return None
+    return out if all(map(math.isfinite, out)) else None
 
 
 def _check_json_value(value: Any, where: str, depth: int = 0) -> Any:

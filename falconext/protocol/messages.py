@@ -132,12 +132,16 @@ class ProfileData:
         return out
 
     @classmethod
-    def compact(cls, rank: int, session: int, roles: dict[str, str], members: dict[str, list[int]],
+    def compact(cls, rank: int, session: int, roles: dict[str, str], members: dict[str, Sequence[int]],
                 calls: dict[str, list[list[float]]], fabric: str = "", nccl_algo: str | None = None) -> ProfileData:
-        """The profile with every group of three or more evenly spaced, ascending ranks as a span."""
+        """The profile with every group of three or more evenly spaced, ascending ranks as a
+        span (a ``range`` of members is one without looking at them)."""
         spans: dict[str, list[int]] = {}
         rest: dict[str, list[int]] = {}
         for gid, ranks in members.items():
+            if isinstance(ranks, range) and len(ranks) >= 3 and ranks.step >= 1 and ranks.start >= 0:
+                spans[gid] = [ranks.start, ranks.step, len(ranks)]
+                continue
             r = list(ranks)
             step = r[1] - r[0] if len(r) >= 3 else 0
             if step >= 1 and r[0] >= 0 and r == list(range(r[0], r[0] + step * len(r), step)):

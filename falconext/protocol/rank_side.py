@@ -160,7 +160,8 @@ def profile_data(rank: int, session: int, roles: Mapping[str, str], members: Map
     the call's index among its calls on the group) and what its collectives run on;
     every group of three or more evenly spaced ascending ranks travels as a span
     (:meth:`ProfileData.compact`)."""
-    return ProfileData.compact(rank, session, dict(roles), {g: list(m) for g, m in members.items()}, dict(calls),
+    return ProfileData.compact(rank, session, dict(roles),
+                               {g: m if isinstance(m, range) else list(m) for g, m in members.items()}, dict(calls),
                                fabric, nccl_algo)
 
 
