@@ -229,6 +229,9 @@ class ProfileConfig:
     score_window: int = 10
     #: the controller publishes every rank's score this often (a ``rank_scores`` event)
     score_interval_s: float = field(default=5.0, metadata=RUNTIME)
+    #: the ``rank_scores`` event and the status snapshot list every rank up to this many;
+    #: a larger job's list its this many slowest (by score) and summarize all ranks
+    listed_ranks: int = field(default=1024, metadata=RUNTIME)
     #: a rank whose compute per micro-batch is this many times its role peers' median, and
     #: whose lateness costs the job min_slowdown of every iteration, in
     #: score_trigger_readings scores in a row (each of a later iteration), is suspected a
@@ -243,6 +246,7 @@ class ProfileConfig:
         _check_finite(self)
         _check(self.score_window >= 1, "score_window must be >= 1")
         _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
+        _check(self.listed_ranks >= 1, "listed_ranks must be >= 1")
         _check(self.score_trigger_ratio == 0.0 or self.score_trigger_ratio > 1.0,
                "score_trigger_ratio must be 0 (off) or > 1")
         _check(self.score_trigger_readings >= 1, "score_trigger_readings must be >= 1")

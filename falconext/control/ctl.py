@@ -291,6 +291,10 @@ def format_status(s: StatusSnapshot) -> str:
         lines.append("latest event: " + format_event(s.last_event))
     lines.append(f"{'rank':>4} {'node':>4} {'iter':>6} {'s/iter':>8} {'est s/it':>8} {'score':>7} {'late s':>8} "
                  f"{'replica':>7} {'micro':>5} {'role':>4} {'age s':>6}")
+    if s.summary is not None and s.summary.get("listed", 0) < s.summary.get("ranks", 0):
+        lines.append(f"the {s.summary['listed']} slowest of {s.summary['ranks']} ranks (by score); all ranks: "
+                     f"iterations {s.summary['iteration_min']}..{s.summary['iteration_max']}, s/iter median "
+                     f"{s.summary['iter_s_median']:.4f} max {s.summary['iter_s_max']:.4f}")
     for r, row in sorted(s.ranks.items(), key=lambda kv: int(kv[0])):
         score = "-" if row.get("score") is None else f"{row['score']:.3f}"
         late = "-" if row.get("late_s") is None else f"{row['late_s']:.4f}"

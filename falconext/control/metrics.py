@@ -160,11 +160,12 @@ def _rank_metrics(snap: StatusSnapshot) -> Iterator[Any]:
             if isinstance(row.get(key), (int, float)):
                 fam.add_metric([r], float(row[key]))
     yield from (loop, est, est_it, it, micro, score, late, ratio)
-    if ranks:
+    where = snap.position()
+    if where is not None:
         yield GaugeMetricFamily("falconext_job_iteration_seconds", "The job's iteration time (its slowest rank's)",
-                                value=max(float(row["iter_s"]) for row in ranks.values()))
+                                value=where[1])
         yield GaugeMetricFamily("falconext_job_iteration", "Loop iteration of the rank furthest behind",
-                                value=min(float(row["iteration"]) for row in ranks.values()))
+                                value=float(where[0]))
 
 
 class MetricsServer:

@@ -4,6 +4,7 @@ state."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from falconext.config import FalconConfig
@@ -27,8 +28,12 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     scored = {r: b for r, b in beats.items() if b.score_iteration >= 0}
     scores = rank_scores({r: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for r, b in scored.items()},
                          {r: role_key(b.stage, b.role, b.tp) for r, b in scored.items()}) if len(scored) >= 2 else {}
+    shown = beats
+    if len(beats) > cfg.listed_ranks:  # the slowest: by score, then by iteration time
+        slow = sorted(beats, key=lambda r: (-(scores[r].score if r in scores else -math.inf), -beats[r].iter_s, r))
+        shown = {r: beats[r] for r in sorted(slow[:cfg.listed_ranks])}
     ranks: dict[str, dict[str, Any]] = {}
-    for r, b in beats.items():
+    for r, b in shown.items():
         sc = scores.get(r)
         ranks[str(r)] = {
             "node": b.node, "iteration": b.iteration, "iter_s": round(b.iter_s, 6),
@@ -59,7 +64,19 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     return StatusSnapshot(
         time=now, job=job, world=world, state=state, session=session, muted=muted,
         ranks=ranks, plan=plan, episode=ep_view, planner=planner, config=config, last_event=last_event,
+        summary=_summary(beats, scores, len(ranks)),
     )
+
+
+def _summary(beats: Mapping[int, Heartbeat], scores: Mapping[int, Any], listed: int) -> dict[str, Any] | None:
+    """The snapshot's summary of every rank heard from (None: none yet)."""
+    if not beats:
+        return None
+    its = [b.iteration for b in beats.values()]
+    times = sorted(b.iter_s for b in beats.values())
+    return {"ranks": len(beats), "listed": listed, "iteration_min": min(its), "iteration_max": max(its),
+            "iter_s_max": round(times[-1], 6), "iter_s_median": round(times[len(times) // 2], 6),
+            "score_max": round(max(s.score for s in scores.values()), 4) if scores else None}
 
 
 def _episode_view(ep: Episode, beats: Mapping[int, Heartbeat]) -> tuple[dict[str, Any], dict[str, Any] | None]:

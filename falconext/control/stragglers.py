@@ -13,7 +13,7 @@ from falconext.config import FalconConfig
 from falconext.control.episodes import Episode, Sighting
 from falconext.protocol.messages import Heartbeat
 from falconext.control.outputs import Output, event
-from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest
+from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest, slowest_listed
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class StragglerWatch:
     def scores(self, beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[Heartbeat]], now: float,
                cfg: FalconConfig, may_act: bool) -> tuple[list[Output], Suspect | None]:
         """The ``rank_scores`` event when one is due at ``now`` (every ``score_interval_s``,
-        from two scored ranks on, whatever the episode), and the straggler to localize
+        from two scored ranks on, whatever the episode; every rank's score up to
+        ``listed_ranks``, else that many slowest, with the count and median of all), and the straggler to localize
         now, if any (only when ``may_act``): one shown by
         :func:`~falconext.detect.scores.compute_outliers` in ``score_trigger_readings``
         fresh scores in a row and not acted on yet (the most extreme). Each outlier's
@@ -76,8 +77,12 @@ class StragglerWatch:
         samples = {b.rank: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for b in scored}
         roles = {b.rank: role_key(b.stage, b.role, b.tp) for b in scored}
         scores = rank_scores(samples, roles)
+        listed = slowest_listed(scores, cfg.listed_ranks)
+        values = sorted(s.score for s in scores.values())
         out = [event("rank_scores", iteration=min(b.score_iteration for b in scored), slowest=slowest(scores),
-                     window=cfg.score_window, ranks={str(r): s.to_dict() for r, s in sorted(scores.items())})]
+                     window=cfg.score_window, scored=len(scores), listed=len(listed),
+                     score_median=round(statistics.median(values), 4) if values else None,
+                     ranks={str(r): s.to_dict() for r, s in listed.items()})]
         if not cfg.score_trigger_ratio:
             return out, None
         flagged = compute_outliers(scores, {b.rank: b.mb_s for b in scored}, roles,

@@ -156,6 +156,15 @@ def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable]
     return out
 
 
+def slowest_listed(scores: Mapping[int, RankScore], most: int) -> dict[int, RankScore]:
+    """Every score when there are at most ``most``, else the ``most`` highest (ties by
+    rank), in rank order."""
+    if len(scores) <= most:
+        return dict(sorted(scores.items()))
+    top = sorted(scores.items(), key=lambda kv: (-kv[1].score, kv[0]))[:most]
+    return dict(sorted(top))
+
+
 def compute_outliers(scores: Mapping[int, RankScore], mb_s: Mapping[int, float],
                      roles: Mapping[int, Hashable], ratio: float, min_score: float) -> dict[int, float]:
     """The stragglers the ranks' own compute shows: {rank: its compute per micro-batch over

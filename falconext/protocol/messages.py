@@ -362,6 +362,10 @@ class StatusSnapshot:
     and ``planner``: the fail-slow in hand and what the planner has done and would do
     next (None: none). ``config``: the thresholds changed at run time or on the command
     line (name -> value). ``last_event``: the latest event the controller wrote.
+    ``summary``: all ranks heard from (``ranks``), of which the table lists ``listed``
+    (every one up to the controller's ``listed_ranks``, else the slowest), with the
+    loop iterations (``iteration_min``/``_max``), iteration times
+    (``iter_s_max``/``_median``) and highest score over all of them.
     """
 
     time: float
@@ -376,3 +380,14 @@ class StatusSnapshot:
     planner: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     last_event: dict[str, Any] | None = None
+    summary: dict[str, Any] | None = None
+
+    def position(self) -> tuple[int, float] | None:
+        """(loop iteration of the rank furthest behind, the slowest rank's s/iter) over
+        every rank (the summary; the rank table when there is none); None before any."""
+        if self.summary is not None:
+            return int(self.summary["iteration_min"]), float(self.summary["iter_s_max"])
+        rows = list(self.ranks.values())
+        if not rows:
+            return None
+        return min(int(r["iteration"]) for r in rows), max(float(r["iter_s"]) for r in rows)

@@ -39,10 +39,9 @@ PREFIX = "falconext: progress"
 def progress_line(snap: StatusSnapshot, iters: int | None = None) -> str:
     """One line: the iteration of the rank furthest behind (of ``iters``), the slowest
     rank's recent s/iter (the job's pace), the controller's state and its latest event."""
-    rows = list(snap.ranks.values())
-    if rows:
-        it = min(int(r["iteration"]) for r in rows)
-        pace = max(float(r["iter_s"]) for r in rows)
+    where = snap.position()
+    if where is not None:
+        it, pace = where
         head = f"iteration {it}" + (f"/{iters}" if iters else "") + f", {pace:.3f} s/iter"
     else:
         head = "waiting for the ranks"
@@ -108,14 +107,13 @@ class Progress:
     def show(self, snap: StatusSnapshot, now: float) -> bool:
         """Print the line for ``snap`` if it is due (always on a terminal); True if printed."""
         line = progress_line(snap, self.iters)
-        it = min((int(r["iteration"]) for r in snap.ranks.values()), default=-1)
+        it, pace = snap.position() or (-1, 0.0)
         if self.tty:
             if self._done:
                 return False
             pad = max(0, self._width - len(line))
             self.stream.write("\r" + line + " " * pad)
             self._width = len(line)
-            pace = max((float(r["iter_s"]) for r in snap.ranks.values()), default=0.0)
             if self.iters and it >= 0 and it + (POLL_S / pace if pace > 0 else 0.0) >= self.iters - 1:
                 # the last iteration before the next poll: end the line before rank 0 prints
                 # the run's summary

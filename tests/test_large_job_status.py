@@ -1,0 +1,59 @@
+"""What a large job's controller publishes about its ranks (control/snapshot.py,
+control/stragglers.py): every rank up to ``listed_ranks``, beyond that the slowest by
+score, with a summary of all of them that the progress line and the metrics read."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from falconext.config import FalconConfig
+from falconext.control.snapshot import snapshot
+from falconext.control.stragglers import StragglerWatch
+from falconext.detect.scores import RankScore, slowest_listed
+from falconext.protocol.codec import MAX_STATUS_BYTES, decode, encode
+from falconext.protocol.messages import Heartbeat
+from falconext.testbed.progress import progress_line
+
+RANKS = 40
+SLOW = 13
+BEHIND = 31  # a healthy rank one iteration behind the others
+
+
+def beats(now: float = 1000.0) -> dict[int, Heartbeat]:
+    out = {}
+    for r in range(RANKS):
+        compute = 0.2 * (2.0 if r == SLOW else 1.0 + 0.001 * r)
+        iter_s = 0.4 if r != SLOW else 0.42
+        out[r] = Heartbeat(r, r // 8, 99 if r == BEHIND else 100, iter_s, now, replica=r, mb_s=compute / 4, micro=4,
+                           role=r, stage=0, tp=1, pp=1, score_iteration=100, est_iter_s=iter_s, compute_s=compute,
+                           wait_s=iter_s - compute)
+    return out
+
+
+def test_the_slowest_are_listed_in_rank_order_and_all_when_few():
+    scores = {r: RankScore(0.1, 0.1, 1.0, 0.0, s, 3) for r, s in {4: 0.5, 1: 0.1, 9: 0.5, 2: 0.9}.items()}
+    assert list(slowest_listed(scores, 2)) == [2, 4]  # 0.9, then the tie 0.5 by rank
+    assert list(slowest_listed(scores, 10)) == [1, 2, 4, 9]
+
+
+def test_a_large_jobs_snapshot_lists_the_slowest_and_summarizes_every_rank():
+    cfg = FalconConfig(listed_ranks=8)
+    snap = snapshot(1001.0, "j", None, beats(), RANKS, "tracking", -1, False, None, cfg)
+    assert len(snap.ranks) == 8 and str(SLOW) in snap.ranks
+    assert snap.summary == {"ranks": RANKS, "listed": 8, "iteration_min": 99, "iteration_max": 100,
+                            "iter_s_max": 0.42, "iter_s_median": 0.4, "score_max": snap.ranks[str(SLOW)]["score"]}
+    assert str(BEHIND) not in snap.ranks and snap.position() == (99, 0.42)  # the summary, not the listed rows
+    assert "iteration 99/200, 0.420 s/iter" in progress_line(snap, 200)
+    assert decode(encode(snap), max_bytes=MAX_STATUS_BYTES) == snap
+    small = snapshot(1001.0, "j", None, beats(), RANKS, "tracking", -1, False, None, FalconConfig())
+    assert len(small.ranks) == RANKS and small.summary["listed"] == RANKS
+
+
+def test_a_large_jobs_rank_scores_event_lists_the_slowest_and_counts_all():
+    out, _ = StragglerWatch().scores(beats(), {}, 1001.0, FalconConfig(listed_ranks=8), may_act=False)
+    (ev,) = [o.event for o in out]
+    assert ev["type"] == "rank_scores" and ev["scored"] == RANKS and ev["listed"] == 8
+    assert len(ev["ranks"]) == 8 and str(SLOW) in ev["ranks"] and ev["slowest"] == SLOW
+    full, _ = StragglerWatch().scores(beats(), {}, 1001.0, FalconConfig(), may_act=False)
+    assert len(full[0].event["ranks"]) == RANKS
+    assert replace(FalconConfig(), listed_ranks=1).listed_ranks == 1
