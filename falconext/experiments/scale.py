@@ -254,14 +254,22 @@ class _Ranks:
         for agent in self.agents:
             if agent.due(now):
                 out += [(node_copy(BEATS_STREAM, agent.node), agg) for agg in agent.flush()]
-        data = [(self.where(stream), m, encode(m)) for stream, m in out]
-        for _, m, s in data:
-            if len(s) > self.largest[1]:
-                self.largest = (type(m).__name__, len(s))
+        data = [(stream, type(m).__name__, encode(m)) for stream, m in out]
+        return self.post_encoded(data, t0)
+
+    def post_encoded(self, data: list[tuple[str, str, str]], t0: float | None = None) -> float:
+        """Post messages made and encoded already, ``(stream, type name, text)``, every
+        shard's share in one pipeline, the shards' at once; returns the seconds posting
+        took (``t0``: when the making began, for ``busy_s``)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        for _, name, text in data:
+            if len(text) > self.largest[1]:
+                self.largest = (name, len(text))
         t1 = time.perf_counter()
         pipes = [r.pipeline(transaction=False) for r in self.raws]
-        for (k, key), _, s in data:
-            pipes[k].xadd(key, {"m": s}, maxlen=self.bus.maxlen, approximate=True)
+        for stream, _, text in data:
+            k, key = self.where(stream)
+            pipes[k].xadd(key, {"m": text}, maxlen=self.bus.maxlen, approximate=True)
         if len(pipes) == 1:
             pipes[0].execute()
         else:
@@ -308,11 +316,34 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+#: the session number the profiles are made with before the controller names the real one
+_SESSION_MARK = -7777777
+
+
+class PremadeProfiles:
+    """Every rank's profile, made and encoded before the fail-slow is reported (the calls
+    of the iterations before it), so that answering the profile command costs this
+    process a text substitution per rank: on a cluster each rank makes its own in
+    parallel, and the simulator's serial making would otherwise be what is measured."""
+
+    def __init__(self, layout: Layout, iter_s: float, healthy_s: float, allreduce_s: float,
+                 rng: np.random.Generator) -> None:
+        made = profiles(layout, _SESSION_MARK, iter_s, healthy_s, allreduce_s, time.time(), rng)
+        self.texts = [(node_copy(CTL_STREAM, p.rank // RANKS_PER_NODE), encode(p)) for p in made]
+
+    def for_session(self, session: int) -> list[tuple[str, str, str]]:
+        """The profiles as posted for ``session``: (stream, type, text)."""
+        mark, real = f'"session":{_SESSION_MARK}', f'"session":{int(session)}'
+        return [(stream, "ProfileData", text.replace(mark, real, 1)) for stream, text in self.texts]
+
+
 def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float, allreduce_s: float,
-              t_report: float, rng: np.random.Generator, gave_up: Callable[[], str | None]) -> Row:
+              t_report: float, rng: np.random.Generator, gave_up: Callable[[], str | None],
+              premade: PremadeProfiles | None = None) -> Row:
     """Answer the controller as the ranks would, from the reports to the verdict; the
     times are seconds after the reports were posted. ``iteration`` starts now.
-    ``gave_up()`` says why the controller abandoned the localization (None: it did not)."""
+    ``gave_up()`` says why the controller abandoned the localization (None: it did not);
+    ``premade``: the profiles, made before the report (None: made when asked)."""
     ranks = layout.dp * layout.pp
     clock0 = time.monotonic()
     deadline = clock0 + VERDICT_TIMEOUT_S
@@ -338,10 +369,13 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
         if isinstance(msg, ProfileRequest):
             session = msg.session
             row["report_to_profile_cmd_s"] = round(now - t_report, 3)
-            t0 = time.perf_counter()
-            made = profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng)
-            sim.busy_s += time.perf_counter() - t0
-            sim.post(made)
+            if premade is not None:
+                sim.post_encoded(premade.for_session(session))
+            else:
+                t0 = time.perf_counter()
+                made = profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng)
+                sim.busy_s += time.perf_counter() - t0
+                sim.post(made)
         elif isinstance(msg, Share):
             shares.setdefault(msg.session, []).append(msg.share)
         elif isinstance(msg, Suspend):
@@ -439,6 +473,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         sim.busy_s = 0.0
         # 2. every rank reports the fail-slow; the simulated ranks answer the controller
         # until it posts its verdict
+        premade = PremadeProfiles(layout, slow_s, healthy_s, allreduce_s, rng)
         t_report = time.perf_counter()
         reports = [fail_slow_report(r, FAIL_SLOW, 1, iteration - 12, iteration, round(slow_s / healthy_s, 4), healthy_s,
                                     time.time()) for r in range(ranks)]
@@ -449,7 +484,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
             failed = [e for e in _events(events_path) if e["type"] == "localization_failed"]
             return str(failed[0].get("reason")) if failed else None
 
-        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up))
+        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up, premade))
         row["ranks_side_busy_s"] = round(sim.busy_s, 3)
         # 3. throughput: a burst of heartbeats, then an operator's validate command; the
         # controller's profile command says it has handled the whole burst
