@@ -69,6 +69,10 @@ from falconext.validate.plan import join_shares
 
 QUICK_SIZES = (64, 256, 1024)
 FULL_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 16384)
+#: the sizes run again on a Redis Cluster of CLUSTER_SHARDS shards (quick: the first)
+CLUSTER_SIZES = (16384, 32768, 65536, 131072)
+QUICK_CLUSTER_SIZES = (1024,)
+CLUSTER_SHARDS = 3
 PP = 4
 RANKS_PER_NODE = 8
 SLOW_RANK = 1
@@ -530,47 +534,56 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
 
 
 def measure(quick: bool) -> ExperimentResult:
-    """Quick: 64, 256, 1024 ranks; full: up to 16384."""
+    """Quick: 64, 256, 1024 ranks on one Redis server, 1024 on a 3-shard Redis Cluster;
+    full: up to 16,384 on one server, 16,384 to 131,072 on the cluster."""
     rows = []
-    for n in QUICK_SIZES if quick else FULL_SIZES:
+    runs = [(n, 0) for n in (QUICK_SIZES if quick else FULL_SIZES)]
+    runs += [(n, CLUSTER_SHARDS) for n in (QUICK_CLUSTER_SIZES if quick else CLUSTER_SIZES)]
+    for n, shards in runs:
         try:
-            rows.append(run_size(n))
+            rows.append(run_size(n, shards=shards))
         except RuntimeError as exc:  # the controller did not start: say so, go on
-            rows.append({"ranks": n, "error": str(exc),
+            rows.append({"ranks": n, "redis": f"cluster of {shards}" if shards else "one server", "error": str(exc),
                          "offered_heartbeats_per_s": round(n / FalconConfig().heartbeat_s)})
     comparisons = []
     for r in rows:
+        r_name = f"{r['ranks']} ranks ({r.get('redis', 'one server')})"
         named = f"rank {SLOW_RANK}" if r.get("localized_right") else f"named {r.get('localized_gpus')}, not {SLOW_RANK}"
         verdict = (f"{r['report_to_localized_s']:.2f} s, {named}"
                    if "report_to_localized_s" in r else f"none ({r.get('error', '')})")
-        comparisons.append(Comparison(f"{r['ranks']} ranks: report to localized", "-", verdict,
+        comparisons.append(Comparison(f"{r_name}: report to localized", "-", verdict,
                                       "Holmes: 30.3 s at 8192 GPUs" if r["ranks"] >= 8192 else ""))
         if "controller_heartbeats_per_s" in r:
             comparisons.append(Comparison(
-                f"{r['ranks']} ranks: controller drains heartbeats/s (offered {r['offered_heartbeats_per_s']}/s)", "-",
+                f"{r_name}: controller drains heartbeats/s (offered {r['offered_heartbeats_per_s']}/s)", "-",
                 f"{'>= ' if r.get('drain_bounded_by_posting') else ''}{r['controller_heartbeats_per_s']} "
                 f"({r['controller_node_msgs_per_s']} node messages/s)",
                 ("keeps up" if r.get("keeps_up") else "falls behind")
                 + ("; bounded by the simulator's posting" if r.get("drain_bounded_by_posting") else "")))
         if "controller_cpu_share" in r:
             comparisons.append(Comparison(
-                f"{r['ranks']} ranks: controller CPU at the offered heartbeats", "-",
+                f"{r_name}: controller CPU at the offered heartbeats", "-",
                 f"{100 * r['controller_cpu_share']:.0f}% of a core"))
         if "largest_message_bytes" in r:
             comparisons.append(Comparison(
-                f"{r['ranks']} ranks: largest message (cap {MAX_MESSAGE_BYTES})", "-",
+                f"{r_name}: largest message (cap {MAX_MESSAGE_BYTES})", "-",
                 f"{r['largest_message_bytes']} B ({r['largest_message']})",
                 "over the cap" if r["largest_message_bytes"] > MAX_MESSAGE_BYTES else ""))
-    behind = [r["ranks"] for r in rows if r.get("keeps_up") is False]
-    failed = [r["ranks"] for r in rows if "report_to_localized_s" not in r]
+    single = [r for r in rows if r.get("redis", "one server") == "one server"]
+    behind = [r["ranks"] for r in single if r.get("keeps_up") is False]
+    failed = [r["ranks"] for r in single if "report_to_localized_s" not in r]
     over = [r["ranks"] for r in rows if r.get("largest_message_bytes", 0) > MAX_MESSAGE_BYTES]
     for what, sizes in (("controller falls behind the heartbeats", behind), ("no localization", failed),
                         ("a message over the bus cap", over)):
-        comparisons.append(Comparison(f"smallest size with {what}", "-",
-                                      f"{min(sizes)} ranks" if sizes else f"none up to {rows[-1]['ranks']} ranks"))
+        comparisons.append(Comparison(f"smallest size with {what} (one server)", "-",
+                                      f"{min(sizes)} ranks" if sizes else f"none up to {single[-1]['ranks']} ranks"))
     notes = [
         f"Layout TP1 x DP(N/{PP}) x PP{PP}, {RANKS_PER_NODE} ranks per node, rank {SLOW_RANK} {SLOW_FACTOR:g}x slow; "
         "iteration times from falconext.model.itertime.",
+        f"Rows marked 'cluster of {CLUSTER_SHARDS}' run the control plane on a real Redis Cluster of "
+        f"{CLUSTER_SHARDS} shards (--falcon-redis-shards): each simulated node posts to its own shard, every "
+        "shard's pipeline at once, and the controller reads every shard. The ranks' profiles are made before "
+        "the report (each rank makes its own in parallel on a cluster).",
         "One real Redis and the real controller process per size; ranks simulated in one process. Their "
         "heartbeats go through one real HeartbeatAggregator per node (control/agent.py, run in this process: "
         "thousands of agent processes do not fit on two cores) to the beats stream, one NodeHeartbeats per "
@@ -596,7 +609,8 @@ def draw(result: ExperimentResult, path: str) -> None:
     time to localize against job size."""
     import matplotlib.pyplot as plt  # lazy: run-time order (after the runner's matplotlib.use("Agg"))
 
-    rows = result.rows
+    rows = [r for r in result.rows if r.get("redis", "one server") == "one server"]
+    cluster = [r for r in result.rows if r.get("redis", "one server") != "one server"]
     fig, (a, c, b) = plt.subplots(1, 3, figsize=(14, 3.9))
     ok = [r for r in rows if "controller_heartbeats_per_s" in r]
     a.plot([r["ranks"] for r in ok], [r["controller_heartbeats_per_s"] for r in ok], "o-",
@@ -629,13 +643,30 @@ def draw(result: ExperimentResult, path: str) -> None:
         pts = [(r["ranks"], r[key]) for r in loc if key in r]
         if pts:
             b.plot(*zip(*pts), "o-" if key != "ranks_side_busy_s" else "x:", label=label)
+    kind = cluster[0]["redis"] if cluster else ""
+    drained = [(r["ranks"], r["controller_heartbeats_per_s"]) for r in cluster if "controller_heartbeats_per_s" in r]
+    if drained:
+        a.plot(*zip(*drained), "D-", color="tab:green", label=f"controller drains, Redis {kind}")
+        a.plot([r["ranks"] for r in cluster], [r["offered_heartbeats_per_s"] for r in cluster], "k--")
+    cpu = [(r["ranks"], 100 * r["controller_cpu_share"]) for r in cluster if "controller_cpu_share" in r]
+    if cpu:
+        c.plot(*zip(*cpu), "D-", color="tab:green", label=f"controller process, Redis {kind}")
+    found = [(r["ranks"], r["report_to_localized_s"]) for r in cluster if "report_to_localized_s" in r]
+    if found:
+        b.plot(*zip(*found), "D-", color="tab:green", label=f"localized, Redis {kind}")
+    for r in cluster:
+        if "report_to_localized_s" not in r:
+            b.axvline(r["ranks"], color="tab:green", alpha=0.4, ls=":")
+    if any("report_to_localized_s" not in r for r in cluster):
+        b.plot([], [], color="tab:green", alpha=0.4, ls=":", label=f"no localization, Redis {kind}")
     b.axhline(10.0, color="grey", lw=0.8, ls="--", label="issue 17's target (10 s)")
     b.set_ylabel("seconds after the report")
     b.set_title("time to localize")
     for ax in (a, c, b):
         ax.set_xscale("log", base=2)
-        ax.set_xticks([r["ranks"] for r in rows])
-        ax.set_xticklabels([str(r["ranks"]) for r in rows], fontsize=7)
+        sizes = sorted({r["ranks"] for r in result.rows})
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(n) for n in sizes], fontsize=7)
         ax.set_xlabel("ranks")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
