@@ -138,6 +138,7 @@ def test_node_traffic_stays_on_its_shard_and_the_controller_reads_every_shard(cl
         assert [m.rank for _, m in read_until(ctl, [CTL_STREAM], 1)] == [99]
         assert ctl.read([CTL_STREAM], block_ms=200) == []
         assert ctl.put("status", "x", 5.0) and ctl.get("status") == "x"
+        assert ctl.read([], block_ms=50) == []
     finally:
         ctl.close()
         for bus in nodes:

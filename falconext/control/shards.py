@@ -189,6 +189,7 @@ class ShardedBus:
 
     @property
     def maxlen(self) -> int:
+        """The length each stream is trimmed to (every shard's Bus has the same)."""
         return self.buses[0].maxlen
 
     def _on(self, name: str, post: bool = False) -> list[Bus]:
@@ -222,6 +223,8 @@ class ShardedBus:
         for name in streams:
             for bus in self._on(name):
                 by_shard.setdefault(self.buses.index(bus), []).append(name)
+        if not by_shard:
+            return []
         if len(by_shard) == 1:
             (k, names), = by_shard.items()
             return self.buses[k].read(names, block_ms=block_ms, accept=accept, count=count)
@@ -260,18 +263,23 @@ class ShardedBus:
         return all([b.ping() for b in self.buses])
 
     def beat(self, name: str, ttl_s: float) -> bool:
+        """As Bus.beat, on the shard that holds ``name``."""
         return self._on(name)[0].beat(name, ttl_s)
 
     def put(self, name: str, value: str, ttl_s: float) -> bool:
+        """As Bus.put, on the shard that holds ``name``."""
         return self._on(name)[0].put(name, value, ttl_s)
 
     def get(self, name: str) -> str | None:
+        """As Bus.get, on the shard that holds ``name``."""
         return self._on(name)[0].get(name)
 
     def alive(self, name: str) -> bool | None:
+        """As Bus.alive, on the shard that holds ``name``."""
         return self._on(name)[0].alive(name)
 
     def names(self, prefix: str, most: int = 1000) -> list[str] | None:
+        """As Bus.names, on the shard that holds names with ``prefix`` (shard 0)."""
         return self._on(prefix)[0].names(prefix, most)
 
     def close(self) -> None:
