@@ -18,6 +18,7 @@ the URL and with ``ended`` set.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from falconext.config import config_from_args
 from falconext.control.redis_cluster import RedisCluster, cluster_problem, start_redis_cluster
@@ -173,29 +174,30 @@ class ControlPlane:
             json.dump(info, f, indent=2)
         os.replace(tmp, os.path.join(self.out, "control.json"))
 
+    def _stores(self) -> list[tuple[str, RedisServer, Callable[[], None]]]:
+        """The Redis processes this plane owns: each one's name in ``restarts``, the
+        process, and how to start it again as itself."""
+        if self.redis is not None:
+            return [("redis", self.redis, self.redis.restart)]
+        if self.cluster is not None:
+            return [(f"redis{k}", shard, functools.partial(self.cluster.restart_shard, k))
+                    for k, shard in enumerate(self.cluster.shards)]
+        return []
+
     def _supervise(self) -> None:
         while not self._stop.wait(0.5):
             with self._lock:
-                redis = self.redis
-                if redis is not None and not redis.alive() and not self._stop.is_set() \
-                        and self.restarts.get("redis", 0) < MAX_RESTARTS:
-                    # the same port and password: every client's reconnection finds it
-                    self.restarts["redis"] = self.restarts.get("redis", 0) + 1
+                for name, server, restart in self._stores():
+                    if server.alive() or self._stop.is_set() or self.restarts.get(name, 0) >= MAX_RESTARTS:
+                        continue
+                    # as itself: the same port and password (a shard: its slots too), so every
+                    # client's reconnection finds it; its streams start empty
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
                     try:
-                        redis.restart()
+                        restart()
                     except Exception:  # noqa: BLE001 - counted; the next round tries again
                         pass
                     self._write()
-                for k, shard in enumerate(self.cluster.shards if self.cluster else []):
-                    key = f"redis{k}"
-                    if not shard.alive() and not self._stop.is_set() and self.restarts.get(key, 0) < MAX_RESTARTS:
-                        # as itself: its port, password and slots; its streams start empty
-                        self.restarts[key] = self.restarts.get(key, 0) + 1
-                        try:
-                            self.cluster.restart_shard(k)
-                        except Exception:  # noqa: BLE001 - counted; the next round tries again
-                            pass
-                        self._write()
                 for name, proc in list(self.procs.items()):
                     if proc.poll() is None or self._stop.is_set():
                         continue

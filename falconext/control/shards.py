@@ -192,9 +192,17 @@ class ShardedBus:
         """The length each stream is trimmed to (every shard's Bus has the same)."""
         return self.buses[0].maxlen
 
-    def _on(self, name: str, post: bool = False) -> list[Bus]:
+    def _shards(self, name: str, post: bool = False) -> list[int]:
+        """The shards holding the copies of ``name`` this Bus reads (``post``: posts to)."""
         k = route(name, len(self.buses), post)
-        return self.buses if k is None else [self.buses[k]]
+        return list(range(len(self.buses))) if k is None else [k]
+
+    def _on(self, name: str, post: bool = False) -> list[Bus]:
+        return [self.buses[k] for k in self._shards(name, post)]
+
+    def keys(self, name: str, post: bool = False) -> list[tuple[int, str]]:
+        """(shard, Redis key) of each copy of ``name`` this Bus reads (``post``: posts to)."""
+        return [(k, self.buses[k].key(name)) for k in self._shards(name, post)]
 
     # --- the Bus's methods ----------------------------------------------------------------
 
@@ -221,8 +229,8 @@ class ShardedBus:
             raise ValueError(f"block_ms must be >= 0, got {block_ms}")
         by_shard: dict[int, list[str]] = {}
         for name in streams:
-            for bus in self._on(name):
-                by_shard.setdefault(self.buses.index(bus), []).append(name)
+            for k in self._shards(name):
+                by_shard.setdefault(k, []).append(name)
         if not by_shard:
             return []
         if len(by_shard) == 1:

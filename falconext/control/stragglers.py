@@ -78,10 +78,9 @@ class StragglerWatch:
         roles = {b.rank: role_key(b.stage, b.role, b.tp) for b in scored}
         scores = rank_scores(samples, roles)
         listed = slowest_listed(scores, cfg.listed_ranks)
-        values = sorted(s.score for s in scores.values())
         out = [event("rank_scores", iteration=min(b.score_iteration for b in scored), slowest=slowest(scores),
                      window=cfg.score_window, scored=len(scores), listed=len(listed),
-                     score_median=round(statistics.median(values), 4) if values else None,
+                     score_median=round(statistics.median(s.score for s in scores.values()), 4) if scores else None,
                      ranks={str(r): s.to_dict() for r, s in listed.items()})]
         if not cfg.score_trigger_ratio:
             return out, None

@@ -48,7 +48,7 @@ from falconext.control.agent import HeartbeatAggregator
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM, node_copy
 from falconext.control.redis_cluster import start_redis_cluster
 from falconext.control.redis_server import start_redis
-from falconext.control.shards import ShardedBus, cluster_url, open_bus, read_shards, route
+from falconext.control.shards import ShardedBus, cluster_url, open_bus, read_shards
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
 from falconext.protocol.commands import Go, ProfileRequest, Share, Suspend
 from falconext.protocol.messages import Heartbeat, Localized, ProfileData, ValidationResult
@@ -191,6 +191,11 @@ def validation_results(world: int, session: int, plan: dict[str, Any],
     return out
 
 
+def sender_ctl(rank: int) -> str:
+    """The ctl stream a rank's agent forwards its control flow to: its node's copy."""
+    return node_copy(CTL_STREAM, rank // RANKS_PER_NODE)
+
+
 # --- the I/O: Redis, the controller process, the simulated ranks ------------------------------
 
 
@@ -219,27 +224,24 @@ class _Ranks:
         self._queue: deque[tuple[str, Any]] = deque()
         self._keys: dict[str, tuple[int, str]] = {}
 
+    def placed(self, stream: str, post: bool = False) -> list[tuple[int, str]]:
+        """(shard, Redis key) of each copy of ``stream`` the ranks read (``post``: post to);
+        one on a single server."""
+        if isinstance(self.bus, ShardedBus):
+            return self.bus.keys(stream, post)
+        return [(0, self.bus.key(stream))]
+
     def where(self, stream: str) -> tuple[int, str]:
-        """(shard, Redis key) of ``stream`` (a node's copy, ``ctl@N``, on its node's shard)."""
+        """(shard, Redis key) a rank's or node's post to ``stream`` goes to (``ctl@N``: its
+        node's shard)."""
         found = self._keys.get(stream)
         if found is None:
-            if isinstance(self.bus, ShardedBus):
-                k = route(stream, len(self.raws), post=True)
-                found = (k or 0, self.bus.buses[k or 0].key(stream))
-            else:
-                found = (0, self.bus.key(stream))
-            self._keys[stream] = found
+            found = self._keys[stream] = self.placed(stream, post=True)[0]
         return found
-
-    def stream_keys(self, stream: str) -> list[tuple[int, str]]:
-        """Every shard's copy of ``stream`` (one on a single server)."""
-        if isinstance(self.bus, ShardedBus):
-            return [(k, b.key(stream)) for k, b in enumerate(self.bus.buses)]
-        return [(0, self.bus.key(stream))]
 
     def backlog(self) -> int:
         """Node messages on the beats streams, all shards."""
-        return sum(int(self.raws[k].xlen(key)) for k, key in self.stream_keys(BEATS_STREAM))
+        return sum(int(self.raws[k].xlen(key)) for k, key in self.placed(BEATS_STREAM))
 
     def post(self, msgs: list[Any]) -> float:
         """Post ``msgs``, every shard's share in one pipeline, the shards' at once:
@@ -248,13 +250,12 @@ class _Ranks:
         sender's node's copy of ctl; returns seconds."""
         t0 = time.perf_counter()
         now = time.monotonic()
-        per_node = RANKS_PER_NODE
         out: list[tuple[str, Any]] = []
         for m in msgs:
             if isinstance(m, Heartbeat):
                 self.agents[m.node].add(m, now)
             else:
-                out.append((node_copy(CTL_STREAM, m.rank // per_node), m))
+                out.append((sender_ctl(m.rank), m))
         for agent in self.agents:
             if agent.due(now):
                 out += [(node_copy(BEATS_STREAM, agent.node), agg) for agg in agent.flush()]
@@ -333,7 +334,7 @@ class PremadeProfiles:
     def __init__(self, layout: Layout, iter_s: float, healthy_s: float, allreduce_s: float,
                  rng: np.random.Generator) -> None:
         made = profiles(layout, _SESSION_MARK, iter_s, healthy_s, allreduce_s, time.time(), rng)
-        self.texts = [(node_copy(CTL_STREAM, p.rank // RANKS_PER_NODE), encode(p)) for p in made]
+        self.texts = [(sender_ctl(p.rank), encode(p)) for p in made]
 
     def for_session(self, session: int) -> list[tuple[str, str, str]]:
         """The profiles as posted for ``session``: (stream, type, text)."""
@@ -497,7 +498,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         row["offered_heartbeats_per_s"] = round(ranks / cfg.heartbeat_s)
         if "controller_heartbeats_per_s" in row:
             row["keeps_up"] = row["controller_heartbeats_per_s"] >= row["offered_heartbeats_per_s"]
-        posted = [_largest_on(sim.raws[k], key) for k, key in sim.stream_keys(CMD_STREAM)]
+        posted = [_largest_on(sim.raws[k], key) for k, key in sim.placed(CMD_STREAM, post=True)]
         posted.append(_largest_on(sim.raw, sim.bus.key(LOCALIZED_STREAM)))
         name, size = max([sim.largest] + posted, key=lambda x: x[1])
         row["largest_message"] = name

@@ -337,12 +337,9 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         # doubt goes the slow way, which names the bad item
         if item is int and all(type(v) is int for v in value):
             return value
-        if item is float and all(type(v) is float or type(v) is int for v in value):
-            try:
-                out = [float(v) for v in value]
-            except OverflowError:
-                out = None
-            if out is not None and all(map(math.isfinite, out)):
+        if item is float:
+            out = _finite_floats(value)
+            if out is not None:
                 return out
         if _hint(item) == (list, (float,)):  # rows of numbers (calls, heartbeats, links)
             rows = [_finite_floats(v) for v in value]
