@@ -9,8 +9,10 @@ rank's name is dropped and counted in ``refused``. It holds no state worth losin
 launcher restarts it if it dies, and ranks keep training meanwhile.
 
 Two paths to the controller. The control flow (fail-slow reports, profiles, suspension
-acks, validation results) goes on at once, one message each, to the ``ctl`` stream,
-which the controller reads first. Heartbeats, the bulk (one per rank every
+acks, validation results) goes on at once to the ``ctl`` stream, which the controller
+reads first: what the node's ranks sent together (at a suspension, all of them) as one
+:class:`~falconext.protocol.messages.NodeBatch` per kind (:func:`runs`), so that the
+controller reads one message per node, not one per rank. Heartbeats, the bulk (one per rank every
 ``heartbeat_s``), are combined per node (:class:`HeartbeatAggregator`): the latest of
 each rank, in one :class:`~falconext.protocol.messages.NodeHeartbeats` per heartbeat
 period on the ``beats`` stream, so the controller reads one message per node rather than
@@ -20,13 +22,13 @@ one per rank, and a backlog of heartbeats never stands in front of a profile.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from falconext.control.shards import AnyBus
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_copy, node_stream
-from falconext.protocol.codec import MAX_MESSAGE_BYTES, pack_heartbeats
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, pack_batch, pack_heartbeats
 from falconext.protocol.commands import Suspend
-from falconext.protocol.messages import Heartbeat, NodeHealth, NodeHeartbeats
+from falconext.protocol.messages import BATCH_KINDS, Heartbeat, NodeBatch, NodeHealth, NodeHeartbeats
 
 #: what a rank may post to its node stream
 RANK_MESSAGES = {"Heartbeat", "FailSlowReport", "ProfileData", "SessionAck", "ValidationResult", "RankEvent"}
@@ -81,9 +83,39 @@ class HeartbeatAggregator:
         return pack_heartbeats(self.node, beats, self.max_bytes)
 
 
+def runs(msgs: Sequence[Any]) -> list[list[Any]]:
+    """``msgs`` (a node's ranks' control flow, in the order they came) cut into runs that
+    may travel as one NodeBatch each: consecutive messages of one batch kind, each rank
+    once. Order is kept (a run never overtakes what came before it); a message of another
+    kind (a RankEvent) is a run of its own."""
+    out: list[list[Any]] = []
+    ranks: set[int] = set()
+    for msg in msgs:
+        last = out[-1] if out else None
+        if (last is not None and type(msg) is type(last[0]) and type(msg).__name__ in BATCH_KINDS
+                and msg.rank not in ranks):
+            last.append(msg)
+            ranks.add(msg.rank)
+        else:
+            out.append([msg])
+            ranks = {msg.rank}
+    return out
+
+
+def combined(node: int, msgs: Sequence[Any], max_bytes: int = MAX_MESSAGE_BYTES) -> list[Any]:
+    """What node ``node``'s agent posts for its ranks' control flow ``msgs``: each run
+    (:func:`runs`) of several as NodeBatches (split to fit ``max_bytes``), a lone message
+    as it is."""
+    out: list[Any] = []
+    for run in runs(msgs):
+        out += pack_batch(node, run, max_bytes) if len(run) > 1 else run
+    return out
+
+
 class NodeAgent:
     """One node's agent: forwards the messages its ranks post on the node's stream to the
-    controller (heartbeats combined per heartbeat period, the rest at once), refusing
+    controller (heartbeats combined per heartbeat period, the rest at once, what came
+    together combined per kind), refusing
     (and counting in ``refused``) those that speak for a rank of another node, and
     answers a suspension with the node's GPU health. ``forwarded`` counts the ranks'
     messages that reached the controller (each heartbeat in a NodeHeartbeats counts)."""
@@ -109,6 +141,7 @@ class NodeAgent:
         if wait is not None:
             block_ms = min(block_ms, int(wait * 1000))
         cmd, ctl = node_copy(CMD_STREAM, self.node), node_copy(CTL_STREAM, self.node)
+        flow: list[Any] = []  # the ranks' control flow read now, combined below
         for stream, msg in self.bus.read([node_stream(self.node), cmd], block_ms=block_ms):
             if stream == cmd:
                 if isinstance(msg, Suspend):
@@ -121,8 +154,11 @@ class NodeAgent:
                 continue
             if isinstance(msg, Heartbeat):
                 self.beats.add(msg, time.monotonic())
-            elif self.bus.post(ctl, msg):
-                self.forwarded += 1
+            else:
+                flow.append(msg)
+        for out in combined(self.node, flow):
+            if self.bus.post(ctl, out):
+                self.forwarded += len(out.rows) if isinstance(out, NodeBatch) else 1
         if self.beats.due(time.monotonic()):
             for agg in self.beats.flush():
                 if self.bus.post(node_copy(BEATS_STREAM, self.node), agg):

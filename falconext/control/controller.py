@@ -31,7 +31,7 @@ from falconext.control.heartbeats import JobView
 from falconext.control.localizer import Localizer, for_bus
 from falconext.protocol.actions import MitigationAction
 from falconext.protocol.commands import OPERATOR_COMMANDS, MitigateRequest, OperatorCommand
-from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, NodeHealth, NodeHeartbeats, ProfileData, SessionAck, StatusSnapshot, ValidationResult
+from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, NodeBatch, NodeHealth, NodeHeartbeats, ProfileData, SessionAck, StatusSnapshot, ValidationResult
 from falconext.control.operator import OperatorDesk
 from falconext.control.outputs import Output, event
 from falconext.control.snapshot import snapshot
@@ -118,7 +118,8 @@ class Controller:
 
     def handle(self, msg: Any, now: float) -> list[Output]:
         """React to one message received at ``now``: heartbeats (a rank's, or a node's in a
-        NodeHeartbeats), fail-slow reports, operator commands, and the profiles,
+        NodeHeartbeats), fail-slow reports (and the rest of the ranks' control flow, alone
+        or a node's in a NodeBatch), operator commands, and the profiles,
         acknowledgements, validation results and node health of the current session (those
         of an older session are ignored). Returns what to post or log; an empty list when
         the message changes nothing. Never raises for a message that passed the schema."""
@@ -127,6 +128,11 @@ class Controller:
             for beat in msg.beats():
                 out += self.handle(beat, now)
             return out
+        if isinstance(msg, NodeBatch):  # a node agent's: several ranks' messages of one kind
+            got: list[Output] = []
+            for one in msg.messages():
+                got += self.handle(one, now)
+            return got
         if isinstance(msg, Heartbeat):
             self.job.record(msg, clean=self.episode is None and self.state is State.TRACKING)
             return self._observe(msg, now) + self._maybe_baseline(msg, now)
@@ -168,6 +174,8 @@ class Controller:
         """The scores when due; a straggler they show is localized now: in an episode of
         its own when none is open, or as a re-localization inside a mitigated one that has
         not named it. Each outlier is acted on once, until it reads normal again."""
+        if self.state in (State.PROFILING, State.VALIDATING):
+            return []  # a localization runs (the ranks stand still at its suspension): due after it
         may_act = not self.muted and self.state is State.TRACKING
         out, s = self.stragglers.scores(self.job.beats, self.job.history, now, self.cfg, may_act)
         ep = self.episode

@@ -76,6 +76,8 @@ class Episode:
     #: the iteration of the episode's latest re-localization (-1: none): it saw every rise
     #: that began before it
     relocalized_at: int = -1
+    #: (reports, sightings) counted, and the healthy_s they gave
+    _healthy: tuple[tuple[int, int], float] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of_report(cls, rep: FailSlowReport) -> Episode:
@@ -100,9 +102,14 @@ class Episode:
         return [r.baseline_s * r.slowdown for r in self.reports] + [s.level_s for s in self.sightings]
 
     def healthy_s(self) -> float:
-        """The episode's healthy iteration time: the median of the baselines (0.0: none)."""
-        base = self.baselines
-        return sorted(base)[len(base) // 2] if base else 0.0
+        """The episode's healthy iteration time: the median of the baselines (0.0: none);
+        worked out again only when a report or sighting was added (it is asked every tick,
+        and a large job's episode holds a report of every rank)."""
+        key = (len(self.reports), len(self.sightings))
+        if self._healthy is None or self._healthy[0] != key:
+            base = self.baselines
+            self._healthy = (key, sorted(base)[len(base) // 2] if base else 0.0)
+        return self._healthy[1]
 
     def add(self, rep: FailSlowReport) -> None:
         """Take ``rep`` as its rank's report of this episode (its end is awaited)."""

@@ -109,10 +109,11 @@ class Localizer:
         NCCL's trees, else the first rank's. NCCL needs every rank of a communicator to
         pick alike, and a tree validated in vain costs a few passes, a tree missed a
         congested link."""
-        reported = [(p.fabric, p.nccl_algo) for _, p in sorted(self.profiles.items())]
-        pick = next((x for x in reported if on_nccl(x[0]) and nccl_allows_trees(x[1])),
-                    reported[0] if reported else ("", None))
-        return {"fabric": pick[0], "nccl_algo": pick[1]}
+        if not self.profiles:
+            return {"fabric": "", "nccl_algo": None}
+        trees = [r for r, p in self.profiles.items() if on_nccl(p.fabric) and nccl_allows_trees(p.nccl_algo)]
+        pick = self.profiles[min(trees) if trees else min(self.profiles)]
+        return {"fabric": pick.fabric, "nccl_algo": pick.nccl_algo}
 
     def split(self) -> tuple[ValidationPlan, list[ValidationShare]]:
         """The plan as the suspend command carries it, and each rank's share of the work

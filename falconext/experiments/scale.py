@@ -8,7 +8,8 @@ PP4 job on nodes of 8, with rank 1's GPU 2x slow. They post real messages of the
 schema (``protocol/``) the way the per-node agents pass them on: heartbeats
 through one real :class:`~falconext.control.agent.HeartbeatAggregator` per node, as one
 NodeHeartbeats per node and round on the beats stream, and the control flow (reports,
-profiles, acks, results) one message per rank on the ctl stream. The agents' processes
+profiles, acks, results) combined by the agents' own code (``agent.combined``), one
+NodeBatch per node and kind, on the ctl stream. The agents' processes
 are not run (thousands of processes do not fit on two cores); their aggregation code is.
 The ranks answer the controller's commands as ranks do: ProfileData with each
 collective's issue and end times (groups as spans), a SessionAck when the simulated
@@ -44,7 +45,7 @@ import numpy as np
 import redis
 
 from falconext.config import FalconConfig
-from falconext.control.agent import HeartbeatAggregator
+from falconext.control.agent import HeartbeatAggregator, combined
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCALIZED_STREAM, node_copy
 from falconext.control.redis_cluster import start_redis_cluster
 from falconext.control.redis_server import start_redis
@@ -203,7 +204,8 @@ class _Ranks:
     """All simulated ranks' side of the bus, and their nodes' agents: heartbeats go through
     one real HeartbeatAggregator per node (control/agent.py, in this process: thousands of
     agent processes do not fit on two cores) to the beats stream as NodeHeartbeats; the
-    control flow goes to the ctl stream one message per rank, as the agents forward it.
+    control flow goes to the ctl stream one NodeBatch per node and kind, as the agents
+    combine it.
     Posts are pipelined (the ranks post in parallel); commands and verdicts are read
     through the real Bus (strict decoding). ``busy_s`` is the time this process spent
     making and posting the ranks' messages (on a cluster they do it in parallel)."""
@@ -246,16 +248,20 @@ class _Ranks:
     def post(self, msgs: list[Any]) -> float:
         """Post ``msgs``, every shard's share in one pipeline, the shards' at once:
         heartbeats combined by their nodes' aggregators (each node's go when all its
-        ranks' beats are in) to the node's copy of beats, the rest one by one to the
+        ranks' beats are in) to the node's copy of beats, the rest combined per node and kind
+        (``agent.combined``) to the
         sender's node's copy of ctl; returns seconds."""
         t0 = time.perf_counter()
         now = time.monotonic()
         out: list[tuple[str, Any]] = []
+        flow: dict[int, list[Any]] = {}  # each node's control flow, combined as its agent does
         for m in msgs:
             if isinstance(m, Heartbeat):
                 self.agents[m.node].add(m, now)
             else:
-                out.append((sender_ctl(m.rank), m))
+                flow.setdefault(m.rank // RANKS_PER_NODE, []).append(m)
+        for node, mine in flow.items():
+            out += [(sender_ctl(node * RANKS_PER_NODE), m) for m in combined(node, mine)]
         for agent in self.agents:
             if agent.due(now):
                 out += [(node_copy(BEATS_STREAM, agent.node), agg) for agg in agent.flush()]
@@ -334,12 +340,15 @@ class PremadeProfiles:
     def __init__(self, layout: Layout, iter_s: float, healthy_s: float, allreduce_s: float,
                  rng: np.random.Generator) -> None:
         made = profiles(layout, _SESSION_MARK, iter_s, healthy_s, allreduce_s, time.time(), rng)
-        self.texts = [(sender_ctl(p.rank), encode(p)) for p in made]
+        n = RANKS_PER_NODE
+        self.texts = [(sender_ctl(node * n), encode(m))
+                      for node in range(len(made) // n) for m in combined(node, made[node * n:(node + 1) * n])]
 
     def for_session(self, session: int) -> list[tuple[str, str, str]]:
-        """The profiles as posted for ``session``: (stream, type, text)."""
-        mark, real = f'"session":{_SESSION_MARK}', f'"session":{int(session)}'
-        return [(stream, "ProfileData", text.replace(mark, real, 1)) for stream, text in self.texts]
+        """The profiles as posted for ``session`` (each node's in a NodeBatch, the session
+        the second value of each row): (stream, type, text)."""
+        mark, real = f',{_SESSION_MARK},', f',{int(session)},'
+        return [(stream, "NodeBatch", text.replace(mark, real)) for stream, text in self.texts]
 
 
 def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float, allreduce_s: float,
@@ -588,8 +597,8 @@ def measure(quick: bool) -> ExperimentResult:
         "One real Redis and the real controller process per size; ranks simulated in one process. Their "
         "heartbeats go through one real HeartbeatAggregator per node (control/agent.py, run in this process: "
         "thousands of agent processes do not fit on two cores) to the beats stream, one NodeHeartbeats per "
-        "node per round; reports, profiles, acks and results go one per rank to the ctl stream, as the "
-        "agents forward them. Posts are pipelined.",
+        "node per round; reports, profiles, acks and results go one NodeBatch per node and kind to the ctl "
+        "stream, combined by the agents' own code. Posts are pipelined.",
         f"Throughput: after the verdict, a burst of at least {BURST} heartbeats (whole rounds, in node "
         "messages); the controller trims the beats stream as it reads, so the burst is drained when the "
         "stream is empty. 'Drains' is the burst over that time, against one heartbeat per rank every "

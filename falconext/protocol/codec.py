@@ -26,7 +26,9 @@ from falconext.protocol.messages import (
     CommandReply,
     FailSlowReport,
     Heartbeat,
+    BATCH_KINDS,
     Localized,
+    NodeBatch,
     NodeHealth,
     NodeHeartbeats,
     ProfileData,
@@ -34,6 +36,7 @@ from falconext.protocol.messages import (
     SessionAck,
     StatusSnapshot,
     ValidationResult,
+    batch_columns,
 )
 
 SCHEMA_VERSION = 1
@@ -62,7 +65,7 @@ class CommandWire:
 #: the message types by their name on the wire (every command travels as "Command")
 MESSAGE_TYPES: dict[str, type] = {
     "Command" if cls is CommandWire else cls.__name__: cls
-    for cls in (FailSlowReport, Heartbeat, NodeHeartbeats, ProfileData, SessionAck, ValidationResult, RankEvent, NodeHealth,
+    for cls in (FailSlowReport, Heartbeat, NodeHeartbeats, NodeBatch, ProfileData, SessionAck, ValidationResult, RankEvent, NodeHealth,
                 Localized, CommandWire, CommandReply, StatusSnapshot)
 }
 _COMMAND_CLASSES = frozenset(COMMAND_KINDS.values())
@@ -201,8 +204,44 @@ def decode(data: str | bytes, accept: set[str] | None = None, max_bytes: int = M
     body = obj["body"]
     if not isinstance(body, dict):
         raise MessageError(f"{name}: body must be an object")
+    if cls is NodeBatch:
+        return _build_batch(body)
     msg = _build(cls, body, name)
     return _command(msg) if cls is CommandWire else msg
+
+
+def _build_batch(body: dict[str, Any]) -> NodeBatch:
+    """A NodeBatch from its JSON body: its own shape (NodeBatch.check), then every value
+    of its rows of the declared type of its column's field, a column at a time (the
+    fast way for plain columns; any doubt goes the way that names the bad value), then
+    each message's own check."""
+    if set(body) != {"node", "kind", "columns", "rows"}:
+        raise MessageError(f"NodeBatch: expected exactly node, kind, columns and rows, got {sorted(body)}")
+    node, kind, columns, rows = body["node"], body["kind"], body["columns"], body["rows"]
+    if type(node) is not int or type(kind) is not str:
+        raise MessageError("NodeBatch: node must be an integer and kind a string")
+    if type(columns) is not list or not all(type(c) is str for c in columns):
+        raise MessageError("NodeBatch.columns: expected a list of strings")
+    if type(rows) is not list or not all(type(r) is list for r in rows):
+        raise MessageError("NodeBatch.rows: expected a list of lists")
+    outer = NodeBatch(node, kind, columns, rows)
+    outer.check()
+    _, hints = _schema(BATCH_KINDS[outer.kind])
+    cols = []
+    for j, name in enumerate(outer.columns):
+        col, hint = [row[j] for row in rows], hints[name]
+        fast: list[Any] | None = None
+        if hint is int or hint is str or hint is bool:
+            fast = col if all(type(v) is hint for v in col) else None
+        elif hint is float:
+            fast = _finite_floats(col)
+        cols.append(fast if fast is not None else
+                    [_check(v, hint, f"NodeBatch({outer.kind}).rows[{i}].{name}") for i, v in enumerate(col)])
+    batch = NodeBatch(outer.node, outer.kind, outer.columns, [list(r) for r in zip(*cols)])
+    # each message's own check, as a message decoded alone gets; the messages are kept
+    # for NodeBatch.messages (not a field: never encoded, never compared)
+    object.__setattr__(batch, "_made", batch.messages())
+    return batch
 
 
 def _build(cls: type, body: dict[str, Any], where: str) -> Any:
@@ -350,8 +389,46 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise MessageError(f"{where}: expected an object")
         _, item = args
+        fast = _fast_check(item)
+        if fast is not None:  # the profiles' groups: no call and no path string per value
+            out = {k: fast(v) for k, v in value.items()}
+            if None not in out.values():
+                return out
         return {k: _check(v, item, f"{where}.{k}") for k, v in value.items()}
     raise MessageError(f"{where}: unsupported field type {hint}")  # pragma: no cover
+
+
+def _plain_str(value: Any) -> str | None:
+    return value if type(value) is str else None
+
+
+def _int_list(value: Any) -> list[int] | None:
+    return value if type(value) is list and all(type(v) is int for v in value) else None
+
+
+def _float_rows(value: Any) -> list[list[float]] | None:
+    if type(value) is not list:
+        return None
+    rows = [_finite_floats(v) for v in value]
+    return None if None in rows else rows  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=None)
+def _fast_check(hint: Any) -> Any:
+    """For the value types of the long objects (a string, a list of integers, of finite
+    numbers, rows of them): a check that returns the value as its field holds it, or None
+    when in doubt (the caller then takes the way that names the bad item); None for other
+    hints."""
+    if hint is str:
+        return _plain_str
+    shape = _hint(hint)
+    if shape == (list, (int,)):
+        return _int_list
+    if shape == (list, (float,)):
+        return _finite_floats
+    if shape[0] is list and _hint(shape[1][0]) == (list, (float,)):
+        return _float_rows
+    return None
 
 
 def _finite_floats(value: Any) -> list[float] | None:
@@ -390,11 +467,34 @@ def pack_heartbeats(node: int, beats: Sequence[Heartbeat], max_bytes: int = MAX_
     if any(b.node != node for b in beats):
         raise MessageError(f"pack_heartbeats: a heartbeat of another node than {node}")
     rows = [[getattr(b, c) for c in HEARTBEAT_COLUMNS] for b in sorted(beats, key=lambda b: b.rank)]
-    out: list[NodeHeartbeats] = []
+    return _fitted(lambda part: NodeHeartbeats(node, list(HEARTBEAT_COLUMNS), part), rows, max_bytes)
+
+
+def pack_batch(node: int, msgs: Sequence[Any], max_bytes: int = MAX_MESSAGE_BYTES) -> list[NodeBatch]:
+    """``msgs`` (of one kind of :data:`~falconext.protocol.messages.BATCH_KINDS`, one per
+    rank, of node ``node``'s ranks) as few NodeBatches as fit ``max_bytes`` each, in their
+    order; [] for none. Raises MessageError for mixed or unknown kinds or a repeated rank."""
+    if not msgs:
+        return []
+    kind = type(msgs[0]).__name__
+    if BATCH_KINDS.get(kind) is not type(msgs[0]) or any(type(m) is not type(msgs[0]) for m in msgs):
+        raise MessageError(f"pack_batch: expected messages of one kind of {', '.join(BATCH_KINDS)}")
+    columns = batch_columns(kind)
+    rows = [[getattr(m, c) for c in columns] for m in msgs]
+    out = _fitted(lambda part: NodeBatch(node, kind, list(columns), part), rows, max_bytes)
+    for batch in out:
+        batch.check()
+    return out
+
+
+def _fitted(make: Any, rows: list[list[Any]], max_bytes: int) -> list[Any]:
+    """``make(part)`` for consecutive parts of ``rows``, halved until each message's text
+    fits ``max_bytes`` (a single row goes as it is: the bus refuses it if too large)."""
+    out: list[Any] = []
     todo = [rows] if rows else []
     while todo:
         part = todo.pop(0)
-        msg = NodeHeartbeats(node, list(HEARTBEAT_COLUMNS), part)
+        msg = make(part)
         if len(part) > 1 and len(encode(msg).encode("utf-8")) > max_bytes:
             half = len(part) // 2
             todo[:0] = [part[:half], part[half:]]

@@ -4,7 +4,8 @@ strictly (exactly these fields, each of its declared type, then the class's own 
 
 Rank -> controller: :class:`Heartbeat` (through its node's agent, as
 :class:`NodeHeartbeats`), :class:`FailSlowReport`, :class:`ProfileData`,
-:class:`SessionAck`, :class:`ValidationResult`, :class:`RankEvent`; agent -> controller:
+:class:`SessionAck`, :class:`ValidationResult` (those four through the agent, several
+ranks' in one :class:`NodeBatch`), :class:`RankEvent`; agent -> controller:
 :class:`NodeHealth`; controller -> everyone: :class:`Localized` (the verdict); controller
 -> operators: :class:`CommandReply`, :class:`StatusSnapshot`. The commands the other way
 are in :mod:`falconext.protocol.commands`, the actions they carry in
@@ -313,6 +314,75 @@ def _heartbeat_plan(columns: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[in
                 for f in fields(Heartbeat) if f.name not in names}
     return names, ints, defaults
 
+
+
+#: the rank messages a node agent combines into a NodeBatch: the control flow, which at a
+#: suspension every rank sends at once (a heartbeat goes in a NodeHeartbeats)
+BATCH_KINDS: dict[str, type] = {cls.__name__: cls for cls in (FailSlowReport, ProfileData, SessionAck, ValidationResult)}
+
+
+@functools.lru_cache(maxsize=None)
+def batch_columns(kind: str) -> tuple[str, ...]:
+    """The columns of a NodeBatch of ``kind``: every field of that message, in order."""
+    return tuple(f.name for f in fields(BATCH_KINDS[kind]))
+
+
+@dataclass(frozen=True)
+class NodeBatch:
+    """Agent -> controller: several of its node's ranks' messages of one kind (a
+    FailSlowReport, ProfileData, SessionAck or ValidationResult) in one message, one per
+    rank: what the node's ranks sent together (at a suspension, all of them at once),
+    so that the controller reads one message per node rather than one per rank.
+
+    Column-wise like NodeHeartbeats: ``columns`` are every field of ``kind`` in order,
+    each row one message's values. The codec checks each value against its field's type
+    column by column; :meth:`messages` makes the messages, each passing its own check.
+    Make them with :func:`~falconext.protocol.codec.pack_batch`.
+    """
+
+    node: int
+    kind: str
+    columns: list[str]
+    rows: list[list[Any]]
+
+    def check(self) -> None:
+        """A known kind, its columns exactly, rows of their length, each rank once."""
+        if self.node < 0:
+            raise MessageError(f"NodeBatch.node: expected >= 0, got {self.node}")
+        if self.kind not in BATCH_KINDS:
+            raise MessageError(f"NodeBatch.kind: {self.kind!r} is not one of {', '.join(sorted(BATCH_KINDS))}")
+        if tuple(self.columns) != batch_columns(self.kind):
+            raise MessageError(f"NodeBatch.columns: expected the fields of {self.kind} in order, got {self.columns}")
+        if not self.rows:
+            raise MessageError("NodeBatch.rows: empty")
+        width = len(self.columns)
+        for i, row in enumerate(self.rows):
+            if len(row) != width:
+                raise MessageError(f"NodeBatch.rows[{i}]: expected {width} values, got {len(row)}")
+        ranks = [row[0] for row in self.rows]  # every batch kind leads with its rank
+        if len(set(ranks)) != len(ranks) or not all(is_rank(r) for r in ranks):
+            raise MessageError(f"NodeBatch.rows: ranks must be distinct and >= 0, got {ranks}")
+
+    def messages(self) -> list[Any]:
+        """The rows as messages of ``kind``, each passing its class's own check (raises
+        MessageError naming the first that does not). A decoded batch was made into its
+        messages by the codec, which checked every value's type first; they are kept and
+        given here."""
+        made = self.__dict__.get("_made")
+        if made is not None:
+            return list(made)
+        cls = BATCH_KINDS[self.kind]
+        own_check = getattr(cls, "check", None)
+        out = []
+        for row in self.rows:
+            # a frozen dataclass's __init__ sets its fields one object.__setattr__ at a time;
+            # the values are checked already, so they are filled at once (no __post_init__)
+            msg = object.__new__(cls)
+            msg.__dict__.update(zip(self.columns, row))
+            if own_check is not None:
+                msg.check()
+            out.append(msg)
+        return out
 
 
 @dataclass(frozen=True)

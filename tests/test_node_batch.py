@@ -1,0 +1,161 @@
+"""The control flow combined per node (issue 33): the NodeBatch message, the agent's runs,
+and the controller taking a node's batch as its ranks' messages."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from falconext.config import FalconConfig
+from falconext.control.agent import NodeAgent, combined, runs
+from falconext.control.bus import Bus
+from falconext.control.client import CTL_STREAM, node_stream
+from falconext.control.controller import Controller
+from falconext.protocol.base import MessageError
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode, pack_batch
+from falconext.protocol.messages import (
+    FailSlowReport,
+    NodeBatch,
+    ProfileData,
+    RankEvent,
+    SessionAck,
+    ValidationResult,
+    batch_columns,
+)
+
+
+def ack(rank: int, status: str = "held", session: int = 7) -> SessionAck:
+    """An ack with every field away from its default (a lost column would show)."""
+    return SessionAck(rank, session, status, 120, 1795000000.25 + rank, pause_s=0.5, expired=True, committed=True)
+
+
+def profile(rank: int, session: int = 7) -> ProfileData:
+    return ProfileData(rank, session, {"dp0": "dp", f"pp{rank}": "pp"}, {f"pp{rank}": [rank, rank + 64]},
+                       {"dp0": [[0, 10.0 + rank / 1000, 10.5, 5e7], [1, 11.0, 11.5, 5e7]]},
+                       spans={"dp0": [0, 1, 64]}, fabric="nvlink", nccl_algo="Ring")
+
+
+KINDS = {
+    "SessionAck": lambda r: ack(r),
+    "FailSlowReport": lambda r: FailSlowReport(r, 40, 54, 2.0, 0.3, 1.5 + r, event_id=3, end=None if r % 2 else 60),
+    "ValidationResult": lambda r: ValidationResult(r, 7, 4e14 if r % 2 else None, [[r - 1, r, 0.001]] if r else [],
+                                                   error="" if r else "no GPU"),
+    "ProfileData": profile,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_node_s_messages_of_one_kind_travel_in_one_batch_and_come_out_whole(kind):
+    msgs = [KINDS[kind](r) for r in (8, 9, 10, 11, 12, 13, 14, 15)]
+    (batch,) = pack_batch(1, msgs)
+    got = decode(encode(batch))
+    assert isinstance(got, NodeBatch) and got.node == 1 and got.kind == kind
+    assert got.messages() == msgs
+    assert [type(v) for v in vars(got.messages()[0]).values()] == [type(v) for v in vars(msgs[0]).values()]
+
+
+def test_a_batch_is_split_to_fit_the_cap_in_order():
+    msgs = [profile(r) for r in range(64)]
+    out = pack_batch(0, msgs, max_bytes=4000)
+    assert len(out) > 1 and all(len(encode(b).encode()) <= 4000 for b in out)
+    assert [m for b in out for m in decode(encode(b)).messages()] == msgs
+    assert all(len(encode(b).encode()) <= MAX_MESSAGE_BYTES for b in pack_batch(0, [profile(r) for r in range(500)]))
+
+
+def test_packing_refuses_mixed_kinds_a_repeated_rank_and_other_messages():
+    with pytest.raises(MessageError, match="one kind"):
+        pack_batch(0, [ack(1), profile(2)])
+    with pytest.raises(MessageError, match="one kind"):
+        pack_batch(0, [RankEvent(1, "x", 1.0, {}), RankEvent(2, "x", 1.0, {})])
+    with pytest.raises(MessageError, match="distinct"):
+        pack_batch(0, [ack(1), ack(1, "resumed")])
+
+
+def _body(of: str = "SessionAck", **changes) -> str:
+    obj = json.loads(encode(pack_batch(2, [KINDS[of](r) for r in (16, 17)])[0]))
+    obj["body"].update(changes)
+    return json.dumps(obj)
+
+
+ACK_ROW = [getattr(ack(16), c) for c in batch_columns("SessionAck")]
+PROFILE_ROW = json.loads(_body("ProfileData"))["body"]["rows"][0]
+
+
+def _row(base: list, i: int, value) -> list:
+    row = list(base)
+    row[i] = value
+    return row
+
+
+@pytest.mark.parametrize("data, word", [
+    (_body(kind="Heartbeat"), "NodeBatch.kind: 'Heartbeat' is not one of"),
+    (_body(kind="NodeBatch"), "NodeBatch.kind"),
+    (_body(columns=list(batch_columns("SessionAck"))[::-1]), "NodeBatch.columns: expected the fields of SessionAck"),
+    (_body(rows=[]), "NodeBatch.rows: empty"),
+    (_body(rows=[ACK_ROW[:-1]]), f"rows[0]: expected {len(ACK_ROW)} values"),
+    (_body(rows=[ACK_ROW, ACK_ROW]), "ranks must be distinct"),
+    (_body(rows=[_row(ACK_ROW, 0, -3)]), "ranks must be distinct and >= 0"),
+    (_body(rows=[_row(ACK_ROW, 1, True)]), "NodeBatch(SessionAck).rows[0].session: expected an integer"),
+    (_body(rows=[_row(ACK_ROW, 2, 5)]), "NodeBatch(SessionAck).rows[0].status: expected a string"),
+    (_body(rows=[ACK_ROW, _row(_row(ACK_ROW, 0, 17), 4, "NaN")]), "rows[1].time: expected a finite number"),
+    (_body(rows=[_row(ACK_ROW, 6, 1)]), "rows[0].expired: expected true or false"),
+    (_body(rows="x"), "NodeBatch.rows: expected a list of lists"),
+    (_body(node=-1), "NodeBatch.node"),
+    (_body(node="1"), "node must be an integer"),
+    (_body(extra=1), "expected exactly node, kind, columns and rows"),
+    (_body("ProfileData", rows=[_row(PROFILE_ROW, 4, {"dp0": [[0, 11.0, 10.0, 5e7]]})]), "ProfileData.calls[dp0][0]"),
+    (_body("ProfileData", rows=[_row(PROFILE_ROW, 4, {"dp0": [[0, "t", 10.0, 5e7]]})]),
+     "NodeBatch(ProfileData).rows[0].calls.dp0[0]"),
+    (_body("ProfileData", rows=[_row(PROFILE_ROW, 3, {"pp16": [1, "2"]})]), "rows[0].members.pp16[1]"),
+    (_body("ValidationResult", rows=[[16, 7, None, [[1, 2]], ""]]), "ValidationResult.links[0]"),
+])
+def test_a_malformed_batch_is_refused_by_name(data, word):
+    with pytest.raises(MessageError, match=word.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        decode(data)
+
+
+def test_runs_keep_the_order_and_each_rank_once():
+    a0, a1, a1r, p2 = ack(0), ack(1), ack(1, "resumed"), profile(2)
+    ev = RankEvent(3, "x", 1.0, {})
+    assert runs([a0, a1, a1r, p2, ev, ack(4), ack(5)]) == [[a0, a1], [a1r], [p2], [ev], [ack(4), ack(5)]]
+    assert runs([ev, RankEvent(4, "y", 1.0, {})]) == [[ev], [RankEvent(4, "y", 1.0, {})]]  # never batched
+    assert runs([]) == []
+    out = combined(0, [a0, a1, a1r, ev])
+    assert [type(m).__name__ for m in out] == ["NodeBatch", "SessionAck", "RankEvent"]  # a lone one goes as it is
+
+
+def test_the_agent_forwards_what_its_ranks_sent_together_as_one_batch(redis_server):
+    rank_bus, agent_bus, ctl_bus = (Bus(redis_server.url, "batch") for _ in range(3))
+    agent = NodeAgent(agent_bus, node=1, health=lambda: [], ranks={8, 9, 10, 11})
+    acks = [ack(r) for r in (8, 9, 10, 11)]
+    for m in acks:
+        rank_bus.post(node_stream(1), m)
+    rank_bus.post(node_stream(1), ack(3))  # another node's rank: refused, not batched
+    deadline = time.monotonic() + 5
+    while agent.forwarded < 4 and time.monotonic() < deadline:
+        agent.step(block_ms=100)
+    got = [m for _, m in ctl_bus.read([CTL_STREAM])]
+    assert len(got) == 1 and isinstance(got[0], NodeBatch) and got[0].messages() == acks
+    assert agent.forwarded == 4 and agent.refused == 1
+
+
+def test_the_controller_takes_a_node_s_batch_as_its_ranks_messages():
+    """Profiles in batches reach the same plan as one by one; acks in batches hold the job."""
+    world = 8
+    by_one, by_node = Controller(FalconConfig(), world=world), Controller(FalconConfig(), world=world)
+    for ctl in (by_one, by_node):
+        ctl.handle(FailSlowReport(1, 40, 54, 2.0, 0.3, 1.0), 1.0)
+        assert ctl.state.value == "profiling"
+    session = by_one.session
+    profiles = [ProfileData(r, session, {"dp0": "dp"}, {}, {"dp0": [[k, 10.0 * k + (0.2 if r == 1 else 0.0),
+                                                                      10.0 * k + 0.4, 5e7] for k in range(4)]},
+                            spans={"dp0": [0, 1, world]}) for r in range(world)]
+    outs_one = [o for p in profiles for o in by_one.handle(p, 2.0)]
+    outs_node = [o for node in (0, 1) for b in pack_batch(node, profiles[node * 4:node * 4 + 4])
+                 for o in by_node.handle(decode(encode(b)), 2.0)]
+    assert by_node.state.value == by_one.state.value == "validating"
+    assert by_node.localizer.findings == by_one.localizer.findings and by_node.localizer.findings.compute_suspects == [1]
+    assert [o.kind for o in outs_node] == [o.kind for o in outs_one]
