@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 from falconext.config import runtime_settable, FalconConfig
 from falconext.control import mitigation_driver as driver
@@ -53,10 +53,15 @@ class Controller:
     :class:`Output` list the I/O loop must carry out. It does no I/O and holds no clock
     of its own (``now`` is passed in), so every decision is testable on plain data."""
 
-    def __init__(self, config: FalconConfig, world: int | None = None, first_session: int = 0) -> None:
+    def __init__(self, config: FalconConfig, world: int | None = None, first_session: int = 0,
+                 clock: Callable[[], float] | None = None) -> None:
         """``first_session``: sessions are numbered from it (a restarted controller starts
-        elsewhere than its predecessor, so no rank can take its commands for the old ones)."""
+        elsewhere than its predecessor, so no rank can take its commands for the old ones).
+        ``clock``: the time now (the service's wall clock), read again after work that may
+        take long (analysing a large job's profiles) so that a suspension is placed and
+        given its deadline from when it is posted; None: the ``now`` handed in stands."""
         self.cfg = config
+        self.clock = clock
         self.state = State.TRACKING
         self.episode: Episode | None = None
         self.job = JobView(world, config.heartbeat_history)
@@ -281,6 +286,8 @@ class Controller:
                                              links_only=ep is not None and ep.trigger == "baseline")
         if why is not None:
             return self._abort(now, why)
+        if self.clock is not None:  # the analysis of 100k profiles takes seconds: place from after it
+            now = max(now, self.clock())
         return [event("profiled", session=self.session, **self.localizer.profiled())] + self._suspend(now)
 
     def _suspend(self, now: float, state: State = State.VALIDATING) -> list[Output]:

@@ -122,7 +122,7 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             metrics = None
     bus = open_bus(url, job, on_state=on_state)
     # sessions of a restarted controller must not be taken for its predecessor's
-    ctl = Controller(cfg, world, first_session=10_000 * (1 + int(time.time()) % 100_000))
+    ctl = Controller(cfg, world, first_session=10_000 * (1 + int(time.time()) % 100_000), clock=time.time)
     ctl.plane_host = plane_host
     step = guarded(emit)
     emit("controller_started", pid=os.getpid(), world=world,

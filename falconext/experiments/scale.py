@@ -353,13 +353,14 @@ class PremadeProfiles:
 
 def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float, allreduce_s: float,
               t_report: float, rng: np.random.Generator, gave_up: Callable[[], str | None],
-              premade: PremadeProfiles | None = None) -> Row:
+              premade: PremadeProfiles | None = None, started: float | None = None) -> Row:
     """Answer the controller as the ranks would, from the reports to the verdict; the
-    times are seconds after the reports were posted. ``iteration`` starts now.
-    ``gave_up()`` says why the controller abandoned the localization (None: it did not);
-    ``premade``: the profiles, made before the report (None: made when asked)."""
+    times are seconds after the reports were posted. ``iteration`` started at ``started``
+    (monotonic; None: now), as the heartbeats said. ``gave_up()`` says why the controller
+    abandoned the localization (None: it did not); ``premade``: the profiles, made before
+    the report (None: made when asked)."""
     ranks = layout.dp * layout.pp
-    clock0 = time.monotonic()
+    clock0 = time.monotonic() if started is None else started
     deadline = clock0 + VERDICT_TIMEOUT_S
     session, suspend_at, held = -1, 0, 0.0
     plan: dict[str, Any] = {}
@@ -482,6 +483,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
             sim.post(heartbeats(layout, iteration, slow_s, healthy_s, time.time()))
             iteration += 1
             time.sleep(max(0.0, cfg.heartbeat_s - (time.monotonic() - t_round)))
+        started = time.monotonic()  # ``iteration`` begins (the ranks' clock from here on)
         row["controller_cpu_share"] = round((_cpu_s(proc.pid) - cpu0) / (time.monotonic() - wall0), 3)
         row["steady_backlog_node_msgs"] = sim.backlog()
         sim.busy_s = 0.0
@@ -498,7 +500,8 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
             failed = [e for e in _events(events_path) if e["type"] == "localization_failed"]
             return str(failed[0].get("reason")) if failed else None
 
-        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up, premade))
+        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up, premade,
+                              started))
         row["ranks_side_busy_s"] = round(sim.busy_s, 3)
         # 3. throughput: a burst of heartbeats, then an operator's validate command; the
         # controller's profile command says it has handled the whole burst
