@@ -17,6 +17,7 @@ from falconext.protocol.base import MessageError
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode, pack_batch
 from falconext.protocol.messages import (
     FailSlowReport,
+    Heartbeat,
     NodeBatch,
     ProfileData,
     RankEvent,
@@ -159,3 +160,26 @@ def test_the_controller_takes_a_node_s_batch_as_its_ranks_messages():
     assert by_node.state.value == by_one.state.value == "validating"
     assert by_node.localizer.findings == by_one.localizer.findings and by_node.localizer.findings.compute_suspects == [1]
     assert [o.kind for o in outs_node] == [o.kind for o in outs_one]
+
+
+def test_a_suspension_is_placed_from_the_clock_after_a_long_analysis():
+    """The analysis of a large job's profiles takes seconds: the suspension's iteration and
+    deadline count from when it is posted (the controller's clock), not from when the last
+    profile came."""
+    world, late = 4, 30.0
+
+    def localize(clock):
+        ctl = Controller(FalconConfig(), world=world, clock=clock)
+        for r in range(world):
+            ctl.handle(Heartbeat(r, 0, 100, 0.5, 1.0), 1.0)
+        ctl.handle(FailSlowReport(1, 90, 100, 2.0, 0.3, 1.0), 1.0)
+        for r in range(world):
+            ctl.handle(ProfileData(r, ctl.session, {"dp0": "dp"}, {}, {"dp0": [[k, 10.0 * k + (0.2 if r == 1 else 0.0),
+                                                                                 10.0 * k + 0.4, 5e7] for k in range(4)]},
+                                   spans={"dp0": [0, 1, world]}), 1.0)
+        assert ctl.state.value == "validating"
+        return ctl.suspension
+
+    fixed, clocked = localize(None), localize(lambda: 1.0 + late)
+    assert clocked.deadline - fixed.deadline == pytest.approx(late, abs=0.5 * 3)
+    assert clocked.iteration - fixed.iteration == pytest.approx(late / 0.5, abs=2)  # 60 iterations further on
