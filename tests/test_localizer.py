@@ -46,8 +46,10 @@ def test_the_profiles_name_the_late_rank_and_the_plan_validates_it():
     assert loc.plan["scope"] == "suspects" and loc.plan_ranks == [0, 1, 2, 3]
     validation, shares = loc.split()
     assert validation.gemm_rounds >= 1 and {r for sh in shares for r in range(sh.first, sh.last + 1)} == set(NODES)
-    fields = loc.profiled()
-    assert fields["ranks"] == [0, 1, 2, 3] and fields["compute_suspects"] == [1]
+    fields = loc.profiled(listed=4)
+    assert fields["ranks"] == [0, 1, 2, 3] and fields["profiles"] == 4 and fields["compute_suspects"] == [1]
+    assert "ranks" not in loc.profiled(listed=3) and loc.profiled(listed=3)["profiles"] == 4  # a large job: the count
+    assert set(fields["last_share"]) == {"1"}  # only the ranks ever last: the others' shares are 0
     # the baseline session measures links only
     links_only = Localizer()
     links_only.profiles = dict(loc.profiles)

@@ -100,3 +100,23 @@ def test_a_profile_names_only_the_groups_called_in_its_window():
     assert set(snap["calls"]) == {"dp:0,3"}
     # a long window still sees the old groups, P2P ones included
     assert set(recent.snapshot(60.0)["members"]) == {"dp:0,1", "pp:0,2", "dp:0,3"}
+
+
+def test_the_transfer_median_is_the_median_of_the_splits_transfers():
+    import random
+    from statistics import median as med
+    from falconext.profile.analysis import transfer_median
+    rng = random.Random(3)
+    for n in (1, 2, 5, 64):
+        inst = {r: (t0 := rng.uniform(0, 1), t0 + rng.uniform(0, 0.5), 4096) for r in range(n)}
+        want = med(s.transfer_s for s in split_wait_transfer({r: v[:2] for r, v in inst.items()}).values())
+        assert transfer_median(inst) == pytest.approx(want)
+    with pytest.raises(ValueError, match="rank 1: t_end"):
+        transfer_median({0: (1.0, 2.0), 1: (3.0, 2.5)})
+
+
+def test_the_last_arriver_of_equal_arrivals_is_the_one_a_stable_sort_puts_last():
+    from falconext.profile.analysis import last_and_second
+    for inst in ({0: 1.0, 1: 3.0, 2: 2.0}, {0: 3.0, 1: 3.0, 2: 1.0}, {5: 2.0, 4: 2.0, 3: 2.0}, {0: 1.0, 1: 0.5}):
+        ordered = sorted(inst.items(), key=lambda kv: kv[1])
+        assert last_and_second(inst) == (ordered[-1][0], ordered[-1][1], ordered[-2][1])

@@ -288,7 +288,8 @@ class Controller:
             return self._abort(now, why)
         if self.clock is not None:  # the analysis of 100k profiles takes seconds: place from after it
             now = max(now, self.clock())
-        return [event("profiled", session=self.session, **self.localizer.profiled())] + self._suspend(now)
+        profiled = event("profiled", session=self.session, **self.localizer.profiled(self.cfg.listed_ranks))
+        return [profiled] + self._suspend(now)
 
     def _suspend(self, now: float, state: State = State.VALIDATING) -> list[Output]:
         """Pick an iteration every rank has yet to start, and tell everyone to stop there."""

@@ -98,10 +98,12 @@ class Localizer:
             self.plan["gemm"] = []
         return None
 
-    def profiled(self) -> dict[str, Any]:
-        """The ``profiled`` event's fields: the ranks that sent profiles and the findings."""
+    def profiled(self, listed: int) -> dict[str, Any]:
+        """The ``profiled`` event's fields: how many ranks sent profiles (and which, up to
+        ``listed`` of them: a large job's event stays small) and the findings."""
         assert self.findings is not None
-        return {"ranks": sorted(self.profiles), **self.findings.evidence()}
+        ranks = {"ranks": sorted(self.profiles)} if len(self.profiles) <= listed else {}
+        return {"profiles": len(self.profiles), **ranks, **self.findings.evidence()}
 
     def tree_inputs(self) -> dict[str, Any]:
         """The fabric and ``NCCL_ALGO`` the ranks reported with their profiles, for the

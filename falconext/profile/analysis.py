@@ -10,6 +10,8 @@ suspect. Pure functions over plain timings; the profiler that collects them is I
 
 from __future__ import annotations
 
+import collections
+import math
 from dataclasses import dataclass
 from statistics import median
 from typing import Mapping, Sequence
@@ -52,17 +54,43 @@ class ArrivalStats:
         return self.last / self.instances if self.instances else 0.0
 
 
+def transfer_median(instance: Mapping[int, Sequence[float]]) -> float:
+    """The median over members of one collective's transfer time (:func:`split_wait_transfer`'s
+    ``transfer_s``), from {rank: (t_issue, t_end, ...)}, without a Split per member (a group
+    of 32,768 members is common). Raises ValueError for no members or an end before its issue."""
+    if not instance:
+        raise ValueError("no members")
+    last = -math.inf
+    for rank, row in instance.items():
+        if not row[1] >= row[0]:
+            raise ValueError(f"rank {rank}: t_end {row[1]} precedes t_issue {row[0]}")
+        if row[0] > last:
+            last = row[0]
+    return median([row[1] - last if row[1] > last else 0.0 for row in instance.values()])
+
+
+def last_and_second(inst: Mapping[int, float]) -> tuple[int, float, float]:
+    """(the rank that arrived last, its arrival, the second-last arrival) of one collective of
+    at least two members, in one pass; of equal arrivals the one listed later is last (as a
+    stable sort of the arrivals puts it)."""
+    rank, t_last, t_second = -1, -math.inf, -math.inf
+    for r, t in inst.items():
+        if t >= t_last:
+            rank, t_last, t_second = r, t, t_last
+        elif t > t_second:
+            t_second = t
+    return rank, t_last, t_second
+
+
 def last_arrivers(instances: Sequence[Mapping[int, float]]) -> dict[int, ArrivalStats]:
     """Who arrives last, over many collectives, each {rank: t_issue} of its members."""
-    counts: dict[int, int] = {}
+    counts: collections.Counter[int] = collections.Counter()
     lasts: dict[int, list[float]] = {}
     for inst in instances:
         if len(inst) < 2:
             continue
-        ordered = sorted(inst.items(), key=lambda kv: kv[1])
-        (rank, t_last), t_second = ordered[-1], ordered[-2][1]
-        for r in inst:
-            counts[r] = counts.get(r, 0) + 1
+        rank, t_last, t_second = last_and_second(inst)
+        counts.update(inst.keys())
         lasts.setdefault(rank, []).append(t_last - t_second)
     return {
         r: ArrivalStats(n, len(lasts.get(r, [])), median(lasts[r]) if r in lasts else 0.0, sum(lasts.get(r, [])))

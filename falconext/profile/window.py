@@ -21,7 +21,7 @@ from falconext.profile.analysis import (
     ArrivalStats,
     GroupTiming,
     last_arrivers,
-    split_wait_transfer,
+    transfer_median,
     suspicious_groups,
     wait_causers,
 )
@@ -108,13 +108,16 @@ class Findings:
     instances: int = 0
 
     def evidence(self) -> dict[str, Any]:
-        """The findings as JSON-able values for the event log (shares and times rounded)."""
+        """The findings as JSON-able values for the event log (shares and times rounded):
+        the arrival shares and imposed waits of the ranks that arrived last at least once
+        (at most one per collective; every other rank's are 0)."""
+        last = sorted((r, s) for r, s in self.arrivals.items() if s.last)
         return {
             "compute_suspects": self.compute_suspects,
             "suspicious_groups": self.suspicious_groups,
             "instances": self.instances,
-            "last_share": {str(r): round(s.last_share, 3) for r, s in sorted(self.arrivals.items())},
-            "caused_wait_s": {str(r): round(s.caused_s, 4) for r, s in sorted(self.arrivals.items())},
+            "last_share": {str(r): round(s.last_share, 3) for r, s in last},
+            "caused_wait_s": {str(r): round(s.caused_s, 4) for r, s in last},
             "transfer_ms": {
                 f"{t.group}@{t.bytes}": round(t.transfer_s * 1e3, 3) for t in sorted(self.timings, key=lambda t: t.group)
             },
@@ -162,9 +165,8 @@ def analyze_window(
         if len(inst) < 2:
             continue
         arrivals_in.append({r: v[0] for r, v in inst.items()})
-        split = split_wait_transfer({r: (v[0], v[1]) for r, v in inst.items()})
         nbytes = max(v[2] for v in inst.values())
-        transfers.setdefault((gid, nbytes), []).append(median(s.transfer_s for s in split.values()))
+        transfers.setdefault((gid, nbytes), []).append(transfer_median(inst))
     timings = [
         GroupTiming(gid, groups[gid][0] or None, len(groups[gid][1]), nbytes, median(ts))
         for (gid, nbytes), ts in sorted(transfers.items())

@@ -230,11 +230,7 @@ def _build_batch(body: dict[str, Any]) -> NodeBatch:
     cols = []
     for j, name in enumerate(outer.columns):
         col, hint = [row[j] for row in rows], hints[name]
-        fast: list[Any] | None = None
-        if hint is int or hint is str or hint is bool:
-            fast = col if all(type(v) is hint for v in col) else None
-        elif hint is float:
-            fast = _finite_floats(col)
+        fast = _column(col, hint)
         cols.append(fast if fast is not None else
                     [_check(v, hint, f"NodeBatch({outer.kind}).rows[{i}].{name}") for i, v in enumerate(col)])
     batch = NodeBatch(outer.node, outer.kind, outer.columns, [list(r) for r in zip(*cols)])
@@ -242,6 +238,35 @@ def _build_batch(body: dict[str, Any]) -> NodeBatch:
     # for NodeBatch.messages (not a field: never encoded, never compared)
     object.__setattr__(batch, "_made", batch.messages())
     return batch
+
+
+def _column(col: list[Any], hint: Any) -> list[Any] | None:
+    """A batch's column of values, each checked against ``hint`` as :func:`_check` would
+    (numbers made floats where the field is a float), without a call or a path string per
+    value; None when in doubt or for a hint it has no fast way for (the caller then takes
+    the way that names the bad value)."""
+    if hint is int or hint is str or hint is bool:
+        return col if all(type(v) is hint for v in col) else None
+    if hint is float:
+        return _finite_floats(col)
+    origin, args = _hint(hint)
+    if origin in (Union, types.UnionType) and len(args) == 2 and type(None) in args:  # X | None
+        present = _column([v for v in col if v is not None], args[0] if args[1] is type(None) else args[1])
+        if present is None:
+            return None
+        it = iter(present)
+        return [None if v is None else next(it) for v in col]
+    if origin is dict:  # the profiles' groups: string keys (JSON's), values of a fast kind
+        item = _fast_check(args[1])
+        if item is None or not all(type(d) is dict for d in col):
+            return None
+        out = [{k: item(v) for k, v in d.items()} for d in col]
+        return None if any(None in d.values() for d in out) else out
+    fast = _fast_check(hint)
+    if fast is None:
+        return None
+    out = [fast(v) for v in col]
+    return None if any(v is None for v in out) else out
 
 
 def _build(cls: type, body: dict[str, Any], where: str) -> Any:

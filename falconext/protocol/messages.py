@@ -272,18 +272,21 @@ class NodeHeartbeats:
         cols = _heartbeat_columns(tuple(self.columns))
         ints = [i for i, (_, is_int) in enumerate(cols) if is_int]
         rank_at = self.columns.index("rank")
-        seen: set[float] = set()
         for i, row in enumerate(self.rows):
             if len(row) != len(cols):
                 raise MessageError(f"NodeHeartbeats.rows[{i}]: expected {len(cols)} values, got {len(row)}")
-            for j in ints:
-                v = row[j]
-                if not (float(v).is_integer() and -_MAX_EXACT <= v <= _MAX_EXACT):
-                    raise MessageError(f"NodeHeartbeats.rows[{i}].{cols[j][0]}: expected a whole number, got {v!r}")
-            rank = row[rank_at]
-            if rank < 0 or rank in seen:
-                raise MessageError(f"NodeHeartbeats.rows[{i}].rank: {rank!r} is negative or repeated")
-            seen.add(rank)
+        for j in ints:  # a column at a time: the controller checks thousands of rows a second
+            col = [float(row[j]) for row in self.rows]
+            if not (all(v.is_integer() for v in col) and -_MAX_EXACT <= min(col, default=0.0)
+                    and max(col, default=0.0) <= _MAX_EXACT):
+                i, v = next((i, row[j]) for i, row in enumerate(self.rows)
+                            if not (float(row[j]).is_integer() and -_MAX_EXACT <= row[j] <= _MAX_EXACT))
+                raise MessageError(f"NodeHeartbeats.rows[{i}].{cols[j][0]}: expected a whole number, got {v!r}")
+        ranks = [row[rank_at] for row in self.rows]
+        if min(ranks, default=0) < 0 or len(set(ranks)) != len(ranks):
+            seen: set[float] = set()
+            i, rank = next((i, r) for i, r in enumerate(ranks) if r < 0 or r in seen or seen.add(r))
+            raise MessageError(f"NodeHeartbeats.rows[{i}].rank: {rank!r} is negative or repeated")
 
     def beats(self) -> list[Heartbeat]:
         """The rows as Heartbeats of this node (the message passed :meth:`check`)."""
