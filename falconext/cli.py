@@ -30,6 +30,7 @@ from falconext.protocol.commands import (
     MuteRequest,
     OperatorCommand,
     SetRequest,
+    TableRequest,
     UnmuteRequest,
     ValidateRequest,
 )
@@ -135,6 +136,9 @@ def _add_ctl_parser(sub) -> None:
     cs = p.add_subparsers(dest="ctl_command", required=True, parser_class=_Parser)
     q = cs.add_parser("status", help="job shape, per-rank times and scores, controller state, plan, planner")
     q.add_argument("--json", action="store_true", help="the controller's snapshot as JSON")
+    q.add_argument("--all", action="store_true",
+                   help="every rank's row as CSV (a large job's status lists only the slowest listed_ranks); "
+                        "the controller writes it to ranks.csv in the run directory")
     q = cs.add_parser("events", help="the run's events (human-readable; --json: one JSON object a line)")
     q.add_argument("--follow", action="store_true", help="keep printing new events until the job ends")
     q.add_argument("--json", action="store_true")
@@ -431,6 +435,14 @@ def _cmd_ctl(args: argparse.Namespace) -> int:
         request = {"validate": ValidateRequest(), "mute": MuteRequest(), "unmute": UnmuteRequest()}.get(cmd)
     session = ctl.Session(run)
     try:
+        if cmd == "status" and args.all:
+            try:
+                session.send(TableRequest())
+            except ctl.Refused as exc:
+                print(f"falconext ctl status --all: {exc}", file=sys.stderr)
+                return 1
+            print(ctl.read_table(run), end="", flush=True)
+            return 0
         if cmd == "status":
             snap = session.status()
             if args.json:

@@ -9,6 +9,7 @@ wrong shape; each is one line on stderr and a non-zero status, and changes nothi
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import json
 import os
@@ -142,6 +143,31 @@ def test_status_describes_the_job_in_process_and_in_its_own(job):
     assert snap["ranks"]["3"]["iter_s"] == ITER_S[3] and snap["ranks"]["3"]["est_iter_s"] == EST_S[3]
     assert snap["ranks"]["3"]["score"] is not None and snap["ranks"]["0"]["age_s"] < 1.0
     assert 0 <= job["it"][0] - snap["ranks"]["0"]["iteration"] <= 25  # published every second, 10 beats a second
+
+
+def test_status_all_gives_every_rank_s_row_a_large_job_s_status_leaves_out(job):
+    """With listed_ranks 2 the status lists the 2 slowest of 4; ``status --all`` asks the
+    controller for every rank's row, which it writes to ranks.csv in the run directory."""
+    assert ctl(job["run"], "set", "listed_ranks", "2").returncode == 0
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            snap = json.loads(ctl(job["run"], "status", "--json").stdout)
+            if len(snap["ranks"]) == 2:
+                break
+            time.sleep(0.2)
+        assert len(snap["ranks"]) == 2 and snap["summary"]["ranks"] == 4
+        proc = ctl(job["run"], "status", "--all")
+        assert proc.returncode == 0, proc.stderr
+        rows = list(csv.DictReader(io.StringIO(proc.stdout)))
+        assert [int(r["rank"]) for r in rows] == [0, 1, 2, 3]
+        assert [float(r["iter_s"]) for r in rows] == [ITER_S[r] for r in range(4)]
+        assert [int(r["node"]) for r in rows] == [0, 0, 1, 1]
+        assert all(r["score"] != "" for r in rows)  # scored against their peers, as the status does
+        assert proc.stdout == (job["run"] / "ranks.csv").read_text()
+        assert [e["command"] for e in read_events(job["run"], "operator_command")][-1] == "table"
+    finally:
+        assert ctl(job["run"], "set", "listed_ranks", "1024").returncode == 0
 
 
 def test_metrics_scrape_parses_and_matches_the_heartbeats(job):

@@ -183,3 +183,29 @@ def test_a_suspension_is_placed_from_the_clock_after_a_long_analysis():
     fixed, clocked = localize(None), localize(lambda: 1.0 + late)
     assert clocked.deadline - fixed.deadline == pytest.approx(late, abs=0.5 * 3)
     assert clocked.iteration - fixed.iteration == pytest.approx(late / 0.5, abs=2)  # 60 iterations further on
+
+
+def test_the_go_gives_the_ranks_their_validation_time_whenever_the_last_ack_came():
+    """At 65,536 ranks the last held ack came after the deadline placed for it (the acks
+    take seconds to arrive and be read); the verdict must then wait for the results the
+    "go" asks for, not be due at once."""
+    world, cfg = 4, FalconConfig()
+    ctl = Controller(cfg, world=world)
+    for r in range(world):
+        ctl.handle(Heartbeat(r, 0, 100, 0.5, 1.0), 1.0)
+    ctl.handle(FailSlowReport(1, 90, 100, 2.0, 0.3, 1.0), 1.0)
+    for r in range(world):
+        ctl.handle(ProfileData(r, ctl.session, {"dp0": "dp"}, {}, {"dp0": [[k, 10.0 * k + (0.2 if r == 1 else 0.0),
+                                                                             10.0 * k + 0.4, 5e7] for k in range(4)]},
+                               spans={"dp0": [0, 1, world]}), 1.0)
+    placed = ctl.suspension.deadline
+    late = placed + 1.0  # every held ack handled after the placement's deadline
+    outs = [o for r in range(world) for o in ctl.handle(ack_held(r, ctl), late)]
+    assert any(o.kind == "command" and o.message.KIND == "go" for o in outs)
+    assert ctl.suspension.deadline >= late + cfg.suspend_deadline_s + cfg.control_slack_s
+    assert not [o for o in ctl.tick(late + 0.5) if o.kind == "event" and o.event["type"] == "validation_incomplete"]
+    assert ctl.state.value == "validating"
+
+
+def ack_held(rank: int, ctl: Controller) -> SessionAck:
+    return SessionAck(rank, ctl.session, "held", ctl.suspension.iteration, 2.0)

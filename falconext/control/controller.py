@@ -30,11 +30,11 @@ from falconext.control.episodes import Episode, State, dropped, ends, expire, is
 from falconext.control.heartbeats import JobView
 from falconext.control.localizer import Localizer, for_bus
 from falconext.protocol.actions import MitigationAction
-from falconext.protocol.commands import OPERATOR_COMMANDS, MitigateRequest, OperatorCommand
+from falconext.protocol.commands import OPERATOR_COMMANDS, MitigateRequest, OperatorCommand, TableRequest
 from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, NodeBatch, NodeHealth, NodeHeartbeats, ProfileData, SessionAck, StatusSnapshot, ValidationResult
 from falconext.control.operator import OperatorDesk
 from falconext.control.outputs import Output, event
-from falconext.control.snapshot import snapshot
+from falconext.control.snapshot import TABLE_FILE, rank_table, snapshot
 from falconext.control.stragglers import StragglerWatch
 from falconext.control.suspension import SuspensionCoordinator, verdict_wait_s
 from falconext.mitigate.mitigation import Mitigation
@@ -311,7 +311,8 @@ class Controller:
     def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:
         res = self.suspension.ack(ack, now, suspended=self.state in (State.VALIDATING, State.MITIGATING),
                                   validating=self.state is State.VALIDATING, covers=self.job.covers,
-                                  tries=self.cfg.suspend_tries, deadline_s=self.cfg.suspend_deadline_s)
+                                  tries=self.cfg.suspend_tries, deadline_s=self.cfg.suspend_deadline_s,
+                                  slack_s=self.cfg.control_slack_s)
         if res.gave_up:
             return res.outputs + (self._mitigated(now, timed_out=True) if self.state is State.MITIGATING
                                   else self._abort(now, f"rank {ack.rank} kept missing the suspension"))
@@ -484,6 +485,10 @@ class Controller:
     def _operator(self, cmd: OperatorCommand, now: float) -> list[Output]:
         """One operator command, taken by the desk (OperatorDesk.take) and recorded by it
         (an ``operator_command`` event and, when it carries an ``id``, a CommandReply)."""
+        if isinstance(cmd, TableRequest):  # the whole table, which a large job's status leaves out
+            rows = rank_table(now, self.job.beats)
+            return self.desk.record(cmd, now, [Output("table", rows)],
+                                    f"every rank's row ({len(rows)} ranks) in {TABLE_FILE}, beside the events", self.session)
         t = self.desk.take(cmd, self.cfg, None if self.state is State.TRACKING else f"busy ({self.state.value})",
                            self.job.beats)
         self.cfg, out, text = t.cfg, t.outputs, t.text

@@ -26,6 +26,7 @@ import redis
 
 from falconext.control.shards import home
 from falconext.control.client import CONTROLLER_KEY, CTL_STREAM, STATUS_KEY, reply_key
+from falconext.control.snapshot import TABLE_FILE
 from falconext.protocol.base import MessageError
 from falconext.protocol.codec import MAX_STATUS_BYTES, decode, encode
 from falconext.protocol.commands import OperatorCommand
@@ -63,6 +64,17 @@ class Run:
     def events_path(self) -> str:
         """The run's event log (events.jsonl in its directory)."""
         return os.path.join(self.dir, "events.jsonl")
+
+
+def read_table(run: Run) -> str:
+    """The whole table the controller wrote on a ``table`` command (CSV text); CtlError
+    when it is not there or not readable."""
+    path = os.path.join(run.dir, TABLE_FILE)
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as exc:
+        raise CtlError(f"{path}: the controller's table cannot be read ({exc.strerror or exc})") from None
 
 
 def open_run(directory: str) -> Run:

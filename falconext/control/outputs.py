@@ -16,7 +16,9 @@ from falconext.protocol.commands import Command
 class Output:
     """Something the I/O loop must do: post a message, or write an event."""
 
-    kind: str  # "command" | "localized" | "event" | "reply" (a CommandReply for the operator)
+    #: "command" | "localized" | "event" | "reply" (a CommandReply for the operator) |
+    #: "table" (every rank's status row, a list of dicts, for the run's ranks.csv)
+    kind: str
     message: Any = None
     event: dict[str, Any] = field(default_factory=dict)
 

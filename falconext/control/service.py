@@ -9,12 +9,14 @@ where any user of the machine could read it. Both loops are thin: the logic is i
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args
@@ -31,6 +33,7 @@ from falconext.control.client import (
     reply_key,
 )
 from falconext.control.controller import Controller
+from falconext.control.snapshot import ROW_COLUMNS, TABLE_FILE
 from falconext.control.metrics import JobMetrics, MetricsServer
 from falconext.protocol.eventlog import EventLog
 from falconext.protocol.base import MessageError
@@ -184,6 +187,12 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             for out in outputs:
                 if out.kind == "reply":
                     continue  # after the snapshot below: a command reported done shows in the status
+                if out.kind == "table":  # an operator asked for every rank's row: written before the reply
+                    try:
+                        write_table(Path(events_path).parent / TABLE_FILE, out.message)
+                    except OSError as exc:
+                        emit("table_failed", error=str(exc))
+                    continue
                 if out.kind in ("command", "localized"):
                     stream = CMD_STREAM if out.kind == "command" else LOCALIZED_STREAM
                     try:
@@ -216,6 +225,17 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             server.close()
         bus.close()
         events.close()
+
+
+def write_table(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Every rank's status row (``rank`` then :data:`~falconext.control.snapshot.ROW_COLUMNS`)
+    to the CSV file ``path``, replaced whole (a reader never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=("rank",) + ROW_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
 
 
 def guarded(events):

@@ -25,25 +25,12 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     ``session`` and mute; the open episode and its planner (with the share of the
     slowdown the strategies removed); the config where it differs from the defaults."""
     beats = dict(sorted(beats.items()))
-    scored = {r: b for r, b in beats.items() if b.score_iteration >= 0}
-    scores = rank_scores({r: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for r, b in scored.items()},
-                         {r: role_key(b.stage, b.role, b.tp) for r, b in scored.items()}) if len(scored) >= 2 else {}
+    scores = _scores(beats)
     shown = beats
     if len(beats) > cfg.listed_ranks:  # the slowest: by score, then by iteration time
         slow = sorted(beats, key=lambda r: (-(scores[r].score if r in scores else -math.inf), -beats[r].iter_s, r))
         shown = {r: beats[r] for r in sorted(slow[:cfg.listed_ranks])}
-    ranks: dict[str, dict[str, Any]] = {}
-    for r, b in shown.items():
-        sc = scores.get(r)
-        ranks[str(r)] = {
-            "node": b.node, "iteration": b.iteration, "iter_s": round(b.iter_s, 6),
-            "est_iter_s": round(b.est_iter_s, 6), "score_iteration": b.score_iteration,
-            "score": None if sc is None else round(sc.score, 4),
-            "late_s": None if sc is None else round(sc.late_s, 6),
-            "compute_ratio": None if sc is None else round(sc.compute_ratio, 4),
-            "replica": b.replica, "micro": b.micro, "role": b.role, "stage": b.stage,
-            "age_s": round(max(0.0, now - b.time), 3),
-        }
+    ranks = {str(r): rank_row(b, scores.get(r), now) for r, b in shown.items()}
     view = replica_view(beats.values())
     any_beat = next(iter(beats.values()), None)
     tp = any_beat.tp if any_beat is not None else 0
@@ -58,7 +45,7 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     }
     ep_view = planner = None
     if episode is not None:
-        ep_view, planner = _episode_view(episode, beats)
+        ep_view, planner = _episode_view(episode, beats, cfg.listed_ranks)
     defaults = FalconConfig().to_dict()
     config = {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
     return StatusSnapshot(
@@ -66,6 +53,43 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
         ranks=ranks, plan=plan, episode=ep_view, planner=planner, config=config, last_event=last_event,
         summary=_summary(beats, scores, len(ranks)),
     )
+
+
+#: the file, beside the job's events.jsonl, the whole table goes to on an operator's request
+TABLE_FILE = "ranks.csv"
+#: the columns of a rank's row (the status snapshot's ``ranks``, and ranks.csv after the rank)
+ROW_COLUMNS = ("node", "iteration", "iter_s", "est_iter_s", "score_iteration", "score", "late_s", "compute_ratio",
+               "replica", "micro", "role", "stage", "age_s")
+
+
+def rank_row(b: Heartbeat, sc: Any, now: float) -> dict[str, Any]:
+    """One rank's row of the status (:data:`ROW_COLUMNS`): its latest heartbeat ``b`` and its
+    score ``sc`` (None: not scored) at ``now``."""
+    return {
+        "node": b.node, "iteration": b.iteration, "iter_s": round(b.iter_s, 6),
+        "est_iter_s": round(b.est_iter_s, 6), "score_iteration": b.score_iteration,
+        "score": None if sc is None else round(sc.score, 4),
+        "late_s": None if sc is None else round(sc.late_s, 6),
+        "compute_ratio": None if sc is None else round(sc.compute_ratio, 4),
+        "replica": b.replica, "micro": b.micro, "role": b.role, "stage": b.stage,
+        "age_s": round(max(0.0, now - b.time), 3),
+    }
+
+
+def rank_table(now: float, beats: Mapping[int, Heartbeat]) -> list[dict[str, Any]]:
+    """Every rank's row (:func:`rank_row`, led by its ``rank``), in rank order: the whole
+    table a large job's status leaves out."""
+    scores = _scores(beats)
+    return [{"rank": r, **rank_row(b, scores.get(r), now)} for r, b in sorted(beats.items())]
+
+
+def _scores(beats: Mapping[int, Heartbeat]) -> dict[int, Any]:
+    """Every scored rank's straggler score against its peers (none below two scored ranks)."""
+    scored = {r: b for r, b in beats.items() if b.score_iteration >= 0}
+    if len(scored) < 2:
+        return {}
+    return rank_scores({r: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for r, b in scored.items()},
+                       {r: role_key(b.stage, b.role, b.tp) for r, b in scored.items()})
 
 
 def _summary(beats: Mapping[int, Heartbeat], scores: Mapping[int, Any], listed: int) -> dict[str, Any] | None:
@@ -79,10 +103,13 @@ def _summary(beats: Mapping[int, Heartbeat], scores: Mapping[int, Any], listed: 
             "score_max": round(max(s.score for s in scores.values()), 4) if scores else None}
 
 
-def _episode_view(ep: Episode, beats: Mapping[int, Heartbeat]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The snapshot's episode and planner parts."""
-    episode = {"trigger": ep.trigger, "t_event": round(ep.t_event, 3), "reporters": sorted(ep.reporters),
-               "ended": sorted(ep.ended), "localized": ep.localized,
+def _episode_view(ep: Episode, beats: Mapping[int, Heartbeat],
+                  listed: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The snapshot's episode and planner parts (the ranks that reported it, and its end, up
+    to ``listed`` of each, with their counts: in a large job every rank reports)."""
+    episode = {"trigger": ep.trigger, "t_event": round(ep.t_event, 3),
+               "reporters": sorted(ep.reporters)[:listed], "reporters_count": len(ep.reporters),
+               "ended": sorted(ep.ended)[:listed], "ended_count": len(ep.ended), "localized": ep.localized,
                "onset": min(ep.onsets) if ep.onsets else None}
     mit = ep.mitigation
     if mit is None:

@@ -180,12 +180,16 @@ class SuspensionCoordinator:
         return post(Release(self.session))
 
     def ack(self, ack: SessionAck, now: float, *, suspended: bool, validating: bool,
-            covers: Callable[[Mapping[int, Any]], bool], tries: int, deadline_s: float) -> AckOutcome:
+            covers: Callable[[Mapping[int, Any]], bool], tries: int, deadline_s: float,
+            slack_s: float = 0.0) -> AckOutcome:
         """Take one ack of this session at ``now``. "missed" (a rank was past the iteration
         before the "go"): release the ranks, and a new session for a retry, unless
         ``tries`` suspensions were tried. "held" from every rank (``covers``) while
         ``suspended``: "go" (a validation's ranks then wait for the verdict if it holds
-        them). "resumed" from every rank: the ``resumed`` event with the pauses."""
+        them), and the session's deadline at least ``deadline_s`` + ``slack_s`` from now:
+        what the ranks are given after the "go" (at 65,536 ranks the last ack came after
+        the deadline placed for it, and the verdict was due before the "go" had gone).
+        "resumed" from every rank: the ``resumed`` event with the pauses."""
         if ack.status == "missed" and suspended and not self.go_sent:
             out = [self.release(), event("suspend_missed", session=self.session, rank=ack.rank,
                                          iteration=self.iteration, at=ack.iteration)]
@@ -201,6 +205,7 @@ class SuspensionCoordinator:
         if ack.status == "held" and not self.go_sent and covers(acks) and suspended:
             self.go_sent = True
             self.held_since = now
+            self.deadline = max(self.deadline, now + deadline_s + slack_s)
             if validating and self.wait_s > 0:
                 self.awaiting = self.session  # they validate, report, and wait for the verdict
             res.outputs.append(post(Go(self.session, deadline_s)))

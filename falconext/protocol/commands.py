@@ -222,16 +222,27 @@ class SetRequest:
     id: str | None = None
 
 
+@dataclass(frozen=True)
+class TableRequest:
+    """Every rank's row of the status (a large job's status lists only the slowest
+    ``listed_ranks``), written to ``ranks.csv`` beside the job's events."""
+
+    KIND: ClassVar[str] = "table"
+
+    id: str | None = None
+
+
 #: what the controller sends the ranks
 RankCommand = Union[ProfileRequest, Share, Suspend, Go, Release, Resume]
 #: what an operator sends the controller
-OperatorCommand = Union[ValidateRequest, MitigateRequest, MuteRequest, UnmuteRequest, SetRequest]
+OperatorCommand = Union[ValidateRequest, MitigateRequest, MuteRequest, UnmuteRequest, SetRequest, TableRequest]
 #: every command
 Command = Union[RankCommand, OperatorCommand]
 
 #: the classes of :data:`RankCommand` and :data:`OperatorCommand`, for ``isinstance``
 RANK_COMMANDS: tuple[type, ...] = (ProfileRequest, Share, Suspend, Go, Release, Resume)
-OPERATOR_COMMANDS: tuple[type, ...] = (ValidateRequest, MitigateRequest, MuteRequest, UnmuteRequest, SetRequest)
+OPERATOR_COMMANDS: tuple[type, ...] = (ValidateRequest, MitigateRequest, MuteRequest, UnmuteRequest, SetRequest,
+                                       TableRequest)
 #: every command class by its kind, as the wire names it
 COMMAND_KINDS: dict[str, type] = {cls.KIND: cls for cls in RANK_COMMANDS + OPERATOR_COMMANDS}  # type: ignore[attr-defined]
 
