@@ -18,6 +18,7 @@ from falconext.protocol.commands import (
     Release,
     Resume,
     SetRequest,
+    TableRequest,
     Share,
     Suspend,
     UnmuteRequest,
@@ -171,6 +172,7 @@ COMMANDS = [
     MuteRequest(id="c2"),
     UnmuteRequest(),
     SetRequest("suspicious_factor", 1.5, id="c3"),
+    TableRequest(id="c4"),
 ]
 
 

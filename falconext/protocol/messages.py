@@ -275,10 +275,10 @@ class NodeHeartbeats:
         for i, row in enumerate(self.rows):
             if len(row) != len(cols):
                 raise MessageError(f"NodeHeartbeats.rows[{i}]: expected {len(cols)} values, got {len(row)}")
-        for j in ints:  # a column at a time: the controller checks thousands of rows a second
-            col = [float(row[j]) for row in self.rows]
-            if not (all(v.is_integer() for v in col) and -_MAX_EXACT <= min(col, default=0.0)
-                    and max(col, default=0.0) <= _MAX_EXACT):
+        by_column = list(zip(*self.rows))  # a column at a time: the controller checks thousands of rows a second
+        for j in ints if by_column else ():
+            col = by_column[j]
+            if not (all(map(float.is_integer, map(float, col))) and -_MAX_EXACT <= min(col) and max(col) <= _MAX_EXACT):
                 i, v = next((i, row[j]) for i, row in enumerate(self.rows)
                             if not (float(row[j]).is_integer() and -_MAX_EXACT <= row[j] <= _MAX_EXACT))
                 raise MessageError(f"NodeHeartbeats.rows[{i}].{cols[j][0]}: expected a whole number, got {v!r}")
@@ -293,7 +293,7 @@ class NodeHeartbeats:
         names, ints, defaults = _heartbeat_plan(tuple(self.columns))
         out = []
         for row in self.rows:
-            vals = [self.node, *row]
+            vals = [self.node, *map(float, row)]  # a number sent as an integer is a float here
             for i in ints:
                 vals[i] = int(vals[i])
             # a frozen dataclass's __init__ sets its 22 fields one object.__setattr__ at a
