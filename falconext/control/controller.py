@@ -486,7 +486,7 @@ class Controller:
         """One operator command, taken by the desk (OperatorDesk.take) and recorded by it
         (an ``operator_command`` event and, when it carries an ``id``, a CommandReply)."""
         if isinstance(cmd, TableRequest):  # the whole table, which a large job's status leaves out
-            rows = rank_table(now, self.job.beats)
+            rows = rank_table(now, self.job.beats, self.stragglers.latest)
             return self.desk.record(cmd, now, [Output("table", rows)],
                                     f"every rank's row ({len(rows)} ranks) in {TABLE_FILE}, beside the events", self.session)
         t = self.desk.take(cmd, self.cfg, None if self.state is State.TRACKING else f"busy ({self.state.value})",
@@ -516,6 +516,7 @@ class Controller:
         return out
 
     def snapshot(self, now: float, job: str = "", last_event: dict[str, Any] | None = None) -> StatusSnapshot:
-        """The job as the controller sees it now (control/snapshot.py)."""
+        """The job as the controller sees it now (control/snapshot.py), its ranks' scores
+        those of the latest rank_scores."""
         return snapshot(now, job, last_event, self.job.beats, self.job.world, self.state.value, self.session,
-                        self.muted, self.episode, self.cfg)
+                        self.muted, self.episode, self.cfg, self.stragglers.latest)

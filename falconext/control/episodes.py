@@ -189,9 +189,9 @@ def dropped(rep: FailSlowReport, restart_from: int) -> list[Output] | None:
 def beats_healthy(ep: Episode, beats: Mapping[int, Any], line: float) -> bool:
     """Every rank's latest iteration time is within ``line`` (min_slowdown) of the
     episode's healthy baseline (the median of the reports')."""
-    if not ep.baselines or not beats:
+    if not (ep.reports or any(s.baseline_s is not None for s in ep.sightings)) or not beats:
         return False
-    base = ep.healthy_s()
+    base = ep.healthy_s()  # kept until a report comes: this is asked every tick
     return all(b.iter_s <= base * (1.0 + line) for b in beats.values())
 
 

@@ -17,15 +17,17 @@ from falconext.mitigate.planner import slowdown_removed
 
 def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Mapping[int, Heartbeat],
              world: int | None, state: str, session: int, muted: bool, episode: Episode | None,
-             cfg: FalconConfig) -> StatusSnapshot:
+             cfg: FalconConfig, scores: Mapping[int, Any] | None = None) -> StatusSnapshot:
     """The job now: per rank, its latest heartbeat (node, loop iteration and iteration
     time, the estimate from calls, replica, micro-batches, role) with its straggler score
     against its peers and the heartbeat's age; the plan in force, read from the
     heartbeats (what the ranks run, not what was asked); the controller's ``state``,
     ``session`` and mute; the open episode and its planner (with the share of the
-    slowdown the strategies removed); the config where it differs from the defaults."""
+    slowdown the strategies removed); the config where it differs from the defaults.
+    ``scores``: the ranks' latest straggler scores (the controller's rank_scores; None:
+    scored here from ``beats``)."""
     beats = dict(sorted(beats.items()))
-    scores = _scores(beats)
+    scores = _scores(beats) if scores is None else scores
     shown = beats
     if len(beats) > cfg.listed_ranks:  # the slowest: by score, then by iteration time
         slow = sorted(beats, key=lambda r: (-(scores[r].score if r in scores else -math.inf), -beats[r].iter_s, r))
@@ -76,10 +78,11 @@ def rank_row(b: Heartbeat, sc: Any, now: float) -> dict[str, Any]:
     }
 
 
-def rank_table(now: float, beats: Mapping[int, Heartbeat]) -> list[dict[str, Any]]:
+def rank_table(now: float, beats: Mapping[int, Heartbeat],
+               scores: Mapping[int, Any] | None = None) -> list[dict[str, Any]]:
     """Every rank's row (:func:`rank_row`, led by its ``rank``), in rank order: the whole
-    table a large job's status leaves out."""
-    scores = _scores(beats)
+    table a large job's status leaves out (``scores`` as :func:`snapshot` takes them)."""
+    scores = _scores(beats) if scores is None else scores
     return [{"rank": r, **rank_row(b, scores.get(r), now)} for r, b in sorted(beats.items())]
 
 

@@ -52,11 +52,15 @@ class StragglerWatch:
         #: last counted), and those already acted on (until they read normal again)
         self.outliers: dict[int, tuple[int, int]] = {}
         self.acted: set[int] = set()
+        #: every scored rank's score at the latest rank_scores (None: none yet), which the
+        #: status snapshot shows rather than scoring 100k ranks again every second
+        self.latest: dict[int, Any] | None = None
 
     def forget(self) -> None:
         """Every process restarted: the outliers seen are of processes that are gone."""
         self.outliers.clear()
         self.acted.clear()
+        self.latest = None
 
     def scores(self, beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[Heartbeat]], now: float,
                cfg: FalconConfig, may_act: bool) -> tuple[list[Output], Suspect | None]:
@@ -76,7 +80,7 @@ class StragglerWatch:
         self.next_scores = now + cfg.score_interval_s
         samples = {b.rank: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for b in scored}
         roles = {b.rank: role_key(b.stage, b.role, b.tp) for b in scored}
-        scores = rank_scores(samples, roles)
+        scores = self.latest = rank_scores(samples, roles)
         listed = slowest_listed(scores, cfg.listed_ranks)
         out = [event("rank_scores", iteration=min(b.score_iteration for b in scored), slowest=slowest(scores),
                      window=cfg.score_window, scored=len(scores), listed=len(listed),
