@@ -216,6 +216,32 @@ def test_scale_profiles_and_results_name_the_slow_rank() -> None:
     assert slow_ranks(flops, cfg.validation_slow_factor, findings.compute_suspects) == [scale.SLOW_RANK]
 
 
+def test_scale_premade_messages_are_the_ones_made_when_due() -> None:
+    """The simulator's premade profiles and acks, filled in, decode to exactly what the
+    ranks would have sent then (combined per node as the agents do)."""
+    import numpy as np
+
+    from falconext.control.agent import combined
+    from falconext.experiments import scale
+    from falconext.protocol.codec import decode
+    from falconext.protocol.rank_side import held_ack, resumed_ack
+
+    layout = scale.layout_for(64)
+    healthy, slow, allreduce = scale.iteration_seconds(layout)
+    made = scale.premade(layout, slow, healthy, allreduce, np.random.default_rng(0))
+
+    def messages(texts):
+        return [m for _, _, text in texts for m in decode(text).messages()]
+
+    assert messages(made["held"].filled(session=42, iteration=130, time=1795000000.5)) == [
+        held_ack(r, 42, 130, 1795000000.5) for r in range(64)]
+    assert messages(made["resumed"].filled(session=42, iteration=130, time=1795000003.5, pause_s=3.0)) == [
+        resumed_ack(r, 42, 130, 1795000003.5, 3.0, False, False) for r in range(64)]
+    profiles = messages(made["profiles"].filled(session=42))
+    assert [p.rank for p in profiles] == list(range(64)) and {p.session for p in profiles} == {42}
+    assert [len(combined(n, profiles[8 * n:8 * n + 8])) for n in range(8)] == [1] * 8  # one NodeBatch a node
+
+
 def test_scale_64_ranks_against_the_real_controller() -> None:
     from falconext.experiments.scale import run_size
 

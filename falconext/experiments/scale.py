@@ -335,38 +335,54 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-#: the session number the profiles are made with before the controller names the real one
-_SESSION_MARK = -7777777
+#: the values premade messages carry until the real ones are known (no real message has them)
+MARKS = {"session": -7777777, "iteration": -7777778, "time": -7777779.25, "pause_s": -7777780.25}
 
 
-class PremadeProfiles:
-    """Every rank's profile, made and encoded before the fail-slow is reported (the calls
-    of the iterations before it), so that answering the profile command costs this
-    process a text substitution per rank: on a cluster each rank makes its own in
-    parallel, and the simulator's serial making would otherwise be what is measured."""
+class Premade:
+    """Every rank's messages of one kind, made and encoded before they are due (each
+    node's combined as its agent does), with :data:`MARKS` where the values known only
+    later go: posting them costs this process a text substitution per node. On a cluster
+    each rank makes its own in parallel; the simulator's serial making would otherwise be
+    what is measured."""
 
-    def __init__(self, layout: Layout, iter_s: float, healthy_s: float, allreduce_s: float,
-                 rng: np.random.Generator) -> None:
-        made = profiles(layout, _SESSION_MARK, iter_s, healthy_s, allreduce_s, time.time(), rng)
+    def __init__(self, made: list[Any]) -> None:
         n = RANKS_PER_NODE
-        self.texts = [(sender_ctl(node * n), encode(m))
+        self.texts = [(sender_ctl(node * n), type(m).__name__, encode(m))
                       for node in range(len(made) // n) for m in combined(node, made[node * n:(node + 1) * n])]
 
-    def for_session(self, session: int) -> list[tuple[str, str, str]]:
-        """The profiles as posted for ``session`` (each node's in a NodeBatch, the session
-        the second value of each row): (stream, type, text)."""
-        mark, real = f',{_SESSION_MARK},', f',{int(session)},'
-        return [(stream, "NodeBatch", text.replace(mark, real)) for stream, text in self.texts]
+    def filled(self, **values: float) -> list[tuple[str, str, str]]:
+        """The messages as posted with ``values`` (by :data:`MARKS` name) in place of the
+        marks: (stream, type, text)."""
+        subs = [(f",{MARKS[k]},", f",{int(v)},") if isinstance(MARKS[k], int) else (json.dumps(MARKS[k]), json.dumps(v))
+                for k, v in values.items()]
+        out = []
+        for stream, name, text in self.texts:
+            for mark, real in subs:
+                text = text.replace(mark, real)
+            out.append((stream, name, text))
+        return out
+
+
+def premade(layout: Layout, iter_s: float, healthy_s: float, allreduce_s: float,
+            rng: np.random.Generator) -> dict[str, Premade]:
+    """The ranks' profiles (the calls of the iterations before the report), held acks and
+    resumed acks, premade (:class:`Premade`)."""
+    ranks = layout.dp * layout.pp
+    s, i, t, p = MARKS["session"], MARKS["iteration"], MARKS["time"], MARKS["pause_s"]
+    return {"profiles": Premade(profiles(layout, s, iter_s, healthy_s, allreduce_s, time.time(), rng)),
+            "held": Premade([held_ack(r, s, i, t) for r in range(ranks)]),
+            "resumed": Premade([resumed_ack(r, s, i, t, p, False, False) for r in range(ranks)])}
 
 
 def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float, allreduce_s: float,
               t_report: float, rng: np.random.Generator, gave_up: Callable[[], str | None],
-              premade: PremadeProfiles | None = None, started: float | None = None) -> Row:
+              made: dict[str, Premade] | None = None, started: float | None = None) -> Row:
     """Answer the controller as the ranks would, from the reports to the verdict; the
     times are seconds after the reports were posted. ``iteration`` started at ``started``
     (monotonic; None: now), as the heartbeats said. ``gave_up()`` says why the controller
-    abandoned the localization (None: it did not); ``premade``: the profiles, made before
-    the report (None: made when asked)."""
+    abandoned the localization (None: it did not); ``made``: the profiles and acks, made
+    before the report (:func:`premade`; None: made when due)."""
     ranks = layout.dp * layout.pp
     clock0 = time.monotonic() if started is None else started
     deadline = clock0 + VERDICT_TIMEOUT_S
@@ -392,13 +408,13 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
         if isinstance(msg, ProfileRequest):
             session = msg.session
             row["report_to_profile_cmd_s"] = round(now - t_report, 3)
-            if premade is not None:
-                sim.post_encoded(premade.for_session(session))
+            if made is not None:
+                sim.post_encoded(made["profiles"].filled(session=session))
             else:
                 t0 = time.perf_counter()
-                made = profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng)
+                answers = profiles(layout, session, slow_s, healthy_s, allreduce_s, time.time(), rng)
                 sim.busy_s += time.perf_counter() - t0
-                sim.post(made)
+                sim.post(answers)
         elif isinstance(msg, Share):
             shares.setdefault(msg.session, []).append(msg.share)
         elif isinstance(msg, Suspend):
@@ -410,15 +426,23 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             reached = iteration + (time.monotonic() - clock0) / slow_s
             time.sleep(max(0.0, (suspend_at - reached) * slow_s))  # the ranks reach the agreed iteration
             held = time.time()
-            sim.post([held_ack(r, session, suspend_at, held) for r in range(ranks)])
+            if made is not None:
+                sim.post_encoded(made["held"].filled(session=session, iteration=suspend_at, time=held))
+            else:
+                sim.post([held_ack(r, session, suspend_at, held) for r in range(ranks)])
         elif isinstance(msg, Go) and msg.session == session:
             row["report_to_go_s"] = round(now - t_report, 3)
             t0 = time.perf_counter()
-            made = validation_results(ranks, session, plan, rng)
+            results = validation_results(ranks, session, plan, rng)
             sim.busy_s += time.perf_counter() - t0
-            sim.post(made)
-            sim.post([resumed_ack(r, session, suspend_at, time.time(), time.time() - held, False, False)
-                      for r in range(ranks)])
+            sim.post(results)
+            now_t = time.time()
+            if made is not None:
+                sim.post_encoded(made["resumed"].filled(session=session, iteration=suspend_at, time=now_t,
+                                                        pause_s=now_t - held))
+            else:
+                sim.post([resumed_ack(r, session, suspend_at, now_t, now_t - held, False, False)
+                          for r in range(ranks)])
     return row
 
 
@@ -499,7 +523,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         sim.busy_s = 0.0
         # 2. every rank reports the fail-slow; the simulated ranks answer the controller
         # until it posts its verdict
-        premade = PremadeProfiles(layout, slow_s, healthy_s, allreduce_s, rng)
+        made = premade(layout, slow_s, healthy_s, allreduce_s, rng)
         t_report = time.perf_counter()
         reports = [fail_slow_report(r, FAIL_SLOW, 1, iteration - 12, iteration, round(slow_s / healthy_s, 4), healthy_s,
                                     time.time()) for r in range(ranks)]
@@ -510,7 +534,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
             failed = [e for e in _events(events_path) if e["type"] == "localization_failed"]
             return str(failed[0].get("reason")) if failed else None
 
-        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up, premade,
+        row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up, made,
                               started))
         row["ranks_side_busy_s"] = round(sim.busy_s, 3)
         # 3. throughput: a burst of heartbeats, then an operator's validate command; the
@@ -605,8 +629,10 @@ def measure(quick: bool) -> ExperimentResult:
         "iteration times from falconext.model.itertime.",
         f"Rows marked 'cluster of {CLUSTER_SHARDS}' run the control plane on a real Redis Cluster of "
         f"{CLUSTER_SHARDS} shards (--falcon-redis-shards): each simulated node posts to its own shard, every "
-        "shard's pipeline at once, and the controller reads every shard. The ranks' profiles are made before "
-        "the report (each rank makes its own in parallel on a cluster).",
+        "shard's pipeline at once, and the controller reads every shard.",
+        "The ranks' profiles and acks are made and encoded before the report, each node's combined as its agent "
+        "does, and posted with the session, iteration and times put in (each rank makes its own in parallel on "
+        "a cluster); their validation results are made when the go comes.",
         "One real Redis and the real controller process per size; ranks simulated in one process. Their "
         "heartbeats go through one real HeartbeatAggregator per node (control/agent.py, run in this process: "
         "thousands of agent processes do not fit on two cores) to the beats stream, one NodeHeartbeats per "
