@@ -150,10 +150,7 @@ def test_the_controller_takes_a_node_s_batch_as_its_ranks_messages():
     for ctl in (by_one, by_node):
         ctl.handle(FailSlowReport(1, 40, 54, 2.0, 0.3, 1.0), 1.0)
         assert ctl.state.value == "profiling"
-    session = by_one.session
-    profiles = [ProfileData(r, session, {"dp0": "dp"}, {}, {"dp0": [[k, 10.0 * k + (0.2 if r == 1 else 0.0),
-                                                                      10.0 * k + 0.4, 5e7] for k in range(4)]},
-                            spans={"dp0": [0, 1, world]}) for r in range(world)]
+    profiles = late_profiles(world, by_one.session)
     outs_one = [o for p in profiles for o in by_one.handle(p, 2.0)]
     outs_node = [o for node in (0, 1) for b in pack_batch(node, profiles[node * 4:node * 4 + 4])
                  for o in by_node.handle(decode(encode(b)), 2.0)]
@@ -170,14 +167,7 @@ def test_a_suspension_is_placed_from_the_clock_after_a_long_analysis():
 
     def localize(clock):
         ctl = Controller(FalconConfig(), world=world, clock=clock)
-        for r in range(world):
-            ctl.handle(Heartbeat(r, 0, 100, 0.5, 1.0), 1.0)
-        ctl.handle(FailSlowReport(1, 90, 100, 2.0, 0.3, 1.0), 1.0)
-        for r in range(world):
-            ctl.handle(ProfileData(r, ctl.session, {"dp0": "dp"}, {}, {"dp0": [[k, 10.0 * k + (0.2 if r == 1 else 0.0),
-                                                                                 10.0 * k + 0.4, 5e7] for k in range(4)]},
-                                   spans={"dp0": [0, 1, world]}), 1.0)
-        assert ctl.state.value == "validating"
+        to_validating(ctl, world)
         return ctl.suspension
 
     fixed, clocked = localize(None), localize(lambda: 1.0 + late)
@@ -191,13 +181,7 @@ def test_the_go_gives_the_ranks_their_validation_time_whenever_the_last_ack_came
     "go" asks for, not be due at once."""
     world, cfg = 4, FalconConfig()
     ctl = Controller(cfg, world=world)
-    for r in range(world):
-        ctl.handle(Heartbeat(r, 0, 100, 0.5, 1.0), 1.0)
-    ctl.handle(FailSlowReport(1, 90, 100, 2.0, 0.3, 1.0), 1.0)
-    for r in range(world):
-        ctl.handle(ProfileData(r, ctl.session, {"dp0": "dp"}, {}, {"dp0": [[k, 10.0 * k + (0.2 if r == 1 else 0.0),
-                                                                             10.0 * k + 0.4, 5e7] for k in range(4)]},
-                               spans={"dp0": [0, 1, world]}), 1.0)
+    to_validating(ctl, world)
     placed = ctl.suspension.deadline
     late = placed + 1.0  # every held ack handled after the placement's deadline
     outs = [o for r in range(world) for o in ctl.handle(ack_held(r, ctl), late)]
@@ -209,3 +193,21 @@ def test_the_go_gives_the_ranks_their_validation_time_whenever_the_last_ack_came
 
 def ack_held(rank: int, ctl: Controller) -> SessionAck:
     return SessionAck(rank, ctl.session, "held", ctl.suspension.iteration, 2.0)
+
+
+def late_profiles(world: int, session: int) -> list[ProfileData]:
+    """Every rank's profile of one DP group's four all-reduces, rank 1 arriving late."""
+    return [ProfileData(r, session, {"dp0": "dp"}, {}, {"dp0": [[k, 10.0 * k + (0.2 if r == 1 else 0.0),
+                                                                 10.0 * k + 0.4, 5e7] for k in range(4)]},
+                        spans={"dp0": [0, 1, world]}) for r in range(world)]
+
+
+def to_validating(ctl: Controller, world: int) -> None:
+    """Heartbeats, rank 1's report and every rank's profile at t=1: the controller has
+    placed its suspension."""
+    for r in range(world):
+        ctl.handle(Heartbeat(r, 0, 100, 0.5, 1.0), 1.0)
+    ctl.handle(FailSlowReport(1, 90, 100, 2.0, 0.3, 1.0), 1.0)
+    for p in late_profiles(world, ctl.session):
+        ctl.handle(p, 1.0)
+    assert ctl.state.value == "validating"

@@ -139,8 +139,11 @@ class Localizer:
             # rows were checked when decoded; one handed in directly (a test, a bug) is too
             pairs = [(int(s), int(d), float(t)) for r in self.results.values() for s, d, t in r.links]
             suspects = self.findings.compute_suspects if self.findings else []
+            # the rise of the ranks that ran a GEMM only: no other is judged (a 100k-rank job
+            # validates a few suspects' GPUs)
+            ran = {r: history[r] for r in flops if r in history}
             gpus = slow_ranks(flops, cfg.validation_slow_factor, suspects,
-                              compute_rise=compute_rise(beats, history, onset, cfg.min_duration))
+                              compute_rise=compute_rise(beats, ran, onset, cfg.min_duration))
             links, link_evidence = slow_links(
                 [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, cfg.validation_slow_factor,
                 cfg.validation_min_link_excess_s, baseline=self.link_baseline,
