@@ -97,7 +97,12 @@ def _row(base: list, i: int, value) -> list:
     (_body(rows=[]), "NodeBatch.rows: empty"),
     (_body(rows=[ACK_ROW[:-1]]), f"rows[0]: expected {len(ACK_ROW)} values"),
     (_body(rows=[ACK_ROW, ACK_ROW]), "ranks must be distinct"),
-    (_body(rows=[_row(ACK_ROW, 0, -3)]), "ranks must be distinct and >= 0"),
+    (_body(rows=[_row(ACK_ROW, 0, -3)]), "ranks must be distinct integers >= 0"),
+    (_body(rows=[_row(ACK_ROW, 0, "16")]), "ranks must be distinct integers >= 0"),
+    (_body(rows=[_row(ACK_ROW, 0, None)]), "ranks must be distinct integers >= 0"),
+    (_body(rows=[_row(ACK_ROW, 0, [16])]), "ranks must be distinct integers >= 0"),
+    (_body(rows=[_row(ACK_ROW, 0, True)]), "ranks must be distinct integers >= 0"),
+    (_body(rows=[_row(ACK_ROW, 0, 16.0)]), "ranks must be distinct integers >= 0"),
     (_body(rows=[_row(ACK_ROW, 1, True)]), "NodeBatch(SessionAck).rows[0].session: expected an integer"),
     (_body(rows=[_row(ACK_ROW, 2, 5)]), "NodeBatch(SessionAck).rows[0].status: expected a string"),
     (_body(rows=[ACK_ROW, _row(_row(ACK_ROW, 0, 17), 4, "NaN")]), "rows[1].time: expected a finite number"),
@@ -211,3 +216,33 @@ def to_validating(ctl: Controller, world: int) -> None:
     for p in late_profiles(world, ctl.session):
         ctl.handle(p, 1.0)
     assert ctl.state.value == "validating"
+
+
+def test_no_mutation_of_a_batch_or_a_node_s_heartbeats_raises_anything_but_a_message_error():
+    """Whatever a sender puts in a value's place (another type, a nested list, a huge
+    number), decoding says so with a MessageError or decodes: never another exception,
+    which the bus would not catch."""
+    import random
+
+    from falconext.protocol.codec import pack_heartbeats
+
+    rng = random.Random(5)
+    odd = [None, True, "x", -1, 2**70, 1.5, [], [1, "a"], {}, {"a": 1}, [[1.0, "b"]], 10**400]
+    bodies = [json.loads(encode(pack_batch(0, [KINDS[k](r) for r in (0, 1, 2)])[0]))["body"] for k in sorted(KINDS)]
+    bodies.append(json.loads(encode(pack_heartbeats(0, [Heartbeat(r, 0, 5, 0.5, 1.0) for r in range(3)])[0]))["body"])
+    kinds = ["NodeBatch"] * len(KINDS) + ["NodeHeartbeats"]
+    tried = 0
+    for kind, body in zip(kinds, bodies):
+        for _ in range(300):
+            b = json.loads(json.dumps(body))
+            row = rng.choice(b["rows"])
+            row[rng.randrange(len(row))] = rng.choice(odd)
+            if rng.random() < 0.2:
+                b[rng.choice(list(b))] = rng.choice(odd)
+            text = json.dumps({"v": 1, "type": kind, "body": b})
+            try:
+                decode(text)
+            except MessageError:
+                pass
+            tried += 1
+    assert tried == 300 * len(bodies)

@@ -362,9 +362,9 @@ class NodeBatch:
         for i, row in enumerate(self.rows):
             if len(row) != width:
                 raise MessageError(f"NodeBatch.rows[{i}]: expected {width} values, got {len(row)}")
-        ranks = [row[0] for row in self.rows]  # every batch kind leads with its rank
-        if len(set(ranks)) != len(ranks) or not all(is_rank(r) for r in ranks):
-            raise MessageError(f"NodeBatch.rows: ranks must be distinct and >= 0, got {ranks}")
+        ranks = [row[0] for row in self.rows]  # every batch kind leads with its rank, an int
+        if not all(type(r) is int and r >= 0 for r in ranks) or len(set(ranks)) != len(ranks):
+            raise MessageError(f"NodeBatch.rows: ranks must be distinct integers >= 0, got {ranks}"[:300])
 
     def messages(self) -> list[Any]:
         """The rows as messages of ``kind``, each passing its class's own check (raises
