@@ -433,16 +433,11 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         (item,) = args
         # fast paths for the long lists (group members, call rows, heartbeat rows); any
         # doubt goes the slow way, which names the bad item
-        if item is int and all(type(v) is int for v in value):
-            return value
-        if item is float:
-            out = _finite_floats(value)
+        fast = _fast_check(hint)
+        if fast is not None:
+            out = fast(value)
             if out is not None:
                 return out
-        if _hint(item) == (list, (float,)):  # rows of numbers (calls, heartbeats, links)
-            rows = [_finite_floats(v) for v in value]
-            if None not in rows:
-                return rows
         return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
