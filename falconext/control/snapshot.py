@@ -24,10 +24,10 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     heartbeats (what the ranks run, not what was asked); the controller's ``state``,
     ``session`` and mute; the open episode and its planner (with the share of the
     slowdown the strategies removed); the config where it differs from the defaults.
-    ``scores``: the ranks' latest straggler scores (the controller's rank_scores; None:
-    scored here from ``beats``)."""
+    ``scores``: the ranks' latest straggler scores (the controller's rank_scores), used
+    when they cover every scored rank; otherwise (or None) scored here from ``beats``."""
     beats = dict(sorted(beats.items()))
-    scores = _scores(beats) if scores is None else scores
+    scores = _scores(beats, scores)
     shown = beats
     if len(beats) > cfg.listed_ranks:  # the slowest: by score, then by iteration time
         slow = sorted(beats, key=lambda r: (-(scores[r].score if r in scores else -math.inf), -beats[r].iter_s, r))
@@ -82,13 +82,17 @@ def rank_table(now: float, beats: Mapping[int, Heartbeat],
                scores: Mapping[int, Any] | None = None) -> list[dict[str, Any]]:
     """Every rank's row (:func:`rank_row`, led by its ``rank``), in rank order: the whole
     table a large job's status leaves out (``scores`` as :func:`snapshot` takes them)."""
-    scores = _scores(beats) if scores is None else scores
+    scores = _scores(beats, scores)
     return [{"rank": r, **rank_row(b, scores.get(r), now)} for r, b in sorted(beats.items())]
 
 
-def _scores(beats: Mapping[int, Heartbeat]) -> dict[int, Any]:
-    """Every scored rank's straggler score against its peers (none below two scored ranks)."""
+def _scores(beats: Mapping[int, Heartbeat], latest: Mapping[int, Any] | None = None) -> Mapping[int, Any]:
+    """Every scored rank's straggler score against its peers (none below two scored ranks):
+    ``latest`` (the controller's latest rank_scores) when it has every rank that is scored
+    now, else worked out here (a rank heard from since has none there yet)."""
     scored = {r: b for r, b in beats.items() if b.score_iteration >= 0}
+    if latest is not None and all(r in latest for r in scored):
+        return latest
     if len(scored) < 2:
         return {}
     return rank_scores({r: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for r, b in scored.items()},
