@@ -62,13 +62,19 @@ class JobView:
         """Keep ``beat`` (one reading per loop iteration and rank: a later heartbeat of the
         same iteration and role replaces the earlier); ``clean``: nothing is wrong now, so
         the first rank's iteration time is the job's healthy one (from ``clean_from`` on)."""
-        if beat.rank not in self.beats:
-            self.first_rank = min(self.first_rank, beat.rank)
-        self.beats[beat.rank] = beat
-        self.first_beat.setdefault(beat.rank, beat.iteration)
-        kept = self.history.setdefault(beat.rank, collections.deque(maxlen=self.keep))
-        _keep_latest(kept, beat, bool(kept) and (kept[-1].iteration, kept[-1].role) == (beat.iteration, beat.role))
-        if beat.rank == self.first_rank and clean and beat.iteration >= self.clean_from and beat.iter_s > 0:
+        rank = beat.rank
+        kept = self.history.get(rank)
+        if kept is None:  # a rank not heard from (since the history was last cleared)
+            if rank not in self.beats:
+                self.first_rank = min(self.first_rank, rank)
+            self.first_beat.setdefault(rank, beat.iteration)
+            kept = self.history[rank] = collections.deque(maxlen=self.keep)
+        self.beats[rank] = beat
+        if kept and kept[-1].iteration == beat.iteration and kept[-1].role == beat.role:
+            kept[-1] = beat
+        else:
+            kept.append(beat)
+        if rank == self.first_rank and clean and beat.iteration >= self.clean_from and beat.iter_s > 0:
             self.clean_keep((beat.iteration, beat.iter_s))
 
     def clean_keep(self, reading: tuple[int, float]) -> None:

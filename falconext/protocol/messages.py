@@ -15,6 +15,8 @@ are in :mod:`falconext.protocol.commands`, the actions they carry in
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -116,7 +118,9 @@ class ProfileData:
         """Each call row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0;
         each span is [first >= 0, step >= 1, count >= 1], of a group not also in members."""
         for gid, rows in self.calls.items():
-            for i, row in enumerate(rows):
+            if _call_rows_right(rows):
+                continue
+            for i, row in enumerate(rows):  # which: the slow way
                 if len(row) != 4 or not (is_rank(row[0]) and is_rank(row[3])) or row[2] < row[1]:
                     raise MessageError(f"ProfileData.calls[{gid}][{i}]: expected [k, t_issue, t_end, bytes], got {row!r}")
         for gid, span in self.spans.items():
@@ -248,6 +252,20 @@ def _heartbeat_columns(columns: tuple[str, ...]) -> tuple[tuple[str, bool], ...]
     return tuple((c, known[c]) for c in columns)
 
 
+def _call_rows_right(rows: list[list[float]]) -> bool:
+    """Whether every row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0 and
+    the end not before the issue, checked a column at a time (thousands of ranks' rows
+    come at once)."""
+    if not rows:
+        return True
+    if not set(map(len, rows)) <= {4}:
+        return False
+    _, issues, ends, _ = zip(*rows)
+    whole = [v for row in rows for v in (row[0], row[3])]
+    return (min(whole) >= 0 and all(map(float.is_integer, map(float, whole)))
+            and all(map(operator.ge, ends, issues)))
+
+
 @dataclass(frozen=True)
 class NodeHeartbeats:
     """Agent -> controller: its node's ranks' latest heartbeats in one message per
@@ -270,18 +288,21 @@ class NodeHeartbeats:
         if self.node < 0:
             raise MessageError(f"NodeHeartbeats.node: expected >= 0, got {self.node}")
         cols = _heartbeat_columns(tuple(self.columns))
-        ints = [i for i, (_, is_int) in enumerate(cols) if is_int]
+        width = len(cols)
+        for i, row in enumerate(self.rows) if not set(map(len, self.rows)) <= {width} else ():
+            if len(row) != width:
+                raise MessageError(f"NodeHeartbeats.rows[{i}]: expected {width} values, got {len(row)}")
+        take = _int_taker(tuple(self.columns))
+        # every integer column's values in one pass (the controller checks thousands of
+        # rows a second); the slow walk below only names the first bad one
+        vals = list(itertools.chain.from_iterable(map(take, self.rows)))
+        if vals and not (all(map(float.is_integer, map(float, vals))) and -_MAX_EXACT <= min(vals)
+                         and max(vals) <= _MAX_EXACT):
+            ints = [j for j, (_, is_int) in enumerate(cols) if is_int]
+            i, j = next((i, j) for i, row in enumerate(self.rows) for j in ints
+                        if not (float(row[j]).is_integer() and -_MAX_EXACT <= row[j] <= _MAX_EXACT))
+            raise MessageError(f"NodeHeartbeats.rows[{i}].{cols[j][0]}: expected a whole number, got {self.rows[i][j]!r}")
         rank_at = self.columns.index("rank")
-        for i, row in enumerate(self.rows):
-            if len(row) != len(cols):
-                raise MessageError(f"NodeHeartbeats.rows[{i}]: expected {len(cols)} values, got {len(row)}")
-        by_column = list(zip(*self.rows))  # a column at a time: the controller checks thousands of rows a second
-        for j in ints if by_column else ():
-            col = by_column[j]
-            if not (all(map(float.is_integer, map(float, col))) and -_MAX_EXACT <= min(col) and max(col) <= _MAX_EXACT):
-                i, v = next((i, row[j]) for i, row in enumerate(self.rows)
-                            if not (float(row[j]).is_integer() and -_MAX_EXACT <= row[j] <= _MAX_EXACT))
-                raise MessageError(f"NodeHeartbeats.rows[{i}].{cols[j][0]}: expected a whole number, got {v!r}")
         ranks = [row[rank_at] for row in self.rows]
         if min(ranks, default=0) < 0 or len(set(ranks)) != len(ranks):
             seen: set[float] = set()
@@ -291,19 +312,37 @@ class NodeHeartbeats:
     def beats(self) -> list[Heartbeat]:
         """The rows as Heartbeats of this node (the message passed :meth:`check`)."""
         names, ints, defaults = _heartbeat_plan(tuple(self.columns))
+        if not self.rows:
+            return []
+        # a column at a time: each made int or float in one pass (a number sent as an
+        # integer is a float here), then one Heartbeat per row
+        cols: list[Any] = [[self.node] * len(self.rows)]
+        cols += [list(map(float, col)) for col in zip(*self.rows)]
+        for i in ints:
+            cols[i] = list(map(int, cols[i]))
         out = []
-        for row in self.rows:
-            vals = [self.node, *map(float, row)]  # a number sent as an integer is a float here
-            for i in ints:
-                vals[i] = int(vals[i])
+        make = object.__new__
+        for vals in zip(*cols):
             # a frozen dataclass's __init__ sets its 22 fields one object.__setattr__ at a
             # time; at thousands of heartbeats a second the controller fills them at once
             # (Heartbeat has no __post_init__ to skip)
-            beat = object.__new__(Heartbeat)
-            beat.__dict__.update(defaults)
-            beat.__dict__.update(zip(names, vals))
+            beat = make(Heartbeat)
+            fill = beat.__dict__
+            fill.update(defaults)
+            fill.update(zip(names, vals))
             out.append(beat)
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def _int_taker(columns: tuple[str, ...]) -> Any:
+    """A function of a row of ``columns`` giving its integer columns' values, as a tuple."""
+    ints = [j for j, (_, is_int) in enumerate(_heartbeat_columns(columns)) if is_int]
+    if not ints:
+        return lambda row: ()
+    if len(ints) == 1:
+        return lambda row, j=ints[0]: (row[j],)
+    return operator.itemgetter(*ints)
 
 
 @functools.lru_cache(maxsize=64)
