@@ -253,20 +253,23 @@ class _Ranks:
         sender's node's copy of ctl; returns seconds."""
         t0 = time.perf_counter()
         now = time.monotonic()
-        out: list[tuple[str, Any]] = []
-        flow: dict[int, list[Any]] = {}  # each node's control flow, combined as its agent does
         for m in msgs:
             if isinstance(m, Heartbeat):
                 self.agents[m.node].add(m, now)
-            else:
-                flow.setdefault(m.rank // RANKS_PER_NODE, []).append(m)
-        for node, mine in flow.items():
-            out += [(sender_ctl(node * RANKS_PER_NODE), m) for m in combined(node, mine)]
-        for agent in self.agents:
-            if agent.due(now):
-                out += [(node_copy(BEATS_STREAM, agent.node), agg) for agg in agent.flush()]
-        data = [(stream, type(m).__name__, encode(m)) for stream, m in out]
+        data = self.encoded([m for m in msgs if not isinstance(m, Heartbeat)])
+        data += [(node_copy(BEATS_STREAM, agent.node), "NodeHeartbeats", encode(agg))
+                 for agent in self.agents if agent.due(now) for agg in agent.flush()]
         return self.post_encoded(data, t0)
+
+    @staticmethod
+    def encoded(msgs: list[Any]) -> list[tuple[str, str, str]]:
+        """The ranks' control-flow ``msgs`` combined per node and kind as their agents
+        combine them, encoded, for :meth:`post_encoded`."""
+        flow: dict[int, list[Any]] = {}
+        for m in msgs:
+            flow.setdefault(m.rank // RANKS_PER_NODE, []).append(m)
+        return [(sender_ctl(node * RANKS_PER_NODE), type(m).__name__, encode(m))
+                for node, mine in flow.items() for m in combined(node, mine)]
 
     def node_beats(self, beats: list[Heartbeat]) -> list[tuple[str, str, str]]:
         """One round of ``beats`` (every rank's) as their nodes' agents send them, encoded:
@@ -347,9 +350,7 @@ class Premade:
     what is measured."""
 
     def __init__(self, made: list[Any]) -> None:
-        n = RANKS_PER_NODE
-        self.texts = [(sender_ctl(node * n), type(m).__name__, encode(m))
-                      for node in range(len(made) // n) for m in combined(node, made[node * n:(node + 1) * n])]
+        self.texts = _Ranks.encoded(made)
 
     def filled(self, **values: float) -> list[tuple[str, str, str]]:
         """The messages as posted with ``values`` (by :data:`MARKS` name) in place of the
@@ -387,6 +388,7 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
     clock0 = time.monotonic() if started is None else started
     deadline = clock0 + VERDICT_TIMEOUT_S
     session, suspend_at, held = -1, 0, 0.0
+    results: list[tuple[str, str, str]] = []  # the ranks' validation results, encoded
     plan: dict[str, Any] = {}
     shares: dict[int, list[Any]] = {}  # share commands by session, until their suspend
     row: Row = {}
@@ -424,7 +426,13 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             row["report_to_suspend_cmd_s"] = round(now - t_report, 3)
             row["suspend_command_bytes"] = len(encode(msg))
             reached = iteration + (time.monotonic() - clock0) / slow_s
-            time.sleep(max(0.0, (suspend_at - reached) * slow_s))  # the ranks reach the agreed iteration
+            until = time.monotonic() + (suspend_at - reached) * slow_s
+            # the ranks' results, made and encoded while they go on to the agreed iteration
+            # (each rank makes its own in parallel on a cluster), posted after the go
+            t0 = time.perf_counter()
+            results = sim.encoded(validation_results(ranks, session, plan, rng))
+            sim.busy_s += time.perf_counter() - t0
+            time.sleep(max(0.0, until - time.monotonic()))  # the ranks reach the agreed iteration
             held = time.time()
             if made is not None:
                 sim.post_encoded(made["held"].filled(session=session, iteration=suspend_at, time=held))
@@ -432,10 +440,7 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
                 sim.post([held_ack(r, session, suspend_at, held) for r in range(ranks)])
         elif isinstance(msg, Go) and msg.session == session:
             row["report_to_go_s"] = round(now - t_report, 3)
-            t0 = time.perf_counter()
-            results = validation_results(ranks, session, plan, rng)
-            sim.busy_s += time.perf_counter() - t0
-            sim.post(results)
+            sim.post_encoded(results)
             now_t = time.time()
             if made is not None:
                 sim.post_encoded(made["resumed"].filled(session=session, iteration=suspend_at, time=now_t,
@@ -494,6 +499,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
     tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="falconext-scale-"))
     tmp.mkdir(parents=True, exist_ok=True)
     events_path = tmp / "events.jsonl"
+    events_path.unlink(missing_ok=True)  # a kept workdir's earlier run: its verdicts are not this one's
     stderr = (tmp / "controller.err").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "falconext.control.service", "controller", "--job", job, "--world", str(ranks),

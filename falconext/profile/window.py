@@ -94,6 +94,13 @@ def group_members(w: RankWindow) -> Mapping[str, Sequence[int]]:
     return get() if callable(get) else w.members
 
 
+def _group_names(w: RankWindow) -> set[str] | Any:
+    """The ids of the window's groups (those of :func:`group_members`), without making
+    their member lists."""
+    spans = getattr(w, "spans", None)
+    return w.members.keys() | spans.keys() if spans else w.members.keys()
+
+
 @dataclass(frozen=True)
 class Findings:
     """What a profiling window points at: compute suspects (ranks that arrive late), groups
@@ -129,10 +136,11 @@ def match_instances(windows: Iterable[RankWindow]) -> dict[tuple[str, int], dict
     seen: dict[tuple[str, int], dict[int, tuple[float, float, int]]] = {}
     members: dict[str, set[int]] = {}
     for w in windows:
-        groups = group_members(w)
-        for gid, rows in w.calls.items():
-            if gid not in members:  # once per group: at thousands of ranks, not once per member
+        if not members.keys() >= w.calls.keys():  # once per group: at thousands of ranks, not once per member
+            groups = group_members(w)
+            for gid in w.calls.keys() - members.keys():
                 members[gid] = set(groups.get(gid, ()))
+        for gid, rows in w.calls.items():
             for row in rows:
                 if len(row) != 4:
                     raise ValueError(f"rank {w.rank}, group {gid}: a call row needs [k, t_issue, t_end, bytes]")
@@ -155,6 +163,8 @@ def analyze_window(
     """
     groups: dict[str, tuple[str, list[int]]] = {}
     for w in windows:
+        if groups.keys() >= _group_names(w):  # its groups known already (from another member)
+            continue
         for gid, ranks in group_members(w).items():
             if gid not in groups:
                 groups[gid] = (w.roles.get(gid, ""), list(ranks))

@@ -295,18 +295,18 @@ def _column(col: list[Any], hint: Any) -> list[Any] | None:
         if item is None or not set(map(type, col)) <= _DICT:
             return None
         if item is _float_rows:  # the profiles' call rows: every rank's at once
-            values = [v for d in col for v in d.values()]
-            if not set(map(type, values)) <= _LIST:
+            made = _many_float_rows([v for d in col for v in d.values()])
+            if made is None:
                 return None
-            rows = list(itertools.chain.from_iterable(values))
-            if not set(map(type, rows)) <= _LIST or _finite_floats(list(itertools.chain.from_iterable(rows))) is None:
-                return None
-            return [{k: [list(map(float, r)) for r in v] for k, v in d.items()} for d in col]
+            it = iter(made)
+            return [{k: next(it) for k in d} for d in col]
         out = [{k: item(v) for k, v in d.items()} for d in col]
         return None if any(None in d.values() for d in out) else out
     fast = _fast_check(hint)
     if fast is None:
         return None
+    if fast is _float_rows:  # rows of numbers (validation results' links): every rank's at once
+        return _many_float_rows(col)
     out = [fast(v) for v in col]
     return None if any(v is None for v in out) else out
 
@@ -488,12 +488,20 @@ def _int_list(value: Any) -> list[int] | None:
 
 def _float_rows(value: Any) -> list[list[float]] | None:
     """``value`` as rows of finite floats when it is a list of lists of finite numbers (no
-    bools), else None; checked over all its values at once (a profile's call rows)."""
-    if type(value) is not list or not set(map(type, value)) <= _LIST:
+    bools), else None."""
+    made = _many_float_rows([value])
+    return None if made is None else made[0]
+
+
+def _many_float_rows(values: list[Any]) -> list[list[list[float]]] | None:
+    """Each of ``values`` as :func:`_float_rows` makes it, checked over all their numbers
+    at once (a batch's every rank's rows); None when any is not rows of finite numbers."""
+    if not set(map(type, values)) <= _LIST:
         return None
-    if _finite_floats(list(itertools.chain.from_iterable(value))) is None:
+    rows = list(itertools.chain.from_iterable(values))
+    if not set(map(type, rows)) <= _LIST or _finite_floats(list(itertools.chain.from_iterable(rows))) is None:
         return None
-    return [list(map(float, row)) for row in value]
+    return [[list(map(float, r)) for r in v] for v in values]
 
 
 @functools.lru_cache(maxsize=None)

@@ -205,20 +205,24 @@ def split_plan(plan: Mapping[str, Any], ranks: Sequence[int],
     )
     gemm_round = {r: i // conc for i, r in enumerate(gemm)}
     pairs_of: dict[int, list[list[int]]] = {}
+    # an upper bound of the JSON each rank adds: its GEMM row and every pair it is in (a
+    # pair's row counted once per end, worked out once)
+    need_of: dict[int, int] = {}
     for k, rnd in enumerate(rounds):
         for src, dst in rnd:
             row = [k, src, dst]
             pairs_of.setdefault(src, []).append(row)
             pairs_of.setdefault(dst, []).append(row)
-    everyone = sorted(set(int(r) for r in ranks) | set(gemm_round) | set(pairs_of))
+            size = len(str(k)) + len(str(src)) + len(str(dst)) + 5
+            need_of[src] = need_of.get(src, 0) + size
+            need_of[dst] = need_of.get(dst, 0) + size
+    everyone = sorted(set(map(int, ranks)) | set(gemm_round) | set(pairs_of))
     budget = max(1024, max_bytes - 1024)  # the envelope and the Share command around the share
     shares: list[ValidationShare] = []
     block: list[int] = []
     size = 0
     for r in everyone:
-        # an upper bound of the JSON this rank adds: its GEMM row and every pair it is in
-        need = 3 * (len(str(r)) + 1) + 3 + sum(len(str(a)) + len(str(b)) + len(str(c)) + 5
-                                               for a, b, c in pairs_of.get(r, ()))
+        need = 3 * (len(str(r)) + 1) + 3 + need_of.get(r, 0)
         if block and size + need > budget:
             shares += _shares(block, gemm_round, pairs_of, max_bytes)
             block, size = [], 0
