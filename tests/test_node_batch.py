@@ -116,6 +116,16 @@ def _row(base: list, i: int, value) -> list:
      "NodeBatch(ProfileData).rows[0].calls.dp0[0]"),
     (_body("ProfileData", rows=[_row(PROFILE_ROW, 3, {"pp16": [1, "2"]})]), "rows[0].members.pp16[1]"),
     (_body("ValidationResult", rows=[[16, 7, None, [[1, 2]], ""]]), "ValidationResult.links[0]"),
+    # the rows of every rank are checked at once; the one at fault is still named
+    (_body("ProfileData", rows=[PROFILE_ROW, _row(_row(PROFILE_ROW, 0, 17), 4, {"dp0": [[0, 1.0, True, 5e7]]})]),
+     "NodeBatch(ProfileData).rows[1].calls.dp0[0][2]"),
+    (_body("ProfileData", rows=[PROFILE_ROW, _row(_row(PROFILE_ROW, 0, 17), 4, {"dp0": [0, 1.0, 2.0, 5e7]})]),
+     "NodeBatch(ProfileData).rows[1].calls.dp0[0]"),
+    (_body("ProfileData", rows=[_row(PROFILE_ROW, 4, {"dp0": [[0.5, 1.0, 2.0, 5e7]]})]), "ProfileData.calls[dp0][0]"),
+    (_body("ValidationResult", rows=[[16, 7, None, [[1, 16, 0.1]], ""], [17, 7, None, [[1, 17, "0.1"]], ""]]),
+     "NodeBatch(ValidationResult).rows[1].links[0][2]"),
+    (_body("ValidationResult", rows=[[16, 7, None, [[1, 16, 0.1]], ""], [17, 7, None, [[1, 17, 10**400]], ""]]),
+     "NodeBatch(ValidationResult).rows[1].links[0][2]"),
 ])
 def test_a_malformed_batch_is_refused_by_name(data, word):
     with pytest.raises(MessageError, match=word.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")

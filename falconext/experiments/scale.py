@@ -426,18 +426,17 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             row["report_to_suspend_cmd_s"] = round(now - t_report, 3)
             row["suspend_command_bytes"] = len(encode(msg))
             reached = iteration + (time.monotonic() - clock0) / slow_s
-            until = time.monotonic() + (suspend_at - reached) * slow_s
-            # the ranks' results, made and encoded while they go on to the agreed iteration
-            # (each rank makes its own in parallel on a cluster), posted after the go
-            t0 = time.perf_counter()
-            results = sim.encoded(validation_results(ranks, session, plan, rng))
-            sim.busy_s += time.perf_counter() - t0
-            time.sleep(max(0.0, until - time.monotonic()))  # the ranks reach the agreed iteration
+            time.sleep(max(0.0, (suspend_at - reached) * slow_s))  # the ranks reach the agreed iteration
             held = time.time()
             if made is not None:
                 sim.post_encoded(made["held"].filled(session=session, iteration=suspend_at, time=held))
             else:
                 sim.post([held_ack(r, session, suspend_at, held) for r in range(ranks)])
+            # the ranks' results, made and encoded while the controller reads the acks
+            # (each rank makes its own in parallel on a cluster), posted at the go
+            t0 = time.perf_counter()
+            results = sim.encoded(validation_results(ranks, session, plan, rng))
+            sim.busy_s += time.perf_counter() - t0
         elif isinstance(msg, Go) and msg.session == session:
             row["report_to_go_s"] = round(now - t_report, 3)
             sim.post_encoded(results)
