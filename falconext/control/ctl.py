@@ -281,8 +281,10 @@ def format_status(s: StatusSnapshot) -> str:
     lines = [f"job {s.job}: {s.world} ranks on {p.get('nodes')} node(s), {shape}; controller {s.state}"
              f"{' (MUTED)' if s.muted else ''}, session {s.session}"]
     micro = p.get("microbatches")
+    if micro is None and p.get("even") is not None:  # a large job: too many replicas to list
+        micro = "even" if p["even"] else "uneven"
     lines.append(f"plan in force: micro-batches per replica {micro if micro is not None else 'unknown'}"
-                 f"{' (even)' if p.get('even') else ''}; roles {p.get('roles')}")
+                 f"{' (even)' if p.get('even') and not isinstance(micro, str) else ''}; roles {_roles_line(p)}")
     if s.episode is not None:
         e = s.episode
         lines.append(f"episode: {e['trigger']} from iteration {e.get('onset')}, reported by ranks {e['reporters']}, "
@@ -313,6 +315,13 @@ def format_status(s: StatusSnapshot) -> str:
         lines.append(f"{r:>4} {row['node']:>4} {row['iteration']:>6} {row['iter_s']:>8.4f} {row['est_iter_s']:>8.4f} "
                      f"{score:>7} {late:>8} {row['replica']:>7} {row['micro']:>5} {row['role']:>4} {row['age_s']:>6.2f}")
     return "\n".join(lines)
+
+
+def _roles_line(plan: dict[str, Any]) -> str:
+    """The status's roles: listed (a small job), else whether they are the launch order."""
+    if plan.get("roles") is not None or plan.get("roles_in_order") is None:
+        return str(plan.get("roles"))
+    return "in launch order" if plan["roles_in_order"] else "reordered (S3)"
 
 
 def parse_counts(text: str, what: str) -> list[int]:

@@ -58,7 +58,7 @@ def strategy_in_force(snap: StatusSnapshot) -> str:
     if snap.planner is not None and snap.planner.get("current") in STRATEGIES:
         return str(snap.planner["current"])
     roles = snap.plan.get("roles")
-    if roles and roles != sorted(roles):
+    if snap.plan.get("roles_in_order") is False or (roles and roles != sorted(roles)):
         return "S3"
     if snap.plan.get("even") is False:
         return "S2"

@@ -4,6 +4,7 @@ state."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any, Mapping
 
@@ -30,8 +31,9 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     scores = _scores(beats, scores)
     shown = beats
     if len(beats) > cfg.listed_ranks:  # the slowest: by score, then by iteration time
-        slow = sorted(beats, key=lambda r: (-(scores[r].score if r in scores else -math.inf), -beats[r].iter_s, r))
-        shown = {r: beats[r] for r in sorted(slow[:cfg.listed_ranks])}
+        slow = heapq.nsmallest(cfg.listed_ranks, beats, key=lambda r: (
+            -(scores[r].score if r in scores else -math.inf), -beats[r].iter_s, r))
+        shown = {r: beats[r] for r in sorted(slow)}
     ranks = {str(r): rank_row(b, scores.get(r), now) for r, b in shown.items()}
     view = replica_view(beats.values())
     any_beat = next(iter(beats.values()), None)
@@ -41,10 +43,14 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     plan = {
         "tp": tp, "pp": pp, "dp": world // (tp * pp) if tp > 0 and pp > 0 else None,
         "nodes": len({b.node for b in beats.values()}),
-        "microbatches": None if view is None else list(view.plan),
         "even": None if view is None else view.plan == [view.total // len(view.plan)] * len(view.plan),
-        "roles": [b.role for b in beats.values()] if beats and all(b.role >= 0 for b in beats.values()) else None,
     }
+    # every replica's micro-batches and every rank's role up to listed_ranks of them; a
+    # larger job's status says only whether they are even and in launch order
+    plan["microbatches"] = None if view is None or len(view.plan) > cfg.listed_ranks else list(view.plan)
+    roles = [b.role for b in beats.values()] if beats and all(b.role >= 0 for b in beats.values()) else None
+    plan["roles"] = roles if roles is not None and len(roles) <= cfg.listed_ranks else None
+    plan["roles_in_order"] = None if roles is None else all(a <= b for a, b in zip(roles, roles[1:]))
     ep_view = planner = None
     if episode is not None:
         ep_view, planner = _episode_view(episode, beats, cfg.listed_ranks)

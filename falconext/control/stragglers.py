@@ -82,7 +82,8 @@ class StragglerWatch:
         roles = {b.rank: role_key(b.stage, b.role, b.tp) for b in scored}
         scores = self.latest = rank_scores(samples, roles)
         listed = slowest_listed(scores, cfg.listed_ranks)
-        out = [event("rank_scores", iteration=min(b.score_iteration for b in scored), slowest=slowest(scores),
+        # the slowest of all is the first of the listed (the highest scores)
+        out = [event("rank_scores", iteration=min(b.score_iteration for b in scored), slowest=slowest(listed),
                      window=cfg.score_window, scored=len(scores), listed=len(listed),
                      score_median=round(statistics.median(s.score for s in scores.values()), 4) if scores else None,
                      ranks={str(r): s.to_dict() for r, s in listed.items()})]

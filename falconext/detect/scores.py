@@ -26,12 +26,14 @@ used (no cross-host clock comparison), so the scores hold across nodes.
 
 from __future__ import annotations
 
-import bisect
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
 from typing import Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
 
 
 class BusyClock:
@@ -134,26 +136,51 @@ def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable]
 
     ``roles[rank]`` names what a rank does (ranks without an entry share one role).
     Samples that are not finite and non-negative are left out, with the rank they
-    belong to: one bad reading must not make every other rank look slow.
+    belong to: one bad reading must not make every other rank look slow. Ranks come out
+    role by role (in the order each role is first met), each role's in the order given.
     """
-    good = {r: s for r, s in samples.items() if _valid(s)}
+    ranks = list(samples)
+    if not ranks:
+        return {}
+    # a quantity at a time over every rank (100k ranks every few seconds), not rank by rank
+    its = np.array([samples[r].iter_s for r in ranks], dtype=float)
+    computes = np.array([samples[r].compute_s for r in ranks], dtype=float)
+    waits = np.array([samples[r].wait_s for r in ranks], dtype=float)
+    with np.errstate(invalid="ignore"):
+        good = np.isfinite(its) & np.isfinite(computes) & np.isfinite(waits) & (its >= 0) & (computes >= 0) & (waits >= 0)
     out: dict[int, RankScore] = {}
-    for members in _by_role(good, roles or {}):
+    for idx in _role_groups([r for r, ok in zip(ranks, good.tolist()) if ok], roles or {}, ranks, good):
+        members = [ranks[i] for i in idx.tolist()]
+        c, w, it = computes[idx], waits[idx], its[idx]
         if len(members) == 1:
-            s = good[members[0]]
-            out[members[0]] = RankScore(s.compute_s, s.wait_s, 1.0, 0.0, 0.0, 0)
+            out[members[0]] = RankScore(float(c[0]), float(w[0]), 1.0, 0.0, 0.0, 0)
             continue
         # each rank's peers are its role less itself: medians left one out, from one sort
         # per quantity (thousands of ranks in a role: not one sort per rank)
-        computes = peer_medians([good[r].compute_s for r in members])
-        waits = peer_medians([good[r].wait_s for r in members])
-        iters = peer_medians([good[r].iter_s for r in members])
-        for r, compute, wait, it in zip(members, computes, waits, iters):
-            s = good[r]
-            late = wait - s.wait_s
-            ratio = s.compute_s / compute if compute > 0 else 1.0
-            out[r] = RankScore(s.compute_s, s.wait_s, ratio, late, late / it if it > 0 else 0.0, len(members) - 1)
+        pc, pw, pi = _peer_medians(c), _peer_medians(w), _peer_medians(it)
+        late = pw - w
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(pc > 0, c / np.where(pc > 0, pc, 1.0), 1.0)
+            score = np.where(pi > 0, late / np.where(pi > 0, pi, 1.0), 0.0)
+        peers = len(members) - 1
+        for r, cs, ws, ra, la, sc in zip(members, c.tolist(), w.tolist(), ratio.tolist(), late.tolist(),
+                                          score.tolist()):
+            out[r] = RankScore(cs, ws, ra, la, sc, peers)
     return out
+
+
+def _role_groups(valid: list[int], roles: Mapping[int, Hashable], ranks: list[int],
+                 good: np.ndarray) -> list[np.ndarray]:
+    """The positions (in ``ranks``) of the ``valid`` ranks, grouped by role, roles in the
+    order first met, each group in rank order given (ranks without a role share one)."""
+    index: dict[Hashable, int] = {}
+    ids = np.array([index.setdefault(roles.get(r), len(index)) for r in valid], dtype=np.int64)
+    where = np.flatnonzero(good)
+    if not len(where):
+        return []
+    order = np.argsort(ids, kind="stable")
+    bounds = np.flatnonzero(np.diff(ids[order])) + 1
+    return np.split(where[order], bounds)
 
 
 def slowest_listed(scores: Mapping[int, RankScore], most: int) -> dict[int, RankScore]:
@@ -161,7 +188,7 @@ def slowest_listed(scores: Mapping[int, RankScore], most: int) -> dict[int, Rank
     rank), in rank order."""
     if len(scores) <= most:
         return dict(sorted(scores.items()))
-    top = sorted(scores.items(), key=lambda kv: (-kv[1].score, kv[0]))[:most]
+    top = heapq.nsmallest(most, scores.items(), key=lambda kv: (-kv[1].score, kv[0]))
     return dict(sorted(top))
 
 
@@ -192,20 +219,21 @@ def peer_medians(values: Sequence[float]) -> list[float]:
     value leaves the same others. Needs at least two values."""
     if len(values) < 2:
         raise ValueError(f"peer_medians needs at least two values, got {len(values)}")
-    v = sorted(values)
+    return _peer_medians(np.asarray(values, dtype=float)).tolist()
+
+
+def _peer_medians(x: np.ndarray) -> np.ndarray:
+    """:func:`peer_medians` of an array of at least two values, as an array: the same
+    arithmetic (the mean of the two middle others for an even count), on every value at once."""
+    v = np.sort(x)
     m = len(v) - 1  # the peers' count
-    out = []
-    for x in values:
-        i = bisect.bisect_left(v, x)  # the left-out copy; others at j < i are v[j], at j >= i v[j + 1]
-        if m % 2:
-            j = m // 2
-            out.append(v[j] if j < i else v[j + 1])
-        else:
-            j = m // 2
-            a = v[j - 1] if j - 1 < i else v[j]
-            b = v[j] if j < i else v[j + 1]
-            out.append((a + b) / 2)
-    return out
+    i = np.searchsorted(v, x, side="left")  # the left-out copy; others at j < i are v[j], at j >= i v[j + 1]
+
+    def other(j: int) -> np.ndarray:  # the j-th of each value's others (j < m)
+        return np.where(j < i, v[j], v[j + 1])
+
+    j = m // 2
+    return other(j) if m % 2 else (other(j - 1) + other(j)) / 2
 
 
 def slowest(scores: Mapping[int, RankScore]) -> int | None:
@@ -229,10 +257,6 @@ def _by_role(ranks: Iterable[int], roles: Mapping[int, Hashable]) -> list[list[i
     for r in ranks:
         groups.setdefault(roles.get(r), []).append(r)
     return list(groups.values())
-
-
-def _valid(s: RankSample) -> bool:
-    return all(math.isfinite(v) and v >= 0 for v in (s.iter_s, s.compute_s, s.wait_s))
 
 
 __all__ = [
