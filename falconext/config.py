@@ -229,6 +229,9 @@ class ProfileConfig:
     score_window: int = 10
     #: the controller publishes every rank's score this often (a ``rank_scores`` event)
     score_interval_s: float = field(default=5.0, metadata=RUNTIME)
+    #: ... or less often, so that scoring every rank takes at most this share of the
+    #: controller's time (about a second at 131,072 ranks on one core)
+    score_max_share: float = field(default=0.1, metadata=RUNTIME)
     #: the ``rank_scores`` event and the status snapshot list every rank up to this many;
     #: a larger job's list its this many slowest (by score) and summarize all ranks
     listed_ranks: int = field(default=1024, metadata=RUNTIME)
@@ -246,6 +249,7 @@ class ProfileConfig:
         _check_finite(self)
         _check(self.score_window >= 1, "score_window must be >= 1")
         _check(self.score_interval_s > 0.0, "score_interval_s must be > 0")
+        _check(0.0 < self.score_max_share <= 1.0, "score_max_share must be in (0, 1]")
         _check(self.listed_ranks >= 1, "listed_ranks must be >= 1")
         _check(self.score_trigger_ratio == 0.0 or self.score_trigger_ratio > 1.0,
                "score_trigger_ratio must be 0 (off) or > 1")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -13,7 +14,7 @@ from falconext.config import FalconConfig
 from falconext.control.episodes import Episode, Sighting
 from falconext.protocol.messages import Heartbeat
 from falconext.control.outputs import Output, event
-from falconext.detect.scores import RankSample, compute_outliers, rank_scores, role_key, slowest, slowest_listed
+from falconext.detect.scores import compute_outliers, role_key, scores_of, slowest, slowest_listed
 
 
 @dataclass(frozen=True)
@@ -77,20 +78,25 @@ class StragglerWatch:
         scored = [b for b in beats.values() if b.score_iteration >= 0]
         if len(scored) < 2:
             return [], None
-        self.next_scores = now + cfg.score_interval_s
-        samples = {b.rank: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for b in scored}
-        roles = {b.rank: role_key(b.stage, b.role, b.tp) for b in scored}
-        scores = self.latest = rank_scores(samples, roles)
+        t0 = time.perf_counter()
+        ranks = [b.rank for b in scored]
+        role_of = [role_key(b.stage, b.role, b.tp) for b in scored]
+        scores = self.latest = scores_of(ranks, [b.est_iter_s for b in scored], [b.compute_s for b in scored],
+                                         [b.wait_s for b in scored], role_of)
+        roles = dict(zip(ranks, role_of))
         listed = slowest_listed(scores, cfg.listed_ranks)
         # the slowest of all is the first of the listed (the highest scores)
         out = [event("rank_scores", iteration=min(b.score_iteration for b in scored), slowest=slowest(listed),
                      window=cfg.score_window, scored=len(scores), listed=len(listed),
                      score_median=round(statistics.median(s.score for s in scores.values()), 4) if scores else None,
                      ranks={str(r): s.to_dict() for r, s in listed.items()})]
+        flagged = compute_outliers(scores, {b.rank: b.mb_s for b in scored}, roles, cfg.score_trigger_ratio,
+                                   cfg.min_slowdown) if cfg.score_trigger_ratio else {}
+        # due again in score_interval_s, or later, so that scoring every rank takes at most
+        # score_max_share of the controller's time (about a second at 131,072 ranks)
+        self.next_scores = now + max(cfg.score_interval_s, (time.perf_counter() - t0) / cfg.score_max_share)
         if not cfg.score_trigger_ratio:
             return out, None
-        flagged = compute_outliers(scores, {b.rank: b.mb_s for b in scored}, roles,
-                                   cfg.score_trigger_ratio, cfg.min_slowdown)
         for r in [r for r in self.outliers if r not in flagged]:
             del self.outliers[r]
             self.acted.discard(r)

@@ -140,16 +140,25 @@ def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable]
     role by role (in the order each role is first met), each role's in the order given.
     """
     ranks = list(samples)
+    roles = roles or {}
+    return scores_of(ranks, [samples[r].iter_s for r in ranks], [samples[r].compute_s for r in ranks],
+                     [samples[r].wait_s for r in ranks], [roles.get(r) for r in ranks])
+
+
+def scores_of(ranks: Sequence[int], iter_s: Sequence[float], compute_s: Sequence[float], wait_s: Sequence[float],
+              roles: Sequence[Hashable]) -> dict[int, RankScore]:
+    """:func:`rank_scores` of the samples given a quantity at a time: ``ranks[i]``'s
+    iteration, compute and wait seconds and role are the i-th of each (the controller
+    reads them from 100k heartbeats every few seconds, without a sample object per rank)."""
     if not ranks:
         return {}
-    # a quantity at a time over every rank (100k ranks every few seconds), not rank by rank
-    its = np.array([samples[r].iter_s for r in ranks], dtype=float)
-    computes = np.array([samples[r].compute_s for r in ranks], dtype=float)
-    waits = np.array([samples[r].wait_s for r in ranks], dtype=float)
+    its = np.array(iter_s, dtype=float)
+    computes = np.array(compute_s, dtype=float)
+    waits = np.array(wait_s, dtype=float)
     with np.errstate(invalid="ignore"):
         good = np.isfinite(its) & np.isfinite(computes) & np.isfinite(waits) & (its >= 0) & (computes >= 0) & (waits >= 0)
     out: dict[int, RankScore] = {}
-    for idx in _role_groups([r for r, ok in zip(ranks, good.tolist()) if ok], roles or {}, ranks, good):
+    for idx in _role_groups(roles, good):
         members = [ranks[i] for i in idx.tolist()]
         c, w, it = computes[idx], waits[idx], its[idx]
         if len(members) == 1:
@@ -169,15 +178,14 @@ def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable]
     return out
 
 
-def _role_groups(valid: list[int], roles: Mapping[int, Hashable], ranks: list[int],
-                 good: np.ndarray) -> list[np.ndarray]:
-    """The positions (in ``ranks``) of the ``valid`` ranks, grouped by role, roles in the
-    order first met, each group in rank order given (ranks without a role share one)."""
-    index: dict[Hashable, int] = {}
-    ids = np.array([index.setdefault(roles.get(r), len(index)) for r in valid], dtype=np.int64)
+def _role_groups(roles: Sequence[Hashable], good: np.ndarray) -> list[np.ndarray]:
+    """The positions where ``good`` holds, grouped by their ``roles`` entry, roles in the
+    order first met, each group's positions in order."""
     where = np.flatnonzero(good)
     if not len(where):
         return []
+    index: dict[Hashable, int] = {}
+    ids = np.array([index.setdefault(roles[i], len(index)) for i in where.tolist()], dtype=np.int64)
     order = np.argsort(ids, kind="stable")
     bounds = np.flatnonzero(np.diff(ids[order])) + 1
     return np.split(where[order], bounds)
@@ -265,6 +273,7 @@ __all__ = [
     "RankScore",
     "rank_scores",
     "recent_sample",
+    "scores_of",
     "role_key",
     "slowest",
     "split_iteration",

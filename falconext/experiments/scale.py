@@ -542,8 +542,13 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         row.update(_localize(sim, layout, iteration, slow_s, healthy_s, allreduce_s, t_report, rng, gave_up, made,
                               started))
         row["ranks_side_busy_s"] = round(sim.busy_s, 3)
-        # 3. throughput: a burst of heartbeats, then an operator's validate command; the
-        # controller's profile command says it has handled the whole burst
+        # 3. throughput: a burst of heartbeats once the controller has taken the ranks'
+        # resumption (the localization's tail is not the heartbeats' load); the
+        # controller trims the beats stream as it reads, so an empty one is drained
+        until = time.monotonic() + VERDICT_TIMEOUT_S
+        while ("report_to_localized_s" in row and proc.poll() is None and time.monotonic() < until
+               and not any(e["type"] == "resumed" for e in _events(events_path))):
+            time.sleep(0.1)
         if proc.poll() is None:
             row.update(_drain(sim, layout, iteration + 50, slow_s, healthy_s, burst))
         row["offered_heartbeats_per_s"] = round(ranks / cfg.heartbeat_s)
@@ -643,13 +648,15 @@ def measure(quick: bool) -> ExperimentResult:
         "thousands of agent processes do not fit on two cores) to the beats stream, one NodeHeartbeats per "
         "node per round; reports, profiles, acks and results go one NodeBatch per node and kind to the ctl "
         "stream, combined by the agents' own code. Posts are pipelined.",
-        f"Throughput: after the verdict, a burst of at least {BURST} heartbeats (whole rounds, in node "
+        f"Throughput: after the verdict and the ranks' resumption (the controller's 'resumed' event), a burst "
+        f"of at least {BURST} heartbeats (whole rounds, in node "
         "messages, combined and encoded by their nodes' aggregators before the clock starts); the controller trims the beats stream as it reads, so the burst is drained when the "
         "stream is empty. 'Drains' is the burst over that time, against one heartbeat per rank every "
         "heartbeat_s. 'Controller CPU' is its process's CPU time over the wall time of the "
         f"{STEADY_ROUNDS} rounds at the real pace before the report.",
-        "Report to localized includes the simulator's own serial work for every rank (making and posting "
-        "profiles, acks and results: ranks_side_busy_s), which on a cluster the ranks do in parallel.",
+        "Report to localized includes the simulator's own serial work for every rank (posting the "
+        "profiles and acks, making and posting the results: ranks_side_busy_s), which on a cluster the "
+        "ranks do in parallel; the results are made while the controller reads the held acks.",
         "The largest message counts what the ranks posted and what the controller posted (commands, the "
         "Localized verdict); the bus refuses anything over the cap.",
         "GEMM and P2P benchmarks take no time here; the wait for the suspension's iteration is real "
