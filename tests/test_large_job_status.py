@@ -57,3 +57,28 @@ def test_a_large_jobs_rank_scores_event_lists_the_slowest_and_counts_all():
     full, _ = StragglerWatch().scores(beats(), {}, 1001.0, FalconConfig(), may_act=False)
     assert len(full[0].event["ranks"]) == RANKS
     assert replace(FalconConfig(), listed_ranks=1).listed_ranks == 1
+
+
+def test_a_large_jobs_plan_says_even_and_in_order_without_listing_every_replica_and_rank():
+    from falconext.control.metrics import strategy_in_force
+    cfg = FalconConfig(listed_ranks=8)
+    snap = snapshot(1001.0, "j", None, beats(), RANKS, "tracking", -1, False, None, cfg)
+    assert snap.plan["roles"] is None and snap.plan["microbatches"] is None  # 40 of each: not listed
+    assert snap.plan["roles_in_order"] is True and snap.plan["even"] is True
+    assert strategy_in_force(snap) == "S1"
+    moved = {r: replace(b, role=RANKS - 1 - r) for r, b in beats().items()}  # S3 reversed the roles
+    snap = snapshot(1001.0, "j", None, moved, RANKS, "tracking", -1, False, None, cfg)
+    assert snap.plan["roles"] is None and snap.plan["roles_in_order"] is False
+    assert strategy_in_force(snap) == "S3"
+    small = snapshot(1001.0, "j", None, moved, RANKS, "tracking", -1, False, None, FalconConfig())
+    assert small.plan["roles"] == list(range(RANKS))[::-1] and small.plan["microbatches"] == [4] * RANKS
+
+
+def test_scoring_a_large_job_comes_less_often_so_it_takes_at_most_its_share_of_the_controller():
+    watch = StragglerWatch()
+    out, _ = watch.scores(beats(), {}, 1000.0, FalconConfig(score_max_share=1.0), may_act=False)
+    assert out and watch.next_scores == 1000.0 + FalconConfig().score_interval_s  # cheap: every interval
+    watch = StragglerWatch()
+    out, _ = watch.scores(beats(), {}, 1000.0, FalconConfig(score_max_share=1e-9), may_act=False)
+    assert out and watch.next_scores > 1000.0 + 1000.0  # its cost over a tiny share: much later
+    assert watch.scores(beats(), {}, 1000.0 + 10.0, FalconConfig(score_max_share=1e-9), may_act=False) == ([], None)

@@ -190,6 +190,23 @@ def test_a_suspension_is_placed_from_the_clock_after_a_long_analysis():
     assert clocked.iteration - fixed.iteration == pytest.approx(late / 0.5, abs=2)  # 60 iterations further on
 
 
+def test_a_suspension_is_placed_after_the_plan_is_cut_into_shares():
+    """Cutting a 131,072-rank plan into shares takes seconds after the analysis: the
+    suspension counts from the clock after that, or the ranks are past its iteration when
+    the commands come."""
+    world, late = 4, 30.0
+
+    def localize(clock):
+        ctl = Controller(FalconConfig(), world=world, clock=clock)
+        to_validating(ctl, world)
+        return ctl.suspension
+
+    times = iter([1.0])  # the clock after the analysis; then (after the split) 1.0 + late
+    fixed, split_late = localize(lambda: 1.0), localize(lambda: next(times, 1.0 + late))
+    assert split_late.deadline - fixed.deadline == pytest.approx(late, abs=0.5 * 3)
+    assert split_late.iteration - fixed.iteration == pytest.approx(late / 0.5, abs=2)
+
+
 def test_the_go_gives_the_ranks_their_validation_time_whenever_the_last_ack_came():
     """At 65,536 ranks the last held ack came after the deadline placed for it (the acks
     take seconds to arrive and be read); the verdict must then wait for the results the

@@ -305,10 +305,15 @@ class Controller:
         return [profiled] + self._suspend(now)
 
     def _suspend(self, now: float, state: State = State.VALIDATING) -> list[Output]:
-        """Pick an iteration every rank has yet to start, and tell everyone to stop there."""
-        placed = self.suspension.place(self.job.beats.values(), now, self.cfg)
+        """Pick an iteration every rank has yet to start, and tell everyone to stop there
+        (placed after the validation plan is cut into shares, which takes seconds at 100k
+        ranks: from the clock then, the commands' posting time)."""
         if state is State.VALIDATING:
             validation, shares = self.localizer.split()
+            if self.clock is not None:
+                now = max(now, self.clock())
+        placed = self.suspension.place(self.job.beats.values(), now, self.cfg)
+        if state is State.VALIDATING:
             may = self.episode is not None and self.episode.may_mitigate(self.cfg, self.muted)
             wait = verdict_wait_s(validation, may, self.cfg.suspend_verdict_wait_s)
             posts = self.suspension.validation_posts(validation, shares, wait, self.cfg)
