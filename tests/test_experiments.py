@@ -240,6 +240,47 @@ def test_scale_premade_messages_are_the_ones_made_when_due() -> None:
     profiles = messages(made["profiles"].filled(session=42))
     assert [p.rank for p in profiles] == list(range(64)) and {p.session for p in profiles} == {42}
     assert [len(combined(n, profiles[8 * n:8 * n + 8])) for n in range(8)] == [1] * 8  # one NodeBatch a node
+    assert "results" not in made  # without a config: no plan to answer
+
+
+def test_scale_premade_results_answer_the_plan_the_controller_sends() -> None:
+    """The validation results premade for the plan the simulator expects are the ones
+    made for the plan the real controller sends (its shares put back together); for any
+    other plan the ranks make their results when it comes."""
+    import numpy as np
+
+    from falconext.config import FalconConfig
+    from falconext.control.controller import Controller
+    from falconext.experiments import scale
+    from falconext.protocol.codec import decode
+    from falconext.protocol.commands import ProfileRequest, Share, Suspend
+    from falconext.protocol.rank_side import FAIL_SLOW, fail_slow_report
+    from falconext.validate.plan import join_shares
+
+    n, cfg = 64, FalconConfig()
+    layout = scale.layout_for(n)
+    healthy, slow, allreduce = scale.iteration_seconds(layout)
+    made = scale.premade(layout, slow, healthy, allreduce, np.random.default_rng(0), cfg)
+    ctl = Controller(cfg, world=n)
+    for b in scale.heartbeats(layout, 100, slow, healthy, 1000.0):
+        ctl.handle(b, 1000.0)
+    outs = [o for r in range(n) for o in ctl.handle(fail_slow_report(r, FAIL_SLOW, 1, 90, 100, 2.0, healthy, 1000.0),
+                                                     1000.0)]
+    session = next(o.message.session for o in outs if isinstance(o.message, ProfileRequest))
+    outs = [o for p in scale.profiles(layout, session, slow, healthy, allreduce, 1000.0, np.random.default_rng(1))
+            for o in ctl.handle(p, 1000.5)]
+    cmds = [o.message for o in outs if o.kind == "command"]
+    sus = next(c for c in cmds if isinstance(c, Suspend))
+    plan = join_shares(sus.validation, [c.share for c in cmds if isinstance(c, Share)])
+    assert made["results"].plan == scale.plan_key(plan)
+    premade = [m for _, _, text in made["results"].filled(session=session) for m in decode(text).messages()]
+    made_now = scale.validation_results(n, session, plan, np.random.default_rng(0))
+
+    def shape(results):  # who ran a GEMM and which links it timed (the times are drawn)
+        return [(m.rank, m.session, [(s, d) for s, d, _ in m.links], m.gemm_flops is None) for m in results]
+
+    assert shape(premade) == shape(made_now) and any(m.gemm_flops for m in premade)
+    assert scale.plan_key({**plan, "gemm": []}) != made["results"].plan  # another plan: made when it comes
 
 
 def test_scale_64_ranks_against_the_real_controller() -> None:

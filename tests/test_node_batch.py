@@ -223,6 +223,26 @@ def test_the_go_gives_the_ranks_their_validation_time_whenever_the_last_ack_came
     assert ctl.state.value == "validating"
 
 
+def test_a_passed_deadline_waits_while_the_sessions_acks_are_still_being_taken():
+    """At 131,072 ranks the controller reads the held acks for seconds after the ranks sent
+    them in time: the session fails only once they stop coming (a rank that never
+    answers still fails it), never while they are being taken."""
+    world, cfg = 4, FalconConfig()
+    ctl = Controller(cfg, world=world)
+    to_validating(ctl, world)
+    d = ctl.suspension.deadline
+
+    def failed(outs):
+        return any(o.kind == "event" and o.event["type"] == "localization_failed" for o in outs)
+
+    ctl.handle(ack_held(0, ctl), d - 0.1)
+    ctl.handle(ack_held(1, ctl), d + 1.0)  # taken late: the controller is busy with 100k of them
+    assert not failed(ctl.tick(d + 1.5))
+    ctl.handle(ack_held(2, ctl), d + 2.5)
+    assert not failed(ctl.tick(d + 3.0)) and ctl.state.value == "validating"
+    assert failed(ctl.tick(d + 2.5 + cfg.control_slack_s + 0.1))  # rank 3 never answered: they stopped
+
+
 def ack_held(rank: int, ctl: Controller) -> SessionAck:
     return SessionAck(rank, ctl.session, "held", ctl.suspension.iteration, 2.0)
 

@@ -143,11 +143,14 @@ class Controller:
             return self._operator(msg, now)
         if isinstance(msg, ProfileData) and self.state is State.PROFILING and msg.session == self.session:
             self.localizer.profiles[msg.rank] = msg
+            self.suspension.heard_at = now
             return self._profiled(now) if self.job.covers(self.localizer.profiles) else []
         if isinstance(msg, SessionAck) and msg.session == self.session:
+            self.suspension.heard_at = now
             return self._on_ack(msg, now)
         if isinstance(msg, ValidationResult) and self.state is State.VALIDATING and msg.session == self.session:
             self.localizer.results[msg.rank] = msg
+            self.suspension.heard_at = now
             return self._verdict(now) if self.job.covers(self.localizer.results) else []
         if isinstance(msg, NodeHealth) and msg.session == self.session:
             self.localizer.health[msg.node] = msg
@@ -157,7 +160,7 @@ class Controller:
         """Deadlines (a phase that waits for ranks never waits forever), and the per-rank
         scores every ``score_interval_s``."""
         out = self._scores(now) + self._episode_timeout(now)
-        if now < self.suspension.deadline:
+        if now < self.suspension.deadline or self.suspension.still_coming(now, self.cfg.control_slack_s):
             return out
         return out + self._deadline_passed(now)
 

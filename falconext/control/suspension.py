@@ -113,6 +113,10 @@ class ActionEnd:
         return max((a.pause_s for a in self.acks.values()), default=0.0)
 
 
+#: how long past its deadline a session may wait while its messages are still being taken
+MAX_DEFER_S = 30.0
+
+
 class SuspensionCoordinator:
     """The session now and its suspension: where, who acked what, until when."""
 
@@ -134,6 +138,17 @@ class SuspensionCoordinator:
         self.action: MitigationAction | None = None  # the action of the MITIGATING session
         self.last_pause_s = 0.0
         self.held_since = 0.0  # when every rank was held in the suspension now running
+        #: when the controller last took a rank's message of this session (a profile, an
+        #: ack, a result): while they keep coming, a deadline waits (:meth:`still_coming`)
+        self.heard_at = -math.inf
+
+    def still_coming(self, now: float, slack_s: float) -> bool:
+        """Whether a passed deadline waits: the session's messages are still being taken
+        (one within ``slack_s``), at most :data:`MAX_DEFER_S` past the deadline. At 100k
+        ranks the controller reads a session's acks or results for seconds after the ranks
+        sent them in time; a rank that never answers still fails the session once the
+        others' messages stop."""
+        return now - self.heard_at < slack_s and now < self.deadline + MAX_DEFER_S
 
     def _fresh(self) -> None:
         self.session += 1

@@ -66,7 +66,7 @@ from falconext.protocol.rank_side import (
 from falconext.experiments.result import Comparison, ExperimentResult, Row
 from falconext.mitigate.topology import Layout
 from falconext.model.itertime import JobCosts, iteration_time
-from falconext.validate.plan import join_shares
+from falconext.validate.plan import join_shares, split_plan, validation_plan
 
 QUICK_SIZES = (64, 256, 1024)
 FULL_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 16384)
@@ -351,6 +351,8 @@ class Premade:
 
     def __init__(self, made: list[Any]) -> None:
         self.texts = _Ranks.encoded(made)
+        #: what they answer (validation results: the plan's :func:`plan_key`; None: anything)
+        self.plan: tuple[Any, ...] | None = None
 
     def filled(self, **values: float) -> list[tuple[str, str, str]]:
         """The messages as posted with ``values`` (by :data:`MARKS` name) in place of the
@@ -366,14 +368,40 @@ class Premade:
 
 
 def premade(layout: Layout, iter_s: float, healthy_s: float, allreduce_s: float,
-            rng: np.random.Generator) -> dict[str, Premade]:
+            rng: np.random.Generator, cfg: FalconConfig | None = None) -> dict[str, Premade]:
     """The ranks' profiles (the calls of the iterations before the report), held acks and
-    resumed acks, premade (:class:`Premade`)."""
+    resumed acks, premade (:class:`Premade`); with ``cfg``, their validation results too,
+    for the plan the controller is expected to send (:func:`expected_plan`; the ranks
+    answer the plan that comes: :func:`plan_key` tells whether it is that one)."""
     ranks = layout.dp * layout.pp
     s, i, t, p = MARKS["session"], MARKS["iteration"], MARKS["time"], MARKS["pause_s"]
-    return {"profiles": Premade(profiles(layout, s, iter_s, healthy_s, allreduce_s, time.time(), rng)),
-            "held": Premade([held_ack(r, s, i, t) for r in range(ranks)]),
-            "resumed": Premade([resumed_ack(r, s, i, t, p, False, False) for r in range(ranks)])}
+    out = {"profiles": Premade(profiles(layout, s, iter_s, healthy_s, allreduce_s, time.time(), rng)),
+           "held": Premade([held_ack(r, s, i, t) for r in range(ranks)]),
+           "resumed": Premade([resumed_ack(r, s, i, t, p, False, False) for r in range(ranks)])}
+    if cfg is not None:
+        plan = expected_plan(layout, cfg)
+        out["results"] = Premade(validation_results(ranks, s, plan, rng))
+        out["results"].plan = plan_key(plan)
+    return out
+
+
+def expected_plan(layout: Layout, cfg: FalconConfig) -> dict[str, Any]:
+    """The validation plan the controller makes from the ranks' profiles (rank 1 the compute
+    suspect, no suspicious group), as the ranks put it back together from its shares."""
+    ranks = layout.dp * layout.pp
+    groups = {g: (role, list(m)) for g, (role, m) in job_groups(layout).items()}
+    plan = validation_plan(groups, list(range(ranks)), [SLOW_RANK], [], p2p_concurrency=cfg.p2p_concurrency,
+                           p2p_bytes=cfg.p2p_bytes, node_of={r: r // layout.ranks_per_node for r in range(ranks)},
+                           trees=cfg.validation_trees, fabric="", nccl_algo=None)
+    common, shares = split_plan(plan, list(range(ranks)))
+    return join_shares(common, shares)
+
+
+def plan_key(plan: dict[str, Any]) -> tuple[Any, ...]:
+    """What a rank's validation results depend on in ``plan``: the GEMM ranks, the passes
+    and the message size."""
+    return (tuple(plan.get("gemm", [])), tuple(tuple(map(tuple, p)) for p in plan.get("passes", [])),
+            plan.get("nbytes"))
 
 
 def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, healthy_s: float, allreduce_s: float,
@@ -386,7 +414,7 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
     before the report (:func:`premade`; None: made when due)."""
     ranks = layout.dp * layout.pp
     clock0 = time.monotonic() if started is None else started
-    deadline = clock0 + VERDICT_TIMEOUT_S
+    deadline = time.monotonic() + VERDICT_TIMEOUT_S  # from the reports, posted just before
     session, suspend_at, held = -1, 0, 0.0
     results: list[tuple[str, str, str]] = []  # the ranks' validation results, encoded
     plan: dict[str, Any] = {}
@@ -432,10 +460,14 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
                 sim.post_encoded(made["held"].filled(session=session, iteration=suspend_at, time=held))
             else:
                 sim.post([held_ack(r, session, suspend_at, held) for r in range(ranks)])
-            # the ranks' results, made and encoded while the controller reads the acks
+            # the ranks' results: premade for the plan expected, or made now for another
             # (each rank makes its own in parallel on a cluster), posted at the go
             t0 = time.perf_counter()
-            results = sim.encoded(validation_results(ranks, session, plan, rng))
+            ready = made.get("results") if made is not None else None
+            if ready is not None and ready.plan == plan_key(plan):
+                results = ready.filled(session=session)
+            else:
+                results = sim.encoded(validation_results(ranks, session, plan, rng))
             sim.busy_s += time.perf_counter() - t0
         elif isinstance(msg, Go) and msg.session == session:
             row["report_to_go_s"] = round(now - t_report, 3)
@@ -528,7 +560,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         sim.busy_s = 0.0
         # 2. every rank reports the fail-slow; the simulated ranks answer the controller
         # until it posts its verdict
-        made = premade(layout, slow_s, healthy_s, allreduce_s, rng)
+        made = premade(layout, slow_s, healthy_s, allreduce_s, rng, cfg)
         t_report = time.perf_counter()
         reports = [fail_slow_report(r, FAIL_SLOW, 1, iteration - 12, iteration, round(slow_s / healthy_s, 4), healthy_s,
                                     time.time()) for r in range(ranks)]
