@@ -101,6 +101,6 @@ def test_the_snapshot_reads_the_plan_from_the_heartbeats_and_the_episode():
     ep = Episode.of_report(FailSlowReport(1, 40, 45, 2.0, 0.3, 10.0))
     snap = snapshot(12.0, "job", None, beats, 4, "tracking", 3, False, ep, CFG.replace(suspend_tries=9))
     assert snap.plan == {"tp": 1, "pp": 1, "dp": 4, "nodes": 2, "microbatches": [10, 6, 8, 8], "even": False,
-                         "roles": [0, 1, 2, 3]}
+                         "roles": [0, 1, 2, 3], "roles_in_order": True}
     assert snap.episode["onset"] == 40 and snap.episode["reporters"] == [1] and snap.planner is None
     assert snap.config == {"suspend_tries": 9} and snap.ranks["2"]["age_s"] == 11.0 and snap.session == 3
