@@ -27,11 +27,10 @@ used (no cross-host clock comparison), so the scores hold across nodes.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -210,14 +209,18 @@ def compute_outliers(scores: Mapping[int, RankScore], mb_s: Mapping[int, float],
     only when it costs the job, so a slow GPU whose replica S2 already lightened is not
     one either. Ranks without a positive reading, or without a peer, are never outliers.
     """
-    good = {r: v for r, v in mb_s.items() if math.isfinite(v) and v > 0 and r in scores}
+    ranks = [r for r in mb_s if r in scores]
+    vals = np.array([mb_s[r] for r in ranks], dtype=float)
+    with np.errstate(invalid="ignore"):
+        good = np.isfinite(vals) & (vals > 0)
     out: dict[int, float] = {}
-    for members in _by_role(good, roles):
-        if len(members) < 2:
+    for idx in _role_groups([roles.get(r) for r in ranks], good):
+        if len(idx) < 2:
             continue
-        for r, peers in zip(members, peer_medians([good[r] for r in members])):
-            if peers > 0 and good[r] / peers >= ratio and scores[r].score >= min_score:
-                out[r] = good[r] / peers
+        mine = vals[idx]
+        for i, v, peers in zip(idx.tolist(), mine.tolist(), _peer_medians(mine).tolist()):
+            if peers > 0 and v / peers >= ratio and scores[ranks[i]].score >= min_score:
+                out[ranks[i]] = v / peers
     return out
 
 
@@ -257,14 +260,6 @@ def role_key(stage: int, role: int, tp: int) -> tuple[int, int] | None:
     if stage < 0 or role < 0:
         return None
     return stage, role % tp if tp > 0 else 0
-
-
-def _by_role(ranks: Iterable[int], roles: Mapping[int, Hashable]) -> list[list[int]]:
-    """``ranks`` grouped by their role (ranks without an entry share one)."""
-    groups: dict[Hashable, list[int]] = {}
-    for r in ranks:
-        groups.setdefault(roles.get(r), []).append(r)
-    return list(groups.values())
 
 
 __all__ = [

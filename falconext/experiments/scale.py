@@ -349,10 +349,10 @@ class Premade:
     each rank makes its own in parallel; the simulator's serial making would otherwise be
     what is measured."""
 
-    def __init__(self, made: list[Any]) -> None:
+    def __init__(self, made: list[Any], plan: tuple[Any, ...] | None = None) -> None:
         self.texts = _Ranks.encoded(made)
         #: what they answer (validation results: the plan's :func:`plan_key`; None: anything)
-        self.plan: tuple[Any, ...] | None = None
+        self.plan = plan
 
     def filled(self, **values: float) -> list[tuple[str, str, str]]:
         """The messages as posted with ``values`` (by :data:`MARKS` name) in place of the
@@ -380,8 +380,7 @@ def premade(layout: Layout, iter_s: float, healthy_s: float, allreduce_s: float,
            "resumed": Premade([resumed_ack(r, s, i, t, p, False, False) for r in range(ranks)])}
     if cfg is not None:
         plan = expected_plan(layout, cfg)
-        out["results"] = Premade(validation_results(ranks, s, plan, rng))
-        out["results"].plan = plan_key(plan)
+        out["results"] = Premade(validation_results(ranks, s, plan, rng), plan_key(plan))
     return out
 
 
