@@ -405,3 +405,17 @@ def test_a_fail_slow_soon_after_the_series_begins_is_confirmed_as_soon():
     x = healthy(300, seed=35, sigma=0.02)
     x[24:] *= 1.5
     assert confirmation_delay(x, 24) == FalconConfig().min_duration - 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_after_an_early_burst_is_judged_against_the_healthy_level(seed):
+    """A host burst (1.5x to 1.15x) six iterations into the series, healthy again, then a
+    2x step: BOCD's first watched candidate is the burst's end, whose only baseline is
+    the burst itself. The step's own candidate, in the same watched stretch, brings the
+    faster baseline, so the step is confirmed as a clean 2x step (in a 4-rank link-fault
+    run the burst's baseline had held the confirmation back for 21 iterations)."""
+    x = healthy(200, seed=40 + seed, sigma=0.03)
+    x[6:13] *= [1.55, 1.5, 1.15, 1.35, 1.35, 1.3, 1.15]
+    x[25:] *= 2.1
+    delay = confirmation_delay(x, 25)
+    assert delay is not None and delay < 10

@@ -312,10 +312,6 @@ class VerifiedBOCD:
         """Watch the iterations from just before candidate ``c`` for a sustained slow run."""
         cfg = self.cfg
         until = c + cfg.run_watch_factor * cfg.min_duration - 1
-        if self._watch is not None and i <= self._watch.until:
-            # the same stretch: keep the baseline from before its first candidate
-            self._watch = replace(self._watch, until=max(until, self._watch.until))
-            return
         # BOCD's start may be late (a slow ramp) or early (a spike): look a little back,
         # and take the baseline from before that, unless too few iterations precede it
         # (a fail-slow soon after the series began): then from before the candidate
@@ -323,6 +319,16 @@ class VerifiedBOCD:
         pre = self._healthy_before(lo)
         if len(pre) < cfg.min_baseline:
             pre = self._healthy_before(c)
+        w = self._watch
+        if w is not None and i <= w.until:
+            # the same stretch: keep the baseline from before its first candidate (a
+            # ramp's later candidates see the ramp before them), unless this one's is
+            # faster: the first candidate was the end of a burst, whose baseline is the
+            # burst's own level
+            if len(pre) >= cfg.min_baseline and median(pre) < w.baseline:
+                w = _Watch(lo, w.until, median(pre), log_spread(pre), pre)
+            self._watch = replace(w, until=max(until, w.until))
+            return
         if len(pre) < cfg.min_baseline:
             return
         self._watch = _Watch(lo, until, median(pre), log_spread(pre), pre)
