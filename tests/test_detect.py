@@ -419,3 +419,18 @@ def test_a_step_after_an_early_burst_is_judged_against_the_healthy_level(seed):
     x[25:] *= 2.1
     delay = confirmation_delay(x, 25)
     assert delay is not None and delay < 10
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_that_starts_slower_counts_its_start(seed):
+    """A 1.85x link fault whose first three iterations run 10% over the level it settles
+    at (seen in a 4-rank link-fault run): nearer to the level than to its square, they are
+    the run's start, not spikes glued to it, so the step is confirmed at min_duration as
+    a plain step is; a spike at the square's side before a burst still counts nothing."""
+    x = healthy(300, seed=50 + seed, sigma=0.02)
+    x[100:] *= 1.85
+    x[100:103] *= 1.1
+    assert confirmation_delay(x, 100) == FalconConfig().min_duration - 1
+    run = run_of([1.85 * 1.1] * 3 + [1.85] * 7)
+    assert run.offset == 5 and run.weight == 10.0
+    assert run_of([1.85**1.6] + [1.85] * 7).weight == 7.0

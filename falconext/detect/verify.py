@@ -10,6 +10,7 @@ iteration while the candidate is recent:
 - its duration counts the iterations from its first to its last one *at its level*
   (near the median of its newer half, nearer to it than to healthy, and clear of healthy
   noise); iterations before those count only the fraction of the way they rose (a ramp),
+  or in full when over the level but nearer to it than to its square (a slower start),
   and a spike or a noisy neighbour at either end counts nothing;
 - it is confirmed once its duration reaches ``run_needed``: ``min_duration`` iterations
   (11; generated healthy bursts last up to 10) for a step up to ``fast_confirm_floor``
@@ -125,8 +126,10 @@ def trailing_run(
     The run's duration (``weight``) is the span from its first to its last iteration at
     the level, everything in between included (a spike or a dip inside a fail-slow is
     the fail-slow), plus, for each earlier iteration clear of healthy noise and not over
-    the level, the fraction of the way it rose, ``ln(x) / ln(L)`` (a congestion ramp).
-    A spike or a noisy iteration glued to either end of a healthy burst therefore never
+    the level, the fraction of the way it rose, ``ln(x) / ln(L)`` (a congestion ramp),
+    and for each earlier iteration over the level but nearer to ``L`` than to ``L**2``, one
+    (a fault whose first iterations run slower than it settles). A spike (nearer to
+    ``L**2``) or a noisy iteration glued to either end of a healthy burst therefore never
     makes the burst count one iteration longer, unless it is itself at the burst's level.
     """
     line = baseline * (1.0 + cfg.min_slowdown)
@@ -151,9 +154,13 @@ def trailing_run(
     clear = lb + cfg.run_band_sigmas * healthy_spread
     weight = float(last - first + 1)
     onset = first
+    nearer = centre + 0.5 * step  # over it: nearer to L**2 than to L
     for k, v in enumerate(logs[:first]):
-        if clear <= v <= top:  # over the level: a spike glued to the front counts nothing
+        if clear <= v <= top:
             weight += min(1.0, (v - lb) / step)
+            onset = min(onset, k)
+        elif top < v <= nearer:  # a slower start of the run (a spike is nearer to L**2)
+            weight += 1.0
             onset = min(onset, k)
     return SlowRun(start + onset, weight, math.exp(step), spread)
 
