@@ -17,14 +17,8 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from falconext.profile.analysis import (
-    ArrivalStats,
-    GroupTiming,
-    last_arrivers,
-    transfer_median,
-    suspicious_groups,
-    wait_causers,
-)
+from falconext.profile.analysis import ArrivalStats, GroupTiming, suspicious_groups, wait_causers
+from falconext.profile.matching import match
 from falconext.trace.records import CallRecord
 
 #: ops whose members all take part in every call (P2P is matched pairwise, not here)
@@ -131,24 +125,6 @@ class Findings:
         }
 
 
-def match_instances(windows: Iterable[RankWindow]) -> dict[tuple[str, int], dict[int, tuple[float, float, int]]]:
-    """(group, k) -> {rank: (t_issue, t_end, bytes)}, only where every member reported it."""
-    seen: dict[tuple[str, int], dict[int, tuple[float, float, int]]] = {}
-    members: dict[str, set[int]] = {}
-    for w in windows:
-        if not members.keys() >= w.calls.keys():  # once per group: at thousands of ranks, not once per member
-            groups = group_members(w)
-            for gid in w.calls.keys() - members.keys():
-                members[gid] = set(groups.get(gid, ()))
-        for gid, rows in w.calls.items():
-            for row in rows:
-                if len(row) != 4:
-                    raise ValueError(f"rank {w.rank}, group {gid}: a call row needs [k, t_issue, t_end, bytes]")
-                k, t0, t1, nbytes = row
-                seen.setdefault((gid, int(k)), {})[w.rank] = (float(t0), float(t1), int(nbytes))
-    return {key: inst for key, inst in seen.items() if members.get(key[0]) and set(inst) >= members[key[0]]}
-
-
 def analyze_window(
     windows: Sequence[RankWindow],
     suspicious_factor: float = 1.1,
@@ -168,25 +144,17 @@ def analyze_window(
         for gid, ranks in group_members(w).items():
             if gid not in groups:
                 groups[gid] = (w.roles.get(gid, ""), list(ranks))
-    instances = match_instances(windows)
-    arrivals_in: list[dict[int, float]] = []
-    transfers: dict[tuple[str, int], list[float]] = {}
-    for (gid, _k), inst in instances.items():
-        if len(inst) < 2:
-            continue
-        arrivals_in.append({r: v[0] for r, v in inst.items()})
-        nbytes = max(v[2] for v in inst.values())
-        transfers.setdefault((gid, nbytes), []).append(transfer_median(inst))
+    matched = match(windows, group_members)
     timings = [
         GroupTiming(gid, groups[gid][0] or None, len(groups[gid][1]), nbytes, median(ts))
-        for (gid, nbytes), ts in sorted(transfers.items())
+        for (gid, nbytes), ts in sorted(matched.transfers.items())
     ]
-    arrivals = last_arrivers(arrivals_in)
+    arrivals = matched.arrivals
     return Findings(
         compute_suspects=wait_causers(arrivals, causer_share, causer_dominance),
         suspicious_groups=sorted(set(suspicious_groups([t for t in timings if t.bytes >= min_bytes], suspicious_factor))),
         timings=timings,
         arrivals=arrivals,
         groups=groups,
-        instances=len(instances),
+        instances=matched.count,
     )
