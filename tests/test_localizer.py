@@ -131,6 +131,14 @@ def test_the_tree_inputs_are_the_first_rank_s_that_may_run_nccl_trees():
     assert loc.tree_inputs() == {"fabric": "", "nccl_algo": None}
     loc.profiles = {0: profile(0, fabric="nccl", algo="Ring"), 1: profile(1, fabric="nccl", algo="Tree")}
     assert loc.tree_inputs() == {"fabric": "nccl", "nccl_algo": "Tree"}
+    # the lowest rank that may run trees, whatever order the profiles came in
+    loc.profiles = {7: profile(7, fabric="nccl", algo=None), 5: profile(5, fabric="nccl", algo="Tree"),
+                    2: profile(2, fabric="gloo", algo=None), 6: profile(6, fabric="nccl", algo="Tree")}
+    assert loc.tree_inputs() == {"fabric": "nccl", "nccl_algo": "Tree"}  # rank 5's (7's unset allows them too)
+    loc.profiles[3] = profile(3, fabric="nccl", algo=None)
+    assert loc.tree_inputs() == {"fabric": "nccl", "nccl_algo": None}  # rank 3's
+    loc.profiles = {9: profile(9, fabric="nccl", algo="Ring"), 4: profile(4, fabric="gloo", algo=None)}
+    assert loc.tree_inputs() == {"fabric": "gloo", "nccl_algo": None}  # none may: the lowest rank's
 
 
 def test_a_verdict_too_big_for_the_bus_travels_cut_to_what_names_it():

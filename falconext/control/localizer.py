@@ -113,8 +113,13 @@ class Localizer:
         congested link."""
         if not self.profiles:
             return {"fabric": "", "nccl_algo": None}
-        trees = [r for r, p in self.profiles.items() if on_nccl(p.fabric) and nccl_allows_trees(p.nccl_algo)]
-        pick = self.profiles[min(trees) if trees else min(self.profiles)]
+        first: dict[tuple[str, str | None], int] = {}  # each setting's lowest rank (few settings, 100k ranks)
+        for r, p in self.profiles.items():
+            key = (p.fabric, p.nccl_algo)
+            if r < first.get(key, r + 1):
+                first[key] = r
+        trees = [r for (fabric, algo), r in first.items() if on_nccl(fabric) and nccl_allows_trees(algo)]
+        pick = self.profiles[min(trees) if trees else min(first.values())]
         return {"fabric": pick.fabric, "nccl_algo": pick.nccl_algo}
 
     def split(self) -> tuple[ValidationPlan, list[ValidationShare]]:

@@ -25,6 +25,9 @@ def _check_factor(factor: float, who: str) -> None:
 
 
 def _positive(value: object) -> bool:
+    """Whether ``value`` is a finite number > 0 (a bool is not a number here)."""
+    if type(value) is float:  # the usual case, without the abstract-class checks (100k links)
+        return math.isfinite(value) and value > 0
     return (
         not isinstance(value, bool)
         and isinstance(value, numbers.Real)
