@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from statistics import median
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -55,7 +55,7 @@ def _segments(keys: list[np.ndarray]) -> np.ndarray:
 def _table(windows: Sequence[CallWindow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], dict[str, int]]:
     """Every call row as one float array ``(k, t_issue, t_end, bytes)``, with each row's
     group index and rank, the groups' ids, and for each group the index of the first
-    window that reported calls on it (its members are read there, as before)."""
+    window whose calls name it (its members are read there)."""
     gids: dict[str, int] = {}
     first_window: dict[str, int] = {}
     rows: list[Sequence[float]] = []
@@ -97,7 +97,8 @@ def _is_member(ranks: np.ndarray, members: Sequence[int]) -> np.ndarray:
     return np.isin(ranks, np.fromiter(set(members), dtype=np.int64, count=len(set(members))))
 
 
-def match(windows: Sequence[CallWindow], members_in: Any) -> Matched:
+def match(windows: Sequence[CallWindow],
+          members_in: Callable[[CallWindow], Mapping[str, Sequence[int]]]) -> Matched:
     """The complete collectives of ``windows`` (each rank's profile) and what they say.
 
     ``members_in(window)`` gives a window's groups and their members; a group's members

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from falconext.profile.analysis import ArrivalStats, GroupTiming, suspicious_groups, wait_causers
 from falconext.profile.matching import match
