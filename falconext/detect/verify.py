@@ -332,8 +332,9 @@ class VerifiedBOCD:
             # ramp's later candidates see the ramp before them), unless this one's is
             # faster: the first candidate was the end of a burst, whose baseline is the
             # burst's own level
-            if len(pre) >= cfg.min_baseline and median(pre) < w.baseline:
-                w = _Watch(lo, w.until, median(pre), log_spread(pre), pre)
+            base = median(pre) if len(pre) >= cfg.min_baseline else w.baseline
+            if base < w.baseline:
+                w = _Watch(lo, w.until, base, log_spread(pre), pre)
             self._watch = replace(w, until=max(until, w.until))
             return
         if len(pre) < cfg.min_baseline:

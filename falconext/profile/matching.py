@@ -90,11 +90,14 @@ def _table(windows: Sequence[CallWindow]) -> tuple[np.ndarray, np.ndarray, np.nd
     return table, g, r, list(gids), first_window
 
 
-def _is_member(ranks: np.ndarray, members: Sequence[int]) -> np.ndarray:
-    """Which of ``ranks`` are in ``members`` (a ``range`` without expanding it)."""
+def _is_member(ranks: np.ndarray, members: Sequence[int]) -> tuple[np.ndarray, int]:
+    """Which of ``ranks`` are in ``members`` (a ``range`` without expanding it), and how
+    many distinct members there are."""
     if isinstance(members, range) and members.step > 0:
-        return (ranks >= members.start) & (ranks < members.stop) & ((ranks - members.start) % members.step == 0)
-    return np.isin(ranks, np.fromiter(set(members), dtype=np.int64, count=len(set(members))))
+        inside = (ranks >= members.start) & (ranks < members.stop)
+        return inside & ((ranks - members.start) % members.step == 0), len(members)
+    listed = np.unique(np.fromiter(members, dtype=np.int64, count=len(members)))
+    return np.isin(ranks, listed), len(listed)
 
 
 def match(windows: Sequence[CallWindow],
@@ -129,8 +132,7 @@ def match(windows: Sequence[CallWindow],
         if wi not in cache:
             cache[wi] = members_in(windows[wi])
         mem = cache[wi].get(names[gi], ())
-        need[gi] = len(mem) if isinstance(mem, range) else len(set(mem))
-        member[s:e] = _is_member(ur[s:e], mem)
+        member[s:e], need[gi] = _is_member(ur[s:e], mem)
     inst = _segments([ug, uk])
     size = np.diff(np.r_[inst, len(ug)])
     have = np.add.reduceat(member.astype(np.int64), inst)
@@ -172,17 +174,17 @@ def match(windows: Sequence[CallWindow],
     medians = np.where(n % 2 == 1, lo, (lo + hi) / 2)
     most = np.maximum.reduceat(nbytes[rows][by_arrival], seg)
     in_order = np.argsort(rank_of_inst[insts], kind="stable")
+    # per (group, bytes) the transfer medians, per rank the gaps it left when it was last (in order)
     transfers: dict[tuple[str, int], list[float]] = {}
+    gaps: dict[int, list[float]] = {}
     for j in in_order.tolist():
         transfers.setdefault((names[int(gi_of[insts[j]])], int(most[j])), []).append(float(medians[j]))
-    # per rank: collectives taken part in, and the gaps it left when it was last (in order)
+        gaps.setdefault(int(last_rank[j]), []).append(float(t_last[j] - t_second[j]))
+    # per rank: the collectives it took part in, ranks in the order they first appear
     taken = np.bincount(rv, minlength=int(rv.max()) + 1)
     appear = np.lexsort((pos, rank_of_inst[i_row]))
     ranks_seen, at = np.unique(rv[appear], return_index=True)
     ranks_in_order = ranks_seen[np.argsort(at, kind="stable")].tolist()
-    gaps: dict[int, list[float]] = {}
-    for j in in_order.tolist():
-        gaps.setdefault(int(last_rank[j]), []).append(float(t_last[j] - t_second[j]))
     arrivals = {
         rank: ArrivalStats(int(taken[rank]), len(gaps.get(rank, [])), median(gaps[rank]) if rank in gaps else 0.0,
                            sum(gaps.get(rank, [])))
