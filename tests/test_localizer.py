@@ -107,19 +107,19 @@ def test_the_link_baseline_starts_once_on_two_nodes_when_every_rank_is_past_it()
     loc = Localizer()
     bs = beats(it=10)
     first = {r: 1 for r in NODES}
-    assert not loc.baseline_due(Heartbeat(0, 0, 9, 0.3, 1.0), 10, True, 4, bs, first)
+    assert not loc.baseline_due([], 10, True, 4, bs, first)
     for r in (0, 1, 2):
-        assert not loc.baseline_due(Heartbeat(r, NODES[r], 10, 0.3, 1.0), 10, True, 4, bs, first)
-    assert not loc.baseline_due(Heartbeat(3, 1, 10, 0.3, 1.0), 10, False, 4, bs, first)  # busy: not yet
-    assert loc.baseline_due(Heartbeat(3, 1, 11, 0.3, 1.0), 10, True, 4, bs, first)
-    assert not loc.baseline_due(Heartbeat(3, 1, 12, 0.3, 1.0), 10, True, 4, bs, first)  # once
+        assert not loc.baseline_due([r], 10, True, 4, bs, first)
+    assert not loc.baseline_due([3], 10, False, 4, bs, first)  # busy: not yet
+    assert loc.baseline_due([3], 10, True, 4, bs, first)
+    assert not loc.baseline_due([3], 10, True, 4, bs, first)  # once
     late = Localizer()  # a restarted controller saw the ranks first past the iteration
     for r in NODES:
-        due = late.baseline_due(Heartbeat(r, NODES[r], 30, 0.3, 1.0), 10, True, 4, bs, {r: 30 for r in NODES})
+        due = late.baseline_due([r], 10, True, 4, bs, {r: 30 for r in NODES})
     assert not due and late.baseline_started
     one_node = Localizer()
     for r in NODES:
-        due = one_node.baseline_due(Heartbeat(r, 0, 10, 0.3, 1.0), 10, True, 4,
+        due = one_node.baseline_due([r], 10, True, 4,
                                     {q: Heartbeat(q, 0, 10, 0.3, 1.0) for q in NODES}, first)
     assert not due
     evidence = {"links": {"0-1": 0.01}}

@@ -24,14 +24,17 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+import numpy as np
+
 from falconext.config import runtime_settable, FalconConfig
 from falconext.control import mitigation_driver as driver
 from falconext.control.episodes import Episode, State, dropped, ends, expire, is_new_fail_slow
+from falconext.control.beat_table import ITERATION, RANK, heartbeat_row
 from falconext.control.heartbeats import JobView
 from falconext.control.localizer import Localizer, for_bus
 from falconext.protocol.actions import MitigationAction
 from falconext.protocol.commands import OPERATOR_COMMANDS, MitigateRequest, OperatorCommand, TableRequest
-from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, NodeBatch, NodeHealth, NodeHeartbeats, ProfileData, SessionAck, StatusSnapshot, ValidationResult
+from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, NodeBatch, NodeHealth, NodeHeartbeats, ProfileData, SessionAck, StatusSnapshot, ValidationResult, heartbeat_block
 from falconext.control.operator import OperatorDesk
 from falconext.control.outputs import Output, event
 from falconext.control.snapshot import TABLE_FILE, rank_table, snapshot
@@ -121,6 +124,11 @@ class Controller:
 
     # --- inputs -----------------------------------------------------------------------
 
+    def handle_beats(self, msgs: list[NodeHeartbeats], now: float) -> list[Output]:
+        """Take several nodes' heartbeats read together at ``now`` as one block: what
+        :meth:`handle` does with each message in turn, in a few array operations."""
+        return self._beats(heartbeat_block(msgs), now)
+
     def handle(self, msg: Any, now: float) -> list[Output]:
         """React to one message received at ``now``: heartbeats (a rank's, or a node's in a
         NodeHeartbeats), fail-slow reports (and the rest of the ranks' control flow, alone
@@ -128,15 +136,15 @@ class Controller:
         acknowledgements, validation results and node health of the current session (those
         of an older session are ignored). Returns what to post or log; an empty list when
         the message changes nothing. Never raises for a message that passed the schema."""
-        if isinstance(msg, NodeHeartbeats):  # a node agent's: its ranks' heartbeats, each in turn
-            return self._beats(msg.beats(), now)
+        if isinstance(msg, NodeHeartbeats):  # a node agent's: its ranks' heartbeats, as one block
+            return self._beats(msg.block(), now)
         if isinstance(msg, NodeBatch):  # a node agent's: several ranks' messages of one kind
             got: list[Output] = []
             for one in msg.messages():
                 got += self.handle(one, now)
             return got
         if isinstance(msg, Heartbeat):
-            return self._beats([msg], now)
+            return self._beats(np.array([heartbeat_row(msg)]), now, made=msg)
         if isinstance(msg, FailSlowReport):
             return self._on_report(msg, now)
         if isinstance(msg, OPERATOR_COMMANDS):
@@ -254,28 +262,28 @@ class Controller:
         cmd = self.suspension.profile(t_event, now if now is not None else t_event, self.cfg)
         return [self._set(State.PROFILING, t_event, trigger=trigger), cmd]
 
-    def _beats(self, beats: list[Heartbeat], now: float) -> list[Output]:
-        """Take ``beats`` in turn, each as if it had come alone: kept (a clean reading while
-        nothing is wrong), fed to the planner (the first rank's, in a mitigated episode),
-        and the link-baseline session started when it is due. The checks that lead nowhere
-        in the usual case are made here, not in a call per heartbeat (a node's heartbeats
-        come a hundred thousand a second at 100k ranks)."""
-        out: list[Output] = []
+    def _beats(self, block: np.ndarray, now: float, made: Heartbeat | None = None) -> list[Output]:
+        """Take a block of heartbeats (a node's, :meth:`NodeHeartbeats.block`; ``made``: a
+        lone Heartbeat's one row): kept (a clean reading while nothing is wrong), the
+        first rank's fed to the planner (in a mitigated episode), and the link-baseline
+        session started when it is due. Array operations over the block, nothing per
+        heartbeat in the usual case (a node's heartbeats come a hundred thousand a second
+        at 100k ranks)."""
         job = self.job
-        baseline = not self.localizer.baseline_started and self.cfg.link_baseline_iteration > 0
-        for beat in beats:
-            job.record(beat, clean=self.episode is None and self.state is State.TRACKING)
-            if self.episode is not None and beat.rank == job.first_rank:
-                out += self._observe(beat, now)
-            if baseline:
-                out += self._maybe_baseline(beat, now)
+        job.record_block(block, clean=self.episode is None and self.state is State.TRACKING, made=made)
+        out: list[Output] = []
+        if self.episode is not None and (block[:, RANK] == job.first_rank).any():
+            out += self._observe(job.beats[int(job.first_rank)], now)
+        if not self.localizer.baseline_started and self.cfg.link_baseline_iteration > 0:
+            out += self._maybe_baseline(block, now)
         return out
 
-    def _maybe_baseline(self, beat: Heartbeat, now: float) -> list[Output]:
+    def _maybe_baseline(self, block: np.ndarray, now: float) -> list[Output]:
         """Start the link-baseline session once, when it is due (Localizer.baseline_due)."""
         idle = self.state is State.TRACKING and self.episode is None
-        if self.localizer.baseline_due(beat, self.cfg.link_baseline_iteration, idle, self.job.expected(),
-                                       self.job.beats, self.job.first_beat):
+        at = self.cfg.link_baseline_iteration
+        past = block[block[:, ITERATION] >= at, RANK].astype(int).tolist()
+        if self.localizer.baseline_due(past, at, idle, self.job.expected(), self.job.beats, self.job.first_beat):
             return self._start("baseline", now)
         return []
 
@@ -315,7 +323,7 @@ class Controller:
             validation, shares = self.localizer.split()
             if self.clock is not None:
                 now = max(now, self.clock())
-        placed = self.suspension.place(self.job.beats.values(), now, self.cfg)
+        placed = self.suspension.place(self.job.beats, now, self.cfg)
         if state is State.VALIDATING:
             may = self.episode is not None and self.episode.may_mitigate(self.cfg, self.muted)
             wait = verdict_wait_s(validation, may, self.cfg.suspend_verdict_wait_s)

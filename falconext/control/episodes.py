@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping
 
 from falconext.config import FalconConfig
 from falconext.protocol.messages import FailSlowReport
+from falconext.control.beat_table import columns
 from falconext.control.outputs import Output, event
 from falconext.mitigate.mitigation import Mitigation
 from falconext.mitigate.planner import Rise
@@ -192,7 +193,8 @@ def beats_healthy(ep: Episode, beats: Mapping[int, Any], line: float) -> bool:
     if not (ep.reports or any(s.baseline_s is not None for s in ep.sightings)) or not beats:
         return False
     base = ep.healthy_s()  # kept until a report comes: this is asked every tick
-    return all(b.iter_s <= base * (1.0 + line) for b in beats.values())
+    (iter_s,) = columns(beats, "iter_s")  # asked every tick: no Heartbeat made for it
+    return bool((iter_s <= base * (1.0 + line)).all())
 
 
 def waiting_for_a_strategy(mit: Mitigation | None) -> bool:

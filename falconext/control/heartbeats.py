@@ -12,6 +12,9 @@ import collections
 import math
 from typing import Any, Iterable, Mapping
 
+import numpy as np
+
+from falconext.control.beat_table import ITER_S, ITERATION, RANK, BeatTable, KeptReadings, LatestBeats, Reading, heartbeat_row
 from falconext.protocol.messages import Heartbeat
 from falconext.mitigate.room import RestartRoom
 
@@ -24,9 +27,12 @@ class JobView:
         """An empty view: no rank heard from yet."""
         self.world = world
         self.keep = keep
-        self.beats: dict[int, Heartbeat] = {}
-        #: recent heartbeats per rank: S3 reads each process's compute before the onset
-        self.history: dict[int, collections.deque[Heartbeat]] = {}
+        self.table = BeatTable(keep)
+        #: each rank's latest heartbeat (a read-only view of the table)
+        self.beats = LatestBeats(self.table)
+        #: each rank's readings of its recent iterations: S3 reads each process's compute
+        #: before the onset
+        self.history = KeptReadings(self.table)
         self.first_beat: dict[int, int] = {}  # rank -> iteration of its first heartbeat seen
         self.first_rank = math.inf  # the lowest rank heard from: min(self.beats), kept
         #: the job's iteration time while nothing was wrong: (iteration, iter_s) of the
@@ -62,20 +68,36 @@ class JobView:
         """Keep ``beat`` (one reading per loop iteration and rank: a later heartbeat of the
         same iteration and role replaces the earlier); ``clean``: nothing is wrong now, so
         the first rank's iteration time is the job's healthy one (from ``clean_from`` on)."""
-        rank = beat.rank
-        kept = self.history.get(rank)
-        if kept is None:  # a rank not heard from (since the history was last cleared)
-            if rank not in self.beats:
-                self.first_rank = min(self.first_rank, rank)
-            self.first_beat.setdefault(rank, beat.iteration)
-            kept = self.history[rank] = collections.deque(maxlen=self.keep)
-        self.beats[rank] = beat
-        if kept and kept[-1].iteration == beat.iteration and kept[-1].role == beat.role:
-            kept[-1] = beat
-        else:
-            kept.append(beat)
-        if rank == self.first_rank and clean and beat.iteration >= self.clean_from and beat.iter_s > 0:
-            self.clean_keep((beat.iteration, beat.iter_s))
+        self.record_block(np.array([heartbeat_row(beat)]), clean, made=beat)
+
+    def record_block(self, block: np.ndarray, clean: bool, made: Heartbeat | None = None) -> None:
+        """Keep a block of heartbeats (rows of every Heartbeat field, as
+        :meth:`NodeHeartbeats.block <falconext.protocol.messages.NodeHeartbeats.block>`
+        gives them), each as :meth:`record` keeps one; ``made``: a one-row block's
+        Heartbeat."""
+        for rank, it in zip(*self._firsts(block, self.table.record(block, made))):
+            self.first_rank = min(self.first_rank, rank)
+            self.first_beat.setdefault(rank, it)
+        if not clean or not math.isfinite(self.first_rank):
+            return
+        first = np.flatnonzero(block[:, RANK] == self.first_rank)
+        for i in first.tolist():
+            it, iter_s = int(block[i, ITERATION]), float(block[i, ITER_S])
+            if it >= self.clean_from and iter_s > 0:
+                self.clean_keep((it, iter_s))
+
+    @staticmethod
+    def _firsts(block: np.ndarray, fresh: list[int]) -> tuple[list[int], list[int]]:
+        """The ranks of ``block`` new to the table (``fresh``) and the iteration each first
+        came with."""
+        if not fresh:
+            return [], []
+        ranks = block[:, RANK].astype(np.int64).tolist()
+        its = block[:, ITERATION].astype(np.int64).tolist()
+        first_it: dict[int, int] = {}
+        for r, it in zip(ranks, its):
+            first_it.setdefault(r, it)
+        return fresh, [first_it[r] for r in fresh]
 
     def clean_keep(self, reading: tuple[int, float]) -> None:
         """Keep a clean (iteration, iter_s) reading, replacing one of the same iteration."""
@@ -85,13 +107,13 @@ class JobView:
         """The clean iteration times read at or before ``onset``."""
         return [x for it, x in self.clean if it <= onset]
 
-    def first_beats(self) -> Iterable[Heartbeat]:
-        """The kept heartbeats of the lowest rank heard from (none yet: empty)."""
+    def first_beats(self) -> Iterable[Reading]:
+        """The kept readings of the lowest rank heard from (none yet: empty)."""
         return self.history.get(int(self.first_rank), ()) if math.isfinite(self.first_rank) else ()
 
     def node_of(self) -> dict[int, int]:
         """Each rank's node, from its latest heartbeat."""
-        return {r: b.node for r, b in self.beats.items()}
+        return dict(zip(self.table.ranks(), self.table.column("node").astype(int).tolist()))
 
     def plan_changed(self, strategy: str, effective: int, window: int) -> None:
         """A strategy took effect at iteration ``effective``: clean readings count again
@@ -103,16 +125,14 @@ class JobView:
             self.clean.clear()
         if strategy == "S4":
             self.restart_from = effective
-            self.beats.clear()
-            self.history.clear()
+            self.table.clear()
 
     def new_round(self, world: int) -> None:
         """Every process of the job started again in a new rendezvous round of ``world``
         ranks (when the world size is known): what the ranks said before is forgotten."""
         if self.world is not None:
             self.world = world
-        self.beats.clear()
-        self.history.clear()
+        self.table.clear()
         self.first_beat.clear()
         self.clean.clear()
 
@@ -121,7 +141,7 @@ class JobView:
         """What the job can absorb when nodes leave (see RestartRoom): the heartbeats'
         nodes, the launcher's ``floor``, the ``spares`` waiting, and the nodes on the
         plane's host (``node_hosts``), which cannot leave."""
-        nodes = {b.node for b in self.beats.values()}
+        nodes = set(self.table.column("node").astype(int).tolist())
         fixed = tuple(sorted(n for n, h in node_hosts.items() if h == plane_host))
         return RestartRoom(len(nodes), floor, spares, fixed)
 

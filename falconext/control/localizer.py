@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from falconext.config import FalconConfig
+from falconext.control.beat_table import columns
 from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
 from falconext.protocol.commands import ValidationPlan, ValidationShare
 from falconext.protocol.messages import Heartbeat, Localized, NodeHealth, ProfileData, ValidationResult
@@ -138,7 +139,8 @@ class Localizer:
         ``onset`` (:func:`compute_rise`); a link is judged against its peers, or against
         its baseline on a two-node job. ``ranks``: those whose results are awaited."""
         flops = {r.rank: r.gemm_flops for r in self.results.values() if r.gemm_flops is not None}
-        node_of = {r: b.node for r, b in beats.items()}
+        ranks_in, nodes = columns(beats, "rank", "node")  # no Heartbeat made per rank
+        node_of = dict(zip(ranks_in.astype(int).tolist(), nodes.astype(int).tolist()))
         errors = {str(r.rank): r.error for r in self.results.values() if r.error}
         try:
             # rows were checked when decoded; one handed in directly (a test, a bug) is too
@@ -179,9 +181,10 @@ class Localizer:
         self.localizations.append(loc)
         return loc
 
-    def baseline_due(self, beat: Heartbeat, at: int, idle: bool, expected: int,
+    def baseline_due(self, past: Iterable[int], at: int, idle: bool, expected: int,
                      beats: Mapping[int, Heartbeat], first_beat: Mapping[int, int]) -> bool:
-        """Whether the link-baseline session starts now, on ``beat`` (it starts once): a
+        """Whether the link-baseline session starts now, on heartbeats in which the ranks
+        ``past`` were at iteration ``at`` or later (it starts once): a
         job on exactly two nodes, every rank (``expected`` of them) past iteration ``at``
         (0: never), the controller ``idle``. A controller that joined the job late
         (restarted: some rank's first heartbeat it saw, ``first_beat``, was already past
@@ -191,8 +194,7 @@ class Localizer:
         second)."""
         if self.baseline_started or at <= 0:
             return False
-        if beat.iteration >= at:
-            self.past_baseline.add(beat.rank)
+        self.past_baseline.update(past)
         if not idle or len(self.past_baseline) < expected:
             return False
         self.baseline_started = True

@@ -39,7 +39,7 @@ from falconext.control.metrics import JobMetrics, MetricsServer
 from falconext.protocol.eventlog import EventLog
 from falconext.protocol.base import MessageError
 from falconext.protocol.codec import encode
-from falconext.protocol.messages import RankEvent
+from falconext.protocol.messages import NodeHeartbeats, RankEvent
 from falconext.validate.health import gpu_health
 
 #: an operator's reply stays this long in Redis (``falconext ctl`` waits less)
@@ -166,8 +166,16 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             got = first + bus.read([CTL_STREAM, BEATS_STREAM], block_ms=0 if first else 100,
                                    count=c.controller_read_batch)
             beats = False
-            for stream, msg in got:
+            run: list[NodeHeartbeats] = []  # consecutive node heartbeats: taken as one block
+            for k, (stream, msg) in enumerate(got):
                 beats = beats or stream == BEATS_STREAM
+                if isinstance(msg, NodeHeartbeats):
+                    run.append(msg)
+                    if k + 1 < len(got) and isinstance(got[k + 1][1], NodeHeartbeats):
+                        continue
+                    outputs += step(ctl.handle_beats, run, time.time())
+                    run = []
+                    continue
                 if isinstance(msg, RankEvent):  # a rank's own event (several launchers): logged as it is
                     record = msg.record()
                     if msg.type == "node_joined":  # which host each node of this round is

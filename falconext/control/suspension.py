@@ -22,7 +22,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
+
 from falconext.config import FalconConfig
+from falconext.control.beat_table import columns
 from falconext.protocol.actions import MitigationAction
 from falconext.protocol.commands import Go, ProfileRequest, Release, Resume, Share, Suspend, ValidationPlan, ValidationShare
 from falconext.protocol.messages import Heartbeat, SessionAck
@@ -53,19 +56,20 @@ def margin_iterations(iter_s: float, cfg: FalconConfig) -> int:
     return 1 if is_long(iter_s, cfg.suspend_margin_s) else cfg.suspend_margin_iterations
 
 
-def placement(beats: Iterable[Heartbeat], now: float, tries: int, cfg: FalconConfig) -> Placement:
+def placement(beats: Mapping[int, Heartbeat] | Iterable[Heartbeat], now: float, tries: int, cfg: FalconConfig) -> Placement:
     """An iteration every rank has yet to start at ``now``, from their latest heartbeats,
     further ahead on each try (``tries``, from 1): where each rank is at least (its
     iteration and the time since it began), plus :func:`margin_iterations` per try, or,
     when every rank said how far into its iteration it was and iterations are long, the
     first that starts ``suspend_margin_s`` per try from now. The deadline leaves time to
     reach it, ``suspend_deadline_s`` and ``control_slack_s``."""
-    latest, iter_s, placed = 0.0, 0.0, True
-    for b in beats:
-        iter_s = max(iter_s, b.iter_s)
-        placed = placed and b.into_s >= 0
-        since = max(0.0, now - b.time + max(0.0, b.into_s))  # since its iteration began, at least
-        latest = max(latest, b.iteration + since / b.iter_s if b.iter_s > 0 else b.iteration)
+    its, iters, times, into = columns(beats, "iteration", "iter_s", "time", "into_s")
+    latest, iter_s, placed = 0.0, 0.0, bool((into >= 0).all())
+    if len(its):
+        iter_s = max(0.0, float(iters.max()))
+        since = np.maximum(0.0, now - times + np.maximum(0.0, into))  # since its iteration began, at least
+        safe = np.where(iters > 0, iters, 1.0)
+        latest = max(0.0, float(np.where(iters > 0, its + since / safe, its).max()))
     if placed and is_long(iter_s, cfg.suspend_margin_s):
         iteration = int(math.ceil(latest + tries * cfg.suspend_margin_s / iter_s))
     else:
@@ -164,7 +168,7 @@ class SuspensionCoordinator:
         self.deadline = max(t_event, now) + cfg.profile_timeout_s
         return post(ProfileRequest(self.session, cfg.profile_window_s, cfg.profile_timeout_s))
 
-    def place(self, beats: Iterable[Heartbeat], now: float, cfg: FalconConfig) -> Placement:
+    def place(self, beats: Mapping[int, Heartbeat] | Iterable[Heartbeat], now: float, cfg: FalconConfig) -> Placement:
         """One more try at a suspension of this session: its :func:`placement`, no acks yet."""
         self.tries += 1
         p = placement(beats, now, self.tries, cfg)

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from falconext.protocol.base import MessageError, is_rank
 
 
@@ -334,6 +336,38 @@ class NodeHeartbeats:
         return out
 
 
+    def block(self) -> np.ndarray:
+        """The rows as one float array, a row per rank and a column per Heartbeat field in
+        order (:data:`HEARTBEAT_FIELDS`): this node in ``node``, each field's default where
+        the message has no column for it. The message passed :meth:`check`, so integer
+        fields hold whole numbers exact as floats. What the controller keeps
+        (control/beat_table.py) without a Heartbeat per row."""
+        positions, template = _block_plan(tuple(self.columns))
+        out = np.repeat(template[None, :], len(self.rows), axis=0)
+        out[:, 1] = self.node  # HEARTBEAT_FIELDS[1]
+        if self.rows:
+            out[:, positions] = np.asarray(self.rows, dtype=np.float64)
+        return out
+
+
+def heartbeat_block(msgs: Sequence[NodeHeartbeats]) -> np.ndarray:
+    """The rows of several nodes' messages (each passed its check) as one block, as
+    :meth:`NodeHeartbeats.block` gives one message's, in order: what the controller takes
+    of a read's heartbeats in one go."""
+    if not msgs:
+        return np.zeros((0, len(HEARTBEAT_FIELDS)))
+    columns = msgs[0].columns
+    if any(m.columns != columns for m in msgs):  # agents of different versions: one at a time
+        return np.concatenate([m.block() for m in msgs])
+    positions, template = _block_plan(tuple(columns))
+    rows = list(itertools.chain.from_iterable(m.rows for m in msgs))
+    out = np.repeat(template[None, :], len(rows), axis=0)
+    out[:, 1] = np.repeat([m.node for m in msgs], [len(m.rows) for m in msgs])
+    if rows:
+        out[:, positions] = np.asarray(rows, dtype=np.float64)
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def _int_taker(columns: tuple[str, ...]) -> Any:
     """A function of a row of ``columns`` giving its integer columns' values, as a tuple."""
@@ -356,6 +390,21 @@ def _heartbeat_plan(columns: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[in
                 for f in fields(Heartbeat) if f.name not in names}
     return names, ints, defaults
 
+
+
+#: every Heartbeat field in order: the columns of :meth:`NodeHeartbeats.block`
+HEARTBEAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat))
+#: whether each of HEARTBEAT_FIELDS is an integer field
+HEARTBEAT_INTS: tuple[bool, ...] = tuple(f.type in (int, "int") for f in fields(Heartbeat))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_plan(columns: tuple[str, ...]) -> tuple[list[int], np.ndarray]:
+    """For rows of ``columns``: each column's place among HEARTBEAT_FIELDS, and a row of
+    every field's default (a required field's is 0: the rows always carry it)."""
+    _heartbeat_columns(columns)  # MessageError for unknown, repeated or missing columns
+    template = np.array([0.0 if f.default is MISSING else float(f.default) for f in fields(Heartbeat)])
+    return [HEARTBEAT_FIELDS.index(c) for c in columns], template
 
 
 #: the rank messages a node agent combines into a NodeBatch: the control flow, which at a
