@@ -287,6 +287,9 @@ class ControlConfig:
     #: the launcher, or, with a URL given (--falcon-redis-url-file), the cluster it names;
     #: 0: one server (control/shards.py)
     redis_shards: int = 0
+    #: on a Redis Cluster, a reader process per shard decodes the heartbeats for the
+    #: controller (control/beat_reader.py); off: the controller decodes them itself
+    beat_readers: bool = True
     #: a job of several launchers: the fewest nodes it can train on with its global batch
     #: unchanged (set by the launcher); an exclusion that no spare fills and that would
     #: take the job below it is refused. 0: one launcher, which replaces nodes itself

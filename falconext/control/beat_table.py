@@ -35,11 +35,6 @@ class Reading(NamedTuple):
     iter_s: float
 
 
-def heartbeat_row(beat: Heartbeat) -> list[float]:
-    """``beat``'s fields in :data:`HEARTBEAT_FIELDS` order, as floats (a block's row)."""
-    return [float(getattr(beat, f)) for f in HEARTBEAT_FIELDS]
-
-
 def heartbeats_of(rows: np.ndarray) -> list[Heartbeat]:
     """One Heartbeat per row of a block (integer fields made int), as decoding makes them."""
     if not len(rows):
@@ -241,9 +236,11 @@ class LatestBeats(Mapping[int, Heartbeat]):
         return len(self._table)
 
     def values(self) -> list[Heartbeat]:  # type: ignore[override]
+        """Every rank's latest Heartbeat, those not made yet made in one go."""
         return self._table.beats()
 
     def items(self) -> list[tuple[int, Heartbeat]]:  # type: ignore[override]
+        """(rank, its latest Heartbeat) for every rank, as :meth:`values` makes them."""
         return list(zip(self._table.ranks(), self._table.beats()))
 
     def column(self, name: str) -> np.ndarray:

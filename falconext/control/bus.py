@@ -40,7 +40,7 @@ import re
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -153,24 +153,38 @@ class Bus:
         ``[]``, after at most ``block_ms`` plus one socket timeout; in backoff it waits
         out ``block_ms`` anyway, so a consumer's poll loop does not spin.
         """
+        out: list[tuple[str, Any]] = []
+        self._read(streams, block_ms, count, lambda reply, keys: self._deliver(reply, keys, accept, out))
+        return out
+
+    def read_raw(self, streams: list[str], block_ms: int = 0, count: int | None = None) -> list[tuple[str, str, bytes]]:
+        """New entries on ``streams`` as :meth:`read` reads them, not decoded: ``(stream,
+        entry id, message text)`` (for a reader that decodes many at once:
+        :func:`~falconext.protocol.codec.decode_heartbeats`). An entry without exactly the
+        message field is dropped and counted, as :meth:`read` drops it."""
+        out: list[tuple[str, str, bytes]] = []
+        self._read(streams, block_ms, count, lambda reply, keys: self._deliver_raw(reply, keys, out))
+        return out
+
+    def _read(self, streams: list[str], block_ms: int, count: int | None, deliver: Callable[[Any, dict[str, str]], None]) -> None:
+        """The reading :meth:`read` promises; each reply handed to ``deliver(reply, keys)``."""
         if block_ms < 0:
             raise ValueError(f"block_ms must be >= 0, got {block_ms}")
         if count is not None and count < 1:
             raise ValueError(f"count must be >= 1 or None, got {count}")
         keys = {self.key(s): s for s in streams}
         if not keys:
-            return []
+            return
         deadline = time.monotonic() + block_ms / 1000
         if not self._ready():
             time.sleep(max(0.0, min(deadline, self._retry_at) - time.monotonic()))
             if not self._ready():
-                return []
+                return
         left_ms = min(block_ms, int((deadline - time.monotonic()) * 1000))  # less only after a backoff wait
-        out: list[tuple[str, Any]] = []
         reply = self._call(f"read {','.join(streams)}", lambda: self._xread(keys, max(1, left_ms), block_ms, count), None)
         if reply is None:
-            return out
-        self._deliver(reply, keys, accept, out)
+            return
+        deliver(reply, keys)
         if self._new_connection:
             # The read itself reconnected, maybe to a restarted server whose ids lie
             # behind our positions: check now, and read again if positions moved back.
@@ -179,8 +193,7 @@ class Bus:
             if moved and (dict(self._positions), self._start) != before:
                 reply = self._call(f"read {','.join(streams)}", lambda: self._xread(keys, 0, 0, count), None)
                 if reply is not None:
-                    self._deliver(reply, keys, accept, out)
-        return out
+                    deliver(reply, keys)
 
     def trim_read(self, stream: str) -> bool:
         """Remove from ``stream`` every entry up to the last this Bus has read (for a stream
@@ -385,7 +398,9 @@ class Bus:
             self._blocking = (block_ms, self._make_client(self.socket_timeout_s + block_ms / 1000))
         return self._blocking[1]
 
-    def _deliver(self, reply: Any, keys: dict[str, str], accept: set[str] | None, out: list[tuple[str, Any]]) -> None:
+    def _entries(self, reply: Any, keys: dict[str, str]) -> Iterator[tuple[str, str, Any]]:
+        """``(stream, entry id, fields)`` of each entry of an XREAD ``reply``, in order,
+        moving the stream's position past each."""
         if isinstance(reply, dict):  # RESP3: {key: [entries]}
             items: Iterable[Any] = ((key, value[0] if value else []) for key, value in reply.items())
         else:  # RESP2: [[key, entries], ...]
@@ -397,24 +412,36 @@ class Bus:
             for entry_id, fields in entries:
                 eid = _text(entry_id)
                 self._positions[stream] = _parse_id(eid)
-                msg = self._decode(stream, eid, fields, accept)
-                if msg is not None:
-                    out.append((stream, msg))
+                yield stream, eid, fields
 
-    def _decode(self, stream: str, entry_id: str, fields: Any, accept: set[str] | None) -> Any:
-        names = {_text(k) for k in (fields or {})}
-        problem = None
-        if names != {FIELD}:
-            problem = f"expected exactly field {FIELD!r}, got {sorted(names)}"
-        else:
-            raw = next(iter(fields.values()))
+    def _deliver(self, reply: Any, keys: dict[str, str], accept: set[str] | None, out: list[tuple[str, Any]]) -> None:
+        for stream, eid, fields in self._entries(reply, keys):
+            raw = self._raw(stream, eid, fields)
+            if raw is None:
+                continue
             try:
-                return codec.decode(raw, accept)
+                out.append((stream, codec.decode(raw, accept)))
             except MessageError as exc:
-                problem = str(exc)
-        self.dropped += 1
-        self.errors.append(f"dropped {stream} entry {entry_id}: {problem}")
+                self.drop(f"dropped {stream} entry {eid}: {exc}")
+
+    def _deliver_raw(self, reply: Any, keys: dict[str, str], out: list[tuple[str, str, bytes]]) -> None:
+        for stream, eid, fields in self._entries(reply, keys):
+            raw = self._raw(stream, eid, fields)
+            if raw is not None:
+                out.append((stream, eid, raw))
+
+    def _raw(self, stream: str, entry_id: str, fields: Any) -> Any:
+        """The message text of an entry; None (dropped, counted) without exactly the field."""
+        names = {_text(k) for k in (fields or {})}
+        if names == {FIELD}:
+            return next(iter(fields.values()))
+        self.drop(f"dropped {stream} entry {entry_id}: expected exactly field {FIELD!r}, got {sorted(names)}")
         return None
+
+    def drop(self, why: str) -> None:
+        """Count a malformed entry as dropped, and keep ``why`` (one line) among the errors."""
+        self.dropped += 1
+        self.errors.append(why)
 
 
 def _text(value: str | bytes) -> str:

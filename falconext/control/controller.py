@@ -29,12 +29,12 @@ import numpy as np
 from falconext.config import runtime_settable, FalconConfig
 from falconext.control import mitigation_driver as driver
 from falconext.control.episodes import Episode, State, dropped, ends, expire, is_new_fail_slow
-from falconext.control.beat_table import ITERATION, RANK, heartbeat_row
+from falconext.control.beat_table import ITERATION, RANK
 from falconext.control.heartbeats import JobView
 from falconext.control.localizer import Localizer, for_bus
 from falconext.protocol.actions import MitigationAction
 from falconext.protocol.commands import OPERATOR_COMMANDS, MitigateRequest, OperatorCommand, TableRequest
-from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, NodeBatch, NodeHealth, NodeHeartbeats, ProfileData, SessionAck, StatusSnapshot, ValidationResult, heartbeat_block
+from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized, NodeBatch, NodeHealth, NodeHeartbeats, ProfileData, SessionAck, StatusSnapshot, ValidationResult, heartbeat_block, heartbeat_row
 from falconext.control.operator import OperatorDesk
 from falconext.control.outputs import Output, event
 from falconext.control.snapshot import TABLE_FILE, rank_table, snapshot
@@ -128,6 +128,12 @@ class Controller:
         """Take several nodes' heartbeats read together at ``now`` as one block: what
         :meth:`handle` does with each message in turn, in a few array operations."""
         return self._beats(heartbeat_block(msgs), now)
+
+    def handle_block(self, block: np.ndarray, now: float) -> list[Output]:
+        """Take a block of heartbeats (rows of every Heartbeat field in order, as
+        :func:`~falconext.protocol.messages.heartbeat_block` makes them: a beat reader's,
+        control/beat_reader.py) received at ``now``, as :meth:`handle_beats` takes them."""
+        return self._beats(block, now)
 
     def handle(self, msg: Any, now: float) -> list[Output]:
         """React to one message received at ``now``: heartbeats (a rank's, or a node's in a

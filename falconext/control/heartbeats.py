@@ -14,8 +14,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from falconext.control.beat_table import ITER_S, ITERATION, RANK, BeatTable, KeptReadings, LatestBeats, Reading, heartbeat_row
-from falconext.protocol.messages import Heartbeat
+from falconext.control.beat_table import ITER_S, ITERATION, RANK, BeatTable, KeptReadings, LatestBeats, Reading
+from falconext.protocol.messages import Heartbeat, heartbeat_row
 from falconext.mitigate.room import RestartRoom
 
 

@@ -18,11 +18,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 from typing import Any
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args
 from falconext.control.agent import NodeAgent
-from falconext.control.shards import open_bus
+from falconext.control.beat_reader import READ_COUNT, BeatReaders, run_reader
+from falconext.control.shards import ShardedBus, open_bus
 from falconext.control.client import (
     BEATS_STREAM,
     CMD_STREAM,
@@ -130,6 +133,10 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             events.emit("metrics_failed", host=cfg.metrics_host, port=cfg.metrics_port, error=str(exc))
             metrics = None
     bus = open_bus(url, job, on_state=on_state)
+    # on a cluster, a reader process per shard decodes the heartbeats (control/beat_reader.py)
+    readers = (BeatReaders(url, job, len(bus.buses), READ_COUNT, bus.maxlen, emit)
+               if isinstance(bus, ShardedBus) and cfg.beat_readers else None)
+    streams = [CTL_STREAM] if readers is not None else [CTL_STREAM, BEATS_STREAM]
     # sessions of a restarted controller must not be taken for its predecessor's
     ctl = Controller(cfg, world, first_session=10_000 * (1 + int(time.time()) % 100_000), clock=time.time)
     ctl.plane_host = plane_host
@@ -148,7 +155,7 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
     kept = ctl.operator_state()
     next_beat = next_status = status_not_before = 0.0
     last_tick = time.monotonic()
-    dropped = 0
+    dropped = (0, 0)  # malformed messages the controller's bus and its beat readers dropped
     try:
         while not stop[0]:
             c = ctl.cfg  # an operator may change it (ctl set)
@@ -163,7 +170,7 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             before = bus.dropped
             first = bus.read([CTL_STREAM], count=CTL_READ_MAX)
             backlog = len(first) + bus.dropped - before >= CTL_READ_MAX  # a full read: more is waiting
-            got = first + bus.read([CTL_STREAM, BEATS_STREAM], block_ms=0 if first else 100,
+            got = first + bus.read(streams, block_ms=0 if first else (20 if readers is not None else 100),
                                    count=c.controller_read_batch)
             beats = False
             run: list[NodeHeartbeats] = []  # consecutive node heartbeats: taken as one block
@@ -187,13 +194,21 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                 outputs += step(ctl.handle, msg, time.time())
             if beats:
                 bus.trim_read(BEATS_STREAM)  # the controller is its only reader
+            if readers is not None:  # what the readers decoded since: one block
+                readers.check(time.monotonic())
+                blocks = readers.take()
+                if blocks:
+                    outputs += step(ctl.handle_block, np.concatenate(blocks), time.time())
             if not backlog or time.monotonic() - last_tick >= MAX_DEADLINE_DEFER_S:
                 outputs += step(ctl.tick, time.time())
                 last_tick = time.monotonic()
-            if bus.dropped > dropped:  # one event a round, however many: a burst must not flood the log
-                emit("message_dropped", where="controller", count=bus.dropped - dropped, dropped=bus.dropped,
-                     error=bus.errors[-1] if bus.errors else "")
-                dropped = bus.dropped
+            counts = (bus.dropped, readers.dropped if readers is not None else 0)
+            if sum(counts) > sum(dropped):  # one event a round, however many: a burst must not flood the log
+                error = (readers.last_error if readers is not None and counts[1] > dropped[1]
+                         else bus.errors[-1] if bus.errors else "")
+                emit("message_dropped", where="controller", count=sum(counts) - sum(dropped), dropped=sum(counts),
+                     error=error)
+                dropped = counts
             if outputs and ctl.operator_state() != kept:  # saved before any reply says it is done
                 kept = ctl.operator_state()
                 bus.put(OPERATOR_KEY, json.dumps(kept), OPERATOR_TTL_S)
@@ -235,6 +250,8 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             for out in replies:
                 bus.put(reply_key(out.message.id), encode(out.message), REPLY_TTL_S)
     finally:
+        if readers is not None:
+            readers.close()
         if server is not None:
             server.close()
         bus.close()
@@ -319,11 +336,12 @@ def watch_parent(stop: list[bool], every_s: float = 0.5) -> threading.Thread:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a controller or an agent as its own process (the launcher's child) until SIGTERM
+    """Run a controller, an agent or a controller's beat reader (control/beat_reader.py)
+    as its own process (the launcher's or the controller's child) until SIGTERM
     or SIGINT; returns 0. The Redis URL comes from the environment, never argv; without
     it, prints one line and returns 2."""
     p = argparse.ArgumentParser(prog="falconext.control.service", description=__doc__.splitlines()[0])
-    p.add_argument("role", choices=["controller", "agent"])
+    p.add_argument("role", choices=["controller", "agent", "beat-reader"])
     p.add_argument("--job", required=True)
     p.add_argument("--world", type=int, default=None, help="ranks in the job (controller)")
     p.add_argument("--events", default=None, help="events.jsonl to append to (controller)")
@@ -333,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a job of several launchers: the host this plane (and the rendezvous store) runs on (controller)")
     p.add_argument("--since-ms", type=int, default=None,
                    help="forward what the ranks posted from this time on, ms since the epoch (agent; default: now)")
+    p.add_argument("--shard", type=int, default=0, help="the shard whose heartbeats this reader reads (beat-reader)")
+    p.add_argument("--count", type=int, default=64, help="node messages read at most at once (beat-reader)")
+    p.add_argument("--maxlen", type=int, default=10000, help="the length streams are trimmed to (beat-reader)")
     add_config_arguments(p)
     args = p.parse_args(argv)
     url = os.environ.get(REDIS_URL_ENV)
@@ -347,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     watch_parent(stop)
+    if args.role == "beat-reader":
+        run_reader(url, args.job, args.shard, sys.stdout.buffer, stop, max(1, args.count), max(1, args.maxlen))
+        return 0
     if args.role == "controller":
         if not args.events:
             print("falconext.control.service: error: the controller needs --events", file=sys.stderr)

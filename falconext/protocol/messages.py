@@ -237,7 +237,7 @@ HEARTBEAT_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Heartbeat) if 
 #: the columns every NodeHeartbeats must carry (the others take Heartbeat's defaults)
 HEARTBEAT_REQUIRED = ("rank", "iteration", "iter_s", "time")
 #: exact integers survive the float columns up to here
-_MAX_EXACT = 2**53
+MAX_EXACT = 2**53
 
 
 @functools.lru_cache(maxsize=64)
@@ -298,11 +298,11 @@ class NodeHeartbeats:
         # every integer column's values in one pass (the controller checks thousands of
         # rows a second); the slow walk below only names the first bad one
         vals = list(itertools.chain.from_iterable(map(take, self.rows)))
-        if vals and not (all(map(float.is_integer, map(float, vals))) and -_MAX_EXACT <= min(vals)
-                         and max(vals) <= _MAX_EXACT):
+        if vals and not (all(map(float.is_integer, map(float, vals))) and -MAX_EXACT <= min(vals)
+                         and max(vals) <= MAX_EXACT):
             ints = [j for j, (_, is_int) in enumerate(cols) if is_int]
             i, j = next((i, j) for i, row in enumerate(self.rows) for j in ints
-                        if not (float(row[j]).is_integer() and -_MAX_EXACT <= row[j] <= _MAX_EXACT))
+                        if not (float(row[j]).is_integer() and -MAX_EXACT <= row[j] <= MAX_EXACT))
             raise MessageError(f"NodeHeartbeats.rows[{i}].{cols[j][0]}: expected a whole number, got {self.rows[i][j]!r}")
         rank_at = self.columns.index("rank")
         ranks = [row[rank_at] for row in self.rows]
@@ -342,7 +342,7 @@ class NodeHeartbeats:
         the message has no column for it. The message passed :meth:`check`, so integer
         fields hold whole numbers exact as floats. What the controller keeps
         (control/beat_table.py) without a Heartbeat per row."""
-        positions, template = _block_plan(tuple(self.columns))
+        positions, template = block_plan(tuple(self.columns))
         out = np.repeat(template[None, :], len(self.rows), axis=0)
         out[:, 1] = self.node  # HEARTBEAT_FIELDS[1]
         if self.rows:
@@ -350,16 +350,23 @@ class NodeHeartbeats:
         return out
 
 
-def heartbeat_block(msgs: Sequence[NodeHeartbeats]) -> np.ndarray:
-    """The rows of several nodes' messages (each passed its check) as one block, as
-    :meth:`NodeHeartbeats.block` gives one message's, in order: what the controller takes
-    of a read's heartbeats in one go."""
+def heartbeat_row(beat: Heartbeat) -> list[float]:
+    """``beat``'s fields in :data:`HEARTBEAT_FIELDS` order, as floats (a block's row)."""
+    return [float(getattr(beat, f)) for f in HEARTBEAT_FIELDS]
+
+
+def heartbeat_block(msgs: Sequence[NodeHeartbeats | Heartbeat]) -> np.ndarray:
+    """The rows of several nodes' messages (each passed its check; a lone Heartbeat is a
+    row of its own) as one block, as :meth:`NodeHeartbeats.block` gives one message's,
+    in order: what the controller takes of a read's heartbeats in one go."""
     if not msgs:
         return np.zeros((0, len(HEARTBEAT_FIELDS)))
-    columns = msgs[0].columns
-    if any(m.columns != columns for m in msgs):  # agents of different versions: one at a time
-        return np.concatenate([m.block() for m in msgs])
-    positions, template = _block_plan(tuple(columns))
+    columns = msgs[0].columns if isinstance(msgs[0], NodeHeartbeats) else None
+    if columns is None or any(not isinstance(m, NodeHeartbeats) or m.columns != columns for m in msgs):
+        # lone heartbeats, or agents of different versions: one message at a time
+        return np.concatenate([m.block() if isinstance(m, NodeHeartbeats) else np.array([heartbeat_row(m)])
+                               for m in msgs])
+    positions, template = block_plan(tuple(columns))
     rows = list(itertools.chain.from_iterable(m.rows for m in msgs))
     out = np.repeat(template[None, :], len(rows), axis=0)
     out[:, 1] = np.repeat([m.node for m in msgs], [len(m.rows) for m in msgs])
@@ -399,7 +406,7 @@ HEARTBEAT_INTS: tuple[bool, ...] = tuple(f.type in (int, "int") for f in fields(
 
 
 @functools.lru_cache(maxsize=64)
-def _block_plan(columns: tuple[str, ...]) -> tuple[list[int], np.ndarray]:
+def block_plan(columns: tuple[str, ...]) -> tuple[list[int], np.ndarray]:
     """For rows of ``columns``: each column's place among HEARTBEAT_FIELDS, and a row of
     every field's default (a required field's is 0: the rows always carry it)."""
     _heartbeat_columns(columns)  # MessageError for unknown, repeated or missing columns
