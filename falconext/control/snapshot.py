@@ -8,11 +8,14 @@ import heapq
 import math
 from typing import Any, Mapping
 
+import numpy as np
+
 from falconext.config import FalconConfig
+from falconext.control.beat_table import columns
 from falconext.control.episodes import Episode
 from falconext.protocol.messages import Heartbeat, StatusSnapshot
-from falconext.detect.scores import RankSample, rank_scores, role_key
-from falconext.mitigate.mitigation import replica_view
+from falconext.detect.scores import role_key, scores_of
+from falconext.mitigate.mitigation import replica_view_of
 from falconext.mitigate.planner import slowdown_removed
 
 
@@ -27,28 +30,34 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     slowdown the strategies removed); the config where it differs from the defaults.
     ``scores``: the ranks' latest straggler scores (the controller's rank_scores), used
     when they cover every scored rank; otherwise (or None) scored here from ``beats``."""
-    beats = dict(sorted(beats.items()))
+    # a quantity at a time over every rank (the table's columns), Heartbeats made only for
+    # the ranks listed: at 131,072 ranks the status is built every few seconds
+    rank_col, iters, iter_s, node, replica, mb_s, micro, role, tp_col, pp_col = columns(
+        beats, "rank", "iteration", "iter_s", "node", "replica", "mb_s", "micro", "role", "tp", "pp")
+    order = np.argsort(rank_col, kind="stable")  # by rank
+    ranks_in = rank_col[order].astype(int).tolist()
     scores = _scores(beats, scores)
-    shown = beats
-    if len(beats) > cfg.listed_ranks:  # the slowest: by score, then by iteration time
-        slow = heapq.nsmallest(cfg.listed_ranks, beats, key=lambda r: (
-            -(scores[r].score if r in scores else -math.inf), -beats[r].iter_s, r))
-        shown = {r: beats[r] for r in sorted(slow)}
-    ranks = {str(r): rank_row(b, scores.get(r), now) for r, b in shown.items()}
-    view = replica_view(beats.values())
-    any_beat = next(iter(beats.values()), None)
-    tp = any_beat.tp if any_beat is not None else 0
-    pp = any_beat.pp if any_beat is not None else 0
-    world = world if world is not None else len(beats)
+    if len(ranks_in) > cfg.listed_ranks:  # the slowest: by score, then by iteration time
+        time_of = dict(zip(ranks_in, iter_s[order].tolist()))
+        slow = heapq.nsmallest(cfg.listed_ranks, ranks_in, key=lambda r: (
+            -(scores[r].score if r in scores else -math.inf), -time_of[r], r))
+        shown_ranks = sorted(slow)
+    else:
+        shown_ranks = ranks_in
+    ranks = {str(r): rank_row(beats[r], scores.get(r), now) for r in shown_ranks}
+    view = replica_view_of(replica[order].astype(int).tolist(), mb_s[order].tolist(), micro[order].astype(int).tolist())
+    tp = int(tp_col[order[0]]) if len(order) else 0
+    pp = int(pp_col[order[0]]) if len(order) else 0
+    world = world if world is not None else len(ranks_in)
     plan = {
         "tp": tp, "pp": pp, "dp": world // (tp * pp) if tp > 0 and pp > 0 else None,
-        "nodes": len({b.node for b in beats.values()}),
+        "nodes": len(set(node.tolist())),
         "even": None if view is None else view.plan == [view.total // len(view.plan)] * len(view.plan),
     }
     # every replica's micro-batches and every rank's role up to listed_ranks of them; a
     # larger job's status says only whether they are even and in launch order
     plan["microbatches"] = None if view is None or len(view.plan) > cfg.listed_ranks else list(view.plan)
-    roles = [b.role for b in beats.values()] if beats and all(b.role >= 0 for b in beats.values()) else None
+    roles = role[order].astype(int).tolist() if len(order) and (role >= 0).all() else None
     plan["roles"] = roles if roles is not None and len(roles) <= cfg.listed_ranks else None
     plan["roles_in_order"] = None if roles is None else all(a <= b for a, b in zip(roles, roles[1:]))
     ep_view = planner = None
@@ -59,7 +68,7 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     return StatusSnapshot(
         time=now, job=job, world=world, state=state, session=session, muted=muted,
         ranks=ranks, plan=plan, episode=ep_view, planner=planner, config=config, last_event=last_event,
-        summary=_summary(beats, scores, len(ranks)),
+        summary=_summary(iters, iter_s, scores, len(ranks)),
     )
 
 
@@ -96,23 +105,28 @@ def _scores(beats: Mapping[int, Heartbeat], latest: Mapping[int, Any] | None = N
     """Every scored rank's straggler score against its peers (none below two scored ranks):
     ``latest`` (the controller's latest rank_scores) when it has every rank that is scored
     now, else worked out here (a rank heard from since has none there yet)."""
-    scored = {r: b for r, b in beats.items() if b.score_iteration >= 0}
-    if latest is not None and all(r in latest for r in scored):
+    rank_col, score_it, est, compute, wait, stage, role, tp = columns(
+        beats, "rank", "score_iteration", "est_iter_s", "compute_s", "wait_s", "stage", "role", "tp")
+    scored = np.flatnonzero(score_it >= 0)
+    ranks = rank_col[scored].astype(int).tolist()
+    if latest is not None and all(r in latest for r in ranks):
         return latest
-    if len(scored) < 2:
+    if len(ranks) < 2:
         return {}
-    return rank_scores({r: RankSample(b.est_iter_s, b.compute_s, b.wait_s) for r, b in scored.items()},
-                       {r: role_key(b.stage, b.role, b.tp) for r, b in scored.items()})
+    roles = [role_key(st, ro, t) for st, ro, t in zip(stage[scored].astype(int).tolist(),
+                                                      role[scored].astype(int).tolist(), tp[scored].astype(int).tolist())]
+    return scores_of(ranks, est[scored].tolist(), compute[scored].tolist(), wait[scored].tolist(), roles)
 
 
-def _summary(beats: Mapping[int, Heartbeat], scores: Mapping[int, Any], listed: int) -> dict[str, Any] | None:
-    """The snapshot's summary of every rank heard from (None: none yet)."""
-    if not beats:
+def _summary(iterations: np.ndarray, iter_s: np.ndarray, scores: Mapping[int, Any], listed: int) -> dict[str, Any] | None:
+    """The snapshot's summary of every rank heard from (their loop iterations and
+    iteration times; None: none yet)."""
+    if not len(iterations):
         return None
-    its = [b.iteration for b in beats.values()]
-    times = sorted(b.iter_s for b in beats.values())
-    return {"ranks": len(beats), "listed": listed, "iteration_min": min(its), "iteration_max": max(its),
-            "iter_s_max": round(times[-1], 6), "iter_s_median": round(times[len(times) // 2], 6),
+    times = np.sort(iter_s)
+    return {"ranks": len(iterations), "listed": listed, "iteration_min": int(iterations.min()),
+            "iteration_max": int(iterations.max()), "iter_s_max": round(float(times[-1]), 6),
+            "iter_s_median": round(float(times[len(times) // 2]), 6),
             "score_max": round(max(s.score for s in scores.values()), 4) if scores else None}
 
 
@@ -129,7 +143,8 @@ def _episode_view(ep: Episode, beats: Mapping[int, Heartbeat],
         return episode, None
     planner = dict(mit.planner.status(), gpus=mit.gpus, links=mit.links, applied=list(mit.applied))
     removed = None
-    job_s = max((b.iter_s for b in beats.values()), default=0.0)
+    (iter_s,) = columns(beats, "iter_s")
+    job_s = float(iter_s.max()) if len(iter_s) else 0.0
     levels = ep.slow_levels
     if mit.applied and levels and job_s > 0:
         slow = sorted(levels)[len(levels) // 2]

@@ -10,7 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+import numpy as np
+
 from falconext.config import FalconConfig
+from falconext.control.beat_table import columns
 from falconext.control.episodes import Episode, Sighting
 from falconext.protocol.messages import Heartbeat
 from falconext.control.outputs import Output, event
@@ -75,22 +78,27 @@ class StragglerWatch:
         forgotten."""
         if now < self.next_scores:
             return [], None
-        scored = [b for b in beats.values() if b.score_iteration >= 0]
+        # a quantity at a time over every rank (the table's columns: no Heartbeat made)
+        (rank_col, score_it, est, compute, wait, stage, role, tp, mb) = columns(
+            beats, "rank", "score_iteration", "est_iter_s", "compute_s", "wait_s", "stage", "role", "tp", "mb_s")
+        scored = np.flatnonzero(score_it >= 0)
         if len(scored) < 2:
             return [], None
         t0 = time.perf_counter()
-        ranks = [b.rank for b in scored]
-        role_of = [role_key(b.stage, b.role, b.tp) for b in scored]
-        scores = self.latest = scores_of(ranks, [b.est_iter_s for b in scored], [b.compute_s for b in scored],
-                                         [b.wait_s for b in scored], role_of)
+        ranks = rank_col[scored].astype(int).tolist()
+        role_of = [role_key(st, ro, t) for st, ro, t in zip(stage[scored].astype(int).tolist(),
+                                                             role[scored].astype(int).tolist(),
+                                                             tp[scored].astype(int).tolist())]
+        scores = self.latest = scores_of(ranks, est[scored].tolist(), compute[scored].tolist(), wait[scored].tolist(),
+                                         role_of)
         roles = dict(zip(ranks, role_of))
         listed = slowest_listed(scores, cfg.listed_ranks)
         # the slowest of all is the first of the listed (the highest scores)
-        out = [event("rank_scores", iteration=min(b.score_iteration for b in scored), slowest=slowest(listed),
+        out = [event("rank_scores", iteration=int(score_it[scored].min()), slowest=slowest(listed),
                      window=cfg.score_window, scored=len(scores), listed=len(listed),
                      score_median=round(statistics.median(s.score for s in scores.values()), 4) if scores else None,
                      ranks={str(r): s.to_dict() for r, s in listed.items()})]
-        flagged = compute_outliers(scores, {b.rank: b.mb_s for b in scored}, roles, cfg.score_trigger_ratio,
+        flagged = compute_outliers(scores, dict(zip(ranks, mb[scored].tolist())), roles, cfg.score_trigger_ratio,
                                    cfg.min_slowdown) if cfg.score_trigger_ratio else {}
         # due again in score_interval_s, or later, so that scoring every rank takes at most
         # score_max_share of the controller's time (about a second at 131,072 ranks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 from falconext.protocol.messages import Localized
@@ -110,13 +110,20 @@ def replica_view(beats: Iterable[Any]) -> ReplicaView | None:
     A replica is as fast as its slowest member: its TP peers wait for each other on
     every layer, its PP stages pass every micro-batch along.
     """
+    found = list(beats)
+    return replica_view_of([b.replica for b in found], [b.mb_s for b in found], [b.micro for b in found])
+
+
+def replica_view_of(replicas: Sequence[int], mb_s: Sequence[float], micros: Sequence[int]) -> ReplicaView | None:
+    """:func:`replica_view` of the heartbeats' values given a quantity at a time (the
+    i-th of each is one heartbeat's: the controller reads them as columns)."""
     times: dict[int, float] = {}
     micro: dict[int, int] = {}
-    for b in beats:
-        if b.replica < 0 or b.mb_s <= 0 or b.micro <= 0:
+    for replica, mb, m in zip(replicas, mb_s, micros):
+        if replica < 0 or mb <= 0 or m <= 0:
             return None
-        times[b.replica] = max(times.get(b.replica, 0.0), b.mb_s)
-        micro[b.replica] = b.micro
+        times[replica] = max(times.get(replica, 0.0), mb)
+        micro[replica] = m
     if not times or sorted(times) != list(range(len(times))):
         return None
     n = len(times)
