@@ -12,9 +12,9 @@ import numpy as np
 
 from falconext.config import FalconConfig
 from falconext.control.beat_table import columns
+from falconext.control.stragglers import scored_samples
 from falconext.control.episodes import Episode
 from falconext.protocol.messages import Heartbeat, StatusSnapshot
-from falconext.detect.scores import role_key, scores_of
 from falconext.mitigate.mitigation import replica_view_of
 from falconext.mitigate.planner import slowdown_removed
 
@@ -105,17 +105,10 @@ def _scores(beats: Mapping[int, Heartbeat], latest: Mapping[int, Any] | None = N
     """Every scored rank's straggler score against its peers (none below two scored ranks):
     ``latest`` (the controller's latest rank_scores) when it has every rank that is scored
     now, else worked out here (a rank heard from since has none there yet)."""
-    rank_col, score_it, est, compute, wait, stage, role, tp = columns(
-        beats, "rank", "score_iteration", "est_iter_s", "compute_s", "wait_s", "stage", "role", "tp")
-    scored = np.flatnonzero(score_it >= 0)
-    ranks = rank_col[scored].astype(int).tolist()
-    if latest is not None and all(r in latest for r in ranks):
+    found = scored_samples(beats)
+    if latest is not None and all(r in latest for r in found.ranks):
         return latest
-    if len(ranks) < 2:
-        return {}
-    roles = [role_key(st, ro, t) for st, ro, t in zip(stage[scored].astype(int).tolist(),
-                                                      role[scored].astype(int).tolist(), tp[scored].astype(int).tolist())]
-    return scores_of(ranks, est[scored].tolist(), compute[scored].tolist(), wait[scored].tolist(), roles)
+    return found.scores() if len(found.ranks) >= 2 else {}
 
 
 def _summary(iterations: np.ndarray, iter_s: np.ndarray, scores: Mapping[int, Any], listed: int) -> dict[str, Any] | None:

@@ -46,6 +46,38 @@ class Suspect:
                 "iteration": self.iteration}
 
 
+@dataclass(frozen=True)
+class Samples:
+    """The scored ranks' latest figures (those whose heartbeat carries a score sample), a
+    quantity at a time, each list in the same rank order: their estimated iteration,
+    compute and wait seconds, role keys (:func:`~falconext.detect.scores.role_key`) and
+    compute per micro-batch; ``iteration``: the oldest sample's loop iteration (-1: none)."""
+
+    ranks: list[int]
+    iter_s: list[float]
+    compute_s: list[float]
+    wait_s: list[float]
+    roles: list[Any]
+    mb_s: list[float]
+    iteration: int
+
+    def scores(self) -> dict[int, Any]:
+        """Every scored rank's score against its peers (:func:`~falconext.detect.scores.scores_of`)."""
+        return scores_of(self.ranks, self.iter_s, self.compute_s, self.wait_s, self.roles)
+
+
+def scored_samples(beats: Mapping[int, Heartbeat]) -> Samples:
+    """:class:`Samples` of the ranks in ``beats`` with a score sample, read a column at a
+    time (from the controller's table without making a Heartbeat per rank)."""
+    rank, score_it, est, compute, wait, stage, role, tp, mb = columns(
+        beats, "rank", "score_iteration", "est_iter_s", "compute_s", "wait_s", "stage", "role", "tp", "mb_s")
+    at = np.flatnonzero(score_it >= 0)
+    roles = [role_key(st, ro, t) for st, ro, t in zip(stage[at].astype(int).tolist(), role[at].astype(int).tolist(),
+                                                      tp[at].astype(int).tolist())]
+    return Samples(rank[at].astype(int).tolist(), est[at].tolist(), compute[at].tolist(), wait[at].tolist(), roles,
+                   mb[at].tolist(), int(score_it[at].min()) if len(at) else -1)
+
+
 class StragglerWatch:
     """When the scores are due, and each outlier's run of fresh readings."""
 
@@ -78,27 +110,20 @@ class StragglerWatch:
         forgotten."""
         if now < self.next_scores:
             return [], None
-        # a quantity at a time over every rank (the table's columns: no Heartbeat made)
-        (rank_col, score_it, est, compute, wait, stage, role, tp, mb) = columns(
-            beats, "rank", "score_iteration", "est_iter_s", "compute_s", "wait_s", "stage", "role", "tp", "mb_s")
-        scored = np.flatnonzero(score_it >= 0)
-        if len(scored) < 2:
+        found = scored_samples(beats)
+        if len(found.ranks) < 2:
             return [], None
         t0 = time.perf_counter()
-        ranks = rank_col[scored].astype(int).tolist()
-        role_of = [role_key(st, ro, t) for st, ro, t in zip(stage[scored].astype(int).tolist(),
-                                                             role[scored].astype(int).tolist(),
-                                                             tp[scored].astype(int).tolist())]
-        scores = self.latest = scores_of(ranks, est[scored].tolist(), compute[scored].tolist(), wait[scored].tolist(),
-                                         role_of)
+        ranks, role_of = found.ranks, found.roles
+        scores = self.latest = found.scores()
         roles = dict(zip(ranks, role_of))
         listed = slowest_listed(scores, cfg.listed_ranks)
         # the slowest of all is the first of the listed (the highest scores)
-        out = [event("rank_scores", iteration=int(score_it[scored].min()), slowest=slowest(listed),
+        out = [event("rank_scores", iteration=found.iteration, slowest=slowest(listed),
                      window=cfg.score_window, scored=len(scores), listed=len(listed),
                      score_median=round(statistics.median(s.score for s in scores.values()), 4) if scores else None,
                      ranks={str(r): s.to_dict() for r, s in listed.items()})]
-        flagged = compute_outliers(scores, dict(zip(ranks, mb[scored].tolist())), roles, cfg.score_trigger_ratio,
+        flagged = compute_outliers(scores, dict(zip(ranks, found.mb_s)), roles, cfg.score_trigger_ratio,
                                    cfg.min_slowdown) if cfg.score_trigger_ratio else {}
         # due again in score_interval_s, or later, so that scoring every rank takes at most
         # score_max_share of the controller's time (about a second at 131,072 ranks)
