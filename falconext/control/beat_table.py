@@ -84,7 +84,7 @@ class BeatTable:
         """The ranks heard from, in the order first heard."""
         return list(self._ranks)
 
-    def has(self, rank: int) -> bool:
+    def has(self, rank: object) -> bool:
         """Whether ``rank`` was heard from."""
         return rank in self._slot
 
@@ -227,7 +227,7 @@ class LatestBeats(Mapping[int, Heartbeat]):
         return self._table.beat(rank)
 
     def __contains__(self, rank: object) -> bool:
-        return isinstance(rank, int) and self._table.has(rank)
+        return self._table.has(rank)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._table.ranks())
@@ -262,7 +262,7 @@ class KeptReadings(Mapping[int, list[Reading]]):
         return self._table.readings(rank)
 
     def __contains__(self, rank: object) -> bool:
-        return isinstance(rank, int) and self._table.has(rank)
+        return self._table.has(rank)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._table.ranks())

@@ -75,7 +75,7 @@ class JobView:
         :meth:`NodeHeartbeats.block <falconext.protocol.messages.NodeHeartbeats.block>`
         gives them), each as :meth:`record` keeps one; ``made``: a one-row block's
         Heartbeat."""
-        for rank, it in zip(*self._firsts(block, self.table.record(block, made))):
+        for rank, it in _first_iterations(block, self.table.record(block, made)).items():
             self.first_rank = min(self.first_rank, rank)
             self.first_beat.setdefault(rank, it)
         if not clean or not math.isfinite(self.first_rank):
@@ -85,19 +85,6 @@ class JobView:
             it, iter_s = int(block[i, ITERATION]), float(block[i, ITER_S])
             if it >= self.clean_from and iter_s > 0:
                 self.clean_keep((it, iter_s))
-
-    @staticmethod
-    def _firsts(block: np.ndarray, fresh: list[int]) -> tuple[list[int], list[int]]:
-        """The ranks of ``block`` new to the table (``fresh``) and the iteration each first
-        came with."""
-        if not fresh:
-            return [], []
-        ranks = block[:, RANK].astype(np.int64).tolist()
-        its = block[:, ITERATION].astype(np.int64).tolist()
-        first_it: dict[int, int] = {}
-        for r, it in zip(ranks, its):
-            first_it.setdefault(r, it)
-        return fresh, [first_it[r] for r in fresh]
 
     def clean_keep(self, reading: tuple[int, float]) -> None:
         """Keep a clean (iteration, iter_s) reading, replacing one of the same iteration."""
@@ -144,6 +131,17 @@ class JobView:
         nodes = set(self.table.column("node").astype(int).tolist())
         fixed = tuple(sorted(n for n, h in node_hosts.items() if h == plane_host))
         return RestartRoom(len(nodes), floor, spares, fixed)
+
+
+def _first_iterations(block: np.ndarray, fresh: list[int]) -> dict[int, int]:
+    """Each of the ranks ``fresh`` (new to the table) with the iteration of its first row in
+    ``block``."""
+    if not fresh:
+        return {}
+    first: dict[int, int] = {}
+    for r, it in zip(block[:, RANK].astype(np.int64).tolist(), block[:, ITERATION].astype(np.int64).tolist()):
+        first.setdefault(r, it)
+    return {r: first[r] for r in fresh}
 
 
 def _keep_latest(kept: collections.deque, item: Any, same: bool) -> None:
