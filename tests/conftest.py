@@ -12,7 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from falconext.control.redis_cluster import RedisCluster, start_redis_cluster
 from falconext.control.redis_server import RedisServer, start_redis
+from falconext.control.shards import cluster_url, read_shards
 from falconext.testbed.zygote import ZYGOTE_ENV
 import jobs as jobs_module
 from jobs import ISOLATED, LANE, JobCache, stop_jobs
@@ -26,6 +28,19 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    """A real Redis Cluster of 3 cluster-mode redis-servers, one per test module."""
+    with start_redis_cluster(3) as c:
+        yield c
+
+
+@pytest.fixture
+def url(cluster: RedisCluster) -> str:
+    """The cluster's URL naming every shard, as the launcher hands it to the processes."""
+    return cluster_url(cluster.url, read_shards(cluster.url))
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,7 @@ from falconext.config import FalconConfig
 from falconext.control.beat_reader import MAGIC, FrameError, frame, read_frame, run_reader
 from falconext.control.client import BEATS_STREAM, STATUS_KEY, node_copy
 from falconext.control.ctl import MAX_STATUS_BYTES
-from falconext.control.redis_cluster import start_redis_cluster
-from falconext.control.shards import cluster_url, open_bus, read_shards
+from falconext.control.shards import open_bus
 from falconext.protocol.base import MessageError
 from falconext.protocol.codec import _heartbeats_at_once, decode, decode_heartbeats, encode, pack_heartbeats
 from falconext.protocol.messages import HEARTBEAT_FIELDS, Heartbeat, heartbeat_block
@@ -158,15 +157,6 @@ def test_frames_carry_blocks_and_notes_and_refuse_what_is_not_one():
 # --- real processes on a real cluster ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with start_redis_cluster(3) as c:
-        yield c
-
-
-@pytest.fixture
-def url(cluster) -> str:
-    return cluster_url(cluster.url, read_shards(cluster.url))
 
 
 def test_a_reader_passes_its_shard_s_heartbeats_on_and_counts_what_it_dropped(url):

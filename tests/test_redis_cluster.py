@@ -23,11 +23,6 @@ from falconext.control.redis_cluster import (
 )
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with start_redis_cluster(3) as c:
-        yield c
-
 
 def cluster_client(url: str) -> redis.RedisCluster:
     return redis.RedisCluster.from_url(url, socket_timeout=2.0)

@@ -18,7 +18,6 @@ from falconext.control.agent import NodeAgent
 from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, node_copy, node_stream
 from falconext.control.plane import ControlPlane, start_plane
 from falconext.control.redis_client import redis_client
-from falconext.control.redis_cluster import start_redis_cluster
 from falconext.control.redis_server import start_redis
 from falconext.control.shards import (
     Shard,
@@ -52,15 +51,6 @@ def read_until(bus, streams: list[str], n: int, timeout_s: float = 5.0) -> list:
     return got
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with start_redis_cluster(3) as c:
-        yield c
-
-
-@pytest.fixture
-def url(cluster) -> str:
-    return cluster_url(cluster.url, read_shards(cluster.url))
 
 
 # --- pure ---------------------------------------------------------------------------------

@@ -215,16 +215,12 @@ def columns(beats: Mapping[int, Heartbeat] | Iterable[Heartbeat], *names: str) -
     return [np.array([float(getattr(b, n)) for b in found]) for n in names]
 
 
-class LatestBeats(Mapping[int, Heartbeat]):
-    """Rank -> its latest Heartbeat, read from a :class:`BeatTable` (read-only; ranks in
-    the order first heard). ``values()`` and ``items()`` make the Heartbeats not made yet
-    in one go; :meth:`column` gives one field of every rank without making any."""
+class _TableView:
+    """What both views of a :class:`BeatTable` share: the ranks heard from, in the order
+    first heard, as the keys."""
 
     def __init__(self, table: BeatTable) -> None:
         self._table = table
-
-    def __getitem__(self, rank: int) -> Heartbeat:
-        return self._table.beat(rank)
 
     def __contains__(self, rank: object) -> bool:
         return self._table.has(rank)
@@ -234,6 +230,18 @@ class LatestBeats(Mapping[int, Heartbeat]):
 
     def __len__(self) -> int:
         return len(self._table)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} ranks)"
+
+
+class LatestBeats(_TableView, Mapping[int, Heartbeat]):
+    """Rank -> its latest Heartbeat, read from a :class:`BeatTable` (read-only; ranks in
+    the order first heard). ``values()`` and ``items()`` make the Heartbeats not made yet
+    in one go; :meth:`column` gives one field of every rank without making any."""
+
+    def __getitem__(self, rank: int) -> Heartbeat:
+        return self._table.beat(rank)
 
     def values(self) -> list[Heartbeat]:  # type: ignore[override]
         """Every rank's latest Heartbeat, those not made yet made in one go."""
@@ -247,32 +255,14 @@ class LatestBeats(Mapping[int, Heartbeat]):
         """Every rank's ``name`` field (see :meth:`BeatTable.column`)."""
         return self._table.column(name)
 
-    def __repr__(self) -> str:
-        return f"LatestBeats({len(self)} ranks)"
 
-
-class KeptReadings(Mapping[int, list[Reading]]):
+class KeptReadings(_TableView, Mapping[int, list[Reading]]):
     """Rank -> its kept readings, oldest first, read from a :class:`BeatTable`
     (read-only); :meth:`healthy_mb_s` works over every rank at once."""
-
-    def __init__(self, table: BeatTable) -> None:
-        self._table = table
 
     def __getitem__(self, rank: int) -> list[Reading]:
         return self._table.readings(rank)
 
-    def __contains__(self, rank: object) -> bool:
-        return self._table.has(rank)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._table.ranks())
-
-    def __len__(self) -> int:
-        return len(self._table)
-
     def healthy_mb_s(self, onset: int, lookback: int = 0) -> dict[int, float]:
         """Every rank's compute before ``onset`` (:meth:`BeatTable.healthy_mb_s`)."""
         return self._table.healthy_mb_s(onset, lookback)
-
-    def __repr__(self) -> str:
-        return f"KeptReadings({len(self)} ranks)"
