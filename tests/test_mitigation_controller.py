@@ -1053,3 +1053,27 @@ def test_a_planner_that_applied_nothing_does_not_hold_a_healthy_episode_open():
     out = ctl.tick(job.t + CFG.episode_timeout_s)
     (ev,) = events(out, "episode_timeout")
     assert ev["reason"].startswith("every rank is healthy") and ctl.episode is None
+
+
+def test_the_first_rank_s_heartbeats_read_together_each_feed_the_planner():
+    """Three iterations' node heartbeats taken as one block (a read that waited) feed the
+    planner as the same heartbeats one at a time do: each of the first rank's is observed
+    (the middle iteration is the slowest: its impact counts only if it is seen)."""
+    from falconext.protocol.codec import pack_heartbeats
+
+    one, together = Job(), Job()
+    one.localize()
+    together.localize()
+    msgs = []
+    for iter_s in (SLOW, 2 * SLOW, SLOW):
+        one.iter_s = iter_s
+        one.advance()
+        together.it += 1
+        together.t += iter_s
+        for node in (1, 0):
+            msgs += pack_heartbeats(node, [
+                Heartbeat(r, node, together.it, iter_s, together.t, replica=r, mb_s=together.mb[r],
+                          micro=together.micro[r], restart_s=together.restart_s[r]) for r in (2 * node, 2 * node + 1)])
+    together.ctl.handle_beats(msgs, together.t)
+    impact = one.ctl.episode.mitigation.planner.impact_s
+    assert impact == pytest.approx(1.25) and together.ctl.episode.mitigation.planner.impact_s == impact

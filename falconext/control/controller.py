@@ -29,7 +29,7 @@ import numpy as np
 from falconext.config import runtime_settable, FalconConfig
 from falconext.control import mitigation_driver as driver
 from falconext.control.episodes import Episode, State, dropped, ends, expire, is_new_fail_slow
-from falconext.control.beat_table import ITERATION, RANK
+from falconext.control.beat_table import ITERATION, RANK, heartbeats_of
 from falconext.control.heartbeats import JobView
 from falconext.control.localizer import Localizer, for_bus
 from falconext.protocol.actions import MitigationAction
@@ -278,8 +278,12 @@ class Controller:
         job = self.job
         job.record_block(block, clean=self.episode is None and self.state is State.TRACKING, made=made)
         out: list[Output] = []
-        if self.episode is not None and (block[:, RANK] == job.first_rank).any():
-            out += self._observe(job.beats[int(job.first_rank)], now)
+        if self.episode is not None:  # each of the first rank's heartbeats, in turn (a read may hold two)
+            rows = np.flatnonzero(block[:, RANK] == job.first_rank).tolist()
+            for i in rows[:-1]:
+                out += self._observe(heartbeats_of(block[i:i + 1])[0], now)
+            if rows:
+                out += self._observe(job.beats[int(job.first_rank)], now)
         if not self.localizer.baseline_started and self.cfg.link_baseline_iteration > 0:
             out += self._maybe_baseline(block, now)
         return out
