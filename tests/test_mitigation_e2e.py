@@ -94,7 +94,8 @@ def test_s2_rebalances_the_straggler_automatically(runs):
     summary = json.loads((out / "summary.json").read_text())
     for key in ("healthy_iter_s", "slow_iter_s", "mitigated_iter_s", "slowdown_removed", "slowdown_removed_max"):
         assert summary[key] is not None, summary
-    assert summary["detection"]["faults"][0]["first_detection_delay"] <= 12, summary["detection"]
+    # found in time by the ranks' detectors or the controller's scores (test_train)
+    assert summary["detection"]["faults"][0]["first_alarm_delay"] <= 12, summary["detection"]
     assert summary["slow_iter_s"] > 1.5 * summary["healthy_iter_s"]
     # the best integer plan on the true device times leaves 10 units of 8 healthy and 16 slow: 0.75
     assert summary["slowdown_removed_max"] == 0.75

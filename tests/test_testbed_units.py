@@ -120,6 +120,27 @@ def test_healthy_cv_leaves_out_warm_up_faults_and_falconexts_own_pauses():
     assert healthy_cv({WARMUP: 0.2}, in_fault) is None
 
 
+def test_a_fault_the_scores_suspected_first_counts_as_found_when_suspected():
+    """The controller's score trigger is the job's second detector: its suspicion of a
+    fault counts from the iteration it was raised (a mitigation it leads to may cut the
+    step short of the ranks' detectors' confirmation); a suspicion outside the fault, or a
+    re-localization inside a mitigated episode, does not."""
+    from falconext.report.summary import detection_figures
+
+    fault = {"kind": "compute", "rank": 1, "factor": 2.0, "start": 45, "end": None}
+    late = {"type": "fail_slow", "rank": 0, "onset": 56, "detected_at": 67, "slowdown": 1.17}
+    early = {"type": "straggler_suspected", "action": "localize", "rank": 1, "onset": 47, "iteration": 54}
+    f = detection_figures([late], [fault], [early])["faults"][0]
+    assert (f["detected"], f["first_detection_delay"], f["suspected_after"], f["first_alarm_delay"]) == (True, 22, 9, 9)
+    f = detection_figures([], [fault], [early])["faults"][0]
+    assert (f["detected"], f["first_detection_delay"], f["first_alarm_delay"]) == (False, None, 9)
+    before = dict(early, onset=30, iteration=38)
+    again = dict(early, action="relocalize", iteration=50)
+    f = detection_figures([late], [fault], [before, again])["faults"][0]
+    assert (f["suspected_after"], f["first_alarm_delay"]) == (None, 22)
+    assert detection_figures([], [fault])["faults"][0]["first_alarm_delay"] is None
+
+
 def test_validation_messages_last_20_ms_at_the_networks_rate():
     import argparse
 

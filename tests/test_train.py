@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,28 +129,56 @@ def test_no_fault_no_event(runs):
 
 @pytest.mark.parametrize("name", ["compute", "link"])
 def test_fault_is_detected_within_12_iterations(runs, name):
-    found = events(runs[name], "fail_slow")
-    assert found, f"no fail_slow event in the {name} run"
-    first = min(e["detected_at"] for e in found)
-    assert 0 <= first - FAULT_START <= 12, found
-    assert all(e["onset"] >= FAULT_START - 5 for e in found), found
-    assert min(abs(e["onset"] - FAULT_START) for e in found) <= 3
-    assert all(e["slowdown"] > 1.1 for e in found)
+    """The job found the fault within 12 iterations of its start. A link fault is the
+    ranks' detectors' to find (the scores compare compute only). A compute fault has two
+    detectors in the race: the ranks' (``fail_slow``) and the controller's score trigger
+    (``straggler_suspected``); on a loaded host the scores once suspected rank 1 seven
+    iterations in, and the S2 they led to cut the 1.83x step short of the 11 iterations the
+    ranks' detector needs for it (CI, 2026-11-28): either path in time is the job's
+    detection, and each names the fault, not something else."""
     summary = json.loads((runs[name] / "summary.json").read_text())
-    assert summary["detection"]["faults"][0]["detected"] is True
+    per_fault = summary["detection"]["faults"][0]
+    found = events(runs[name], "fail_slow")
+    suspected = events(runs[name], "straggler_suspected")
+    if name == "link":
+        assert found and not suspected, (found, suspected)
+        assert per_fault["detected"] is True
+        assert 0 <= per_fault["first_detection_delay"] <= 12, found
+        assert min(abs(e["onset"] - FAULT_START) for e in found) <= 3
+    else:
+        assert found or suspected, "neither detector raised the compute fault"
+        assert all(e["rank"] == 1 for e in suspected), suspected
+    alarm = per_fault["first_alarm_delay"]
+    assert alarm is not None and 0 <= alarm <= 12, (found, suspected)
+    assert min(abs(e["onset"] - FAULT_START) for e in found + suspected) <= 3
+    assert all(e["onset"] >= FAULT_START - 5 for e in found + suspected), (found, suspected)
+    assert all(e["slowdown"] > 1.1 for e in found)
     assert summary["detection"]["events_outside_faults"] == 0
     assert summary["slow_iter_s"] > 1.1 * summary["healthy_iter_s"]
 
 
-def test_detection_needs_nothing_but_the_calls(runs):
-    """Replay a faulty run's call log through the tracker: no injector, no loop, same verdict."""
-    records = read_call_log(runs["compute"] / "calls" / "rank0.jsonl")
-    tracking = RankTracking()
-    found = []
-    for rec in records:
-        found.extend(tracking.feed(rec).events)
-    assert found, "replaying the calls alone found no fail-slow"
-    assert found[0].slowdown > 1.3
+@pytest.mark.parametrize("name", ["compute", "link"])
+def test_detection_needs_nothing_but_the_calls(runs, name):
+    """Replay each rank's call log of a faulty run through the tracker: no injector, no
+    loop, the same verdicts as the rank's live detector gave (its slowdown, and how many
+    iterations after the onset it was confirmed; the replay counts iterations from the
+    log's first one it tracked). The link run's fault can only be found this way."""
+    run = runs[name]
+    live = events(run, "fail_slow")
+    replayed = 0
+    for rank in range(4):
+        log = run / "calls" / f"rank{rank}.jsonl"
+        tracking = RankTracking()
+        first: dict[int, Any] = {}  # an event's first sighting (later changes are updates)
+        for rec in read_call_log(log):
+            for ev in tracking.feed(rec).events:
+                first.setdefault(ev.id, ev)
+        got = sorted((f.detected_at - f.onset, round(f.slowdown, 4)) for f in first.values())
+        want = sorted((e["detected_at"] - e["onset"], e["slowdown"]) for e in live if e["rank"] == rank)
+        assert got == want, (rank, got, want)
+        replayed += len(got)
+    if name == "link":
+        assert replayed and min(e["slowdown"] for e in live) > 1.3, live
     # the detector's modules never import the injector
     code = (
         "import sys, falconext.detect, falconext.detect.tracking, falconext.trace.hooks, "

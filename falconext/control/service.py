@@ -18,9 +18,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from typing import Any
 
 from falconext.config import FalconConfig, add_config_arguments, config_from_args
 from falconext.control.agent import NodeAgent

@@ -284,7 +284,8 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
             "median_rel_error": round(median(errors), 6) if errors else None,
             "p90_rel_error": round(sorted(errors)[int(0.9 * (len(errors) - 1))], 6) if errors else None,
         },
-        "detection": detection_figures(fail_slows, faults),
+        "detection": detection_figures(fail_slows, faults,
+                                       [e for e in events if e.get("type") == "straggler_suspected"]),
         "localization": localization_figures(events),
         "reliability": reliability_figures(events),
     }
@@ -426,19 +427,28 @@ def localization_figures(events: list[dict]) -> dict[str, Any]:
     }
 
 
-def detection_figures(fail_slows: list[dict], faults: list[dict]) -> dict[str, Any]:
-    """Events per fault (detected, delay from the fault's start) and events outside faults."""
+def _in_fault(e: dict, start: int, end: int | None) -> bool:
+    """An event's onset is the fault's: at most 5 iterations before its start, before its end."""
+    return e.get("onset") is not None and start - 5 <= e["onset"] and (end is None or e["onset"] < end)
+
+
+def detection_figures(fail_slows: list[dict], faults: list[dict], suspicions: list[dict] = ()) -> dict[str, Any]:
+    """Events per fault (detected by the ranks' detectors, the delay from the fault's
+    start) and events outside faults. The controller's score trigger is a second detector
+    (``straggler_suspected`` events, ``suspicions``): a fault it suspected first, whose
+    mitigation then cut the step short before the ranks' detectors confirmed it, was still
+    found by the job; ``suspected_after`` is its first suspicion's delay, and
+    ``first_alarm_delay`` the earlier of the two paths' (None: neither)."""
     per_fault = []
     matched: set[int] = set()
     for f in faults:
         start, end = f["start"], f["end"]
-        hits = [
-            (k, e)
-            for k, e in enumerate(fail_slows)
-            if e.get("onset") is not None and start - 5 <= e["onset"] and (end is None or e["onset"] < end)
-        ]
+        hits = [(k, e) for k, e in enumerate(fail_slows) if _in_fault(e, start, end)]
         matched.update(k for k, _ in hits)
         delays = [e["detected_at"] - start for _, e in hits if e.get("detected_at") is not None]
+        suspected = [e["iteration"] - start for e in suspicions
+                     if e.get("action") == "localize" and e.get("iteration") is not None and _in_fault(e, start, end)]
+        alarms = delays + suspected
         per_fault.append(
             {
                 "fault": f,
@@ -446,6 +456,8 @@ def detection_figures(fail_slows: list[dict], faults: list[dict]) -> dict[str, A
                 "ranks": sorted({e["rank"] for _, e in hits}),
                 "first_detection_delay": min(delays) if delays else None,
                 "median_onset_error": median(abs(e["onset"] - start) for _, e in hits) if hits else None,
+                "suspected_after": min(suspected) if suspected else None,
+                "first_alarm_delay": min(alarms) if alarms else None,
             }
         )
     return {
@@ -480,6 +492,8 @@ def format_summary(s: dict[str, Any]) -> str:
             lines.append(
                 f"  {f['kind']} fault x{f['factor']} on {what} from iteration {f['start']}: "
                 + (f"detected after {pf['first_detection_delay']} iterations on ranks {pf['ranks']}" if pf["detected"] else "NOT detected")
+                + ("" if pf.get("suspected_after") is None
+                   else f" (the controller's scores suspected it after {pf['suspected_after']})")
             )
         loc = s.get("localization") or {}
         for e in loc.get("localized", []):
