@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from falconext.config import FalconConfig
-from falconext.control.beat_table import BeatTable, LatestBeats, columns, heartbeats_of
+from falconext.control.beat_table import BeatTable, KeptReadings, LatestBeats, columns, heartbeats_of
 from falconext.control.heartbeats import JobView
 from falconext.control.suspension import placement
 from falconext.mitigate.mitigation import healthy_mb_s
@@ -117,6 +117,12 @@ def test_a_rank_s_heartbeat_is_made_once_until_its_next():
     assert first == beats[2] and latest[2] is first and list(latest.values())[2] is first
     table.record(np.array([[float(getattr(beats[0], f)) for f in Heartbeat.__dataclass_fields__]]))
     assert latest[2] is first and latest[0] == beats[0]
+    kept = KeptReadings(table)
+    once = kept[0]  # its readings likewise: every fail-slow report reads the first rank's
+    assert kept[0] is once and [(x.iteration, x.iter_s) for x in once] == [(10, 0.3)]
+    table.record(np.array([[float(getattr(b, f)) for f in Heartbeat.__dataclass_fields__]
+                           for b in [Heartbeat(0, 0, 11, 0.4, 2.0, mb_s=0.05)]]))
+    assert [(x.iteration, x.iter_s) for x in kept[0]] == [(10, 0.3), (11, 0.4)] and kept[2] is kept[2]
     with pytest.raises(KeyError):
         latest[9]
     assert 9 not in latest and "2" not in latest and list(latest) == [0, 1, 2, 3] and len(latest) == 4
