@@ -467,3 +467,20 @@ def test_a_controller_not_seen_yet_is_lost_only_after_its_timeout(tmp_path, redi
         assert "since the rank started" in first["reason"]
     finally:
         client.stop()
+
+
+def test_the_controller_s_collector_is_paused_only_while_a_localization_runs():
+    """A localization's objects live until its verdict: the cyclic collector waits in
+    profiling and validation, and runs in every other state."""
+    import gc
+
+    from falconext.control.episodes import State
+    from falconext.control.service import collect_for
+
+    was = gc.isenabled()
+    try:
+        for state in State:
+            collect_for(state)
+            assert gc.isenabled() == (state not in (State.PROFILING, State.VALIDATING)), state
+    finally:
+        gc.enable() if was else gc.disable()
