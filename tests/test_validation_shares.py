@@ -171,3 +171,21 @@ def test_a_rank_keeps_only_the_shares_that_cover_it_for_its_suspend(tmp_path):
     client._command(Suspend(9, 40, 1.0))
     assert rt.shares == [(9, mine)] and len(rt.scheduled) == 1
     assert rank_work([s for _, s in rt.shares], 5).gemm_round == 0
+
+
+@pytest.mark.parametrize("bad, where", [(True, "pairs[1][2]"), (2.0, "pairs[1][2]"), ("7", "pairs[1][2]"),
+                                        (None, "pairs[1][2]")])
+def test_a_share_s_rows_are_whole_numbers_each_named_when_not(bad, where):
+    """A share's rows take the fast way when every value is an integer; one that is not
+    (a bool, a float, a string, null) is refused naming its place."""
+    from falconext.protocol.base import MessageError
+
+    from falconext.protocol.commands import ValidationShare
+
+    text = encode(Share(session=5, share=ValidationShare(0, 9, [[0, 3, 0]], [[0, 1, 2], [1, 3, 7]])))
+    got = decode(text)
+    assert isinstance(got, Share) and got.share.pairs == [[0, 1, 2], [1, 3, 7]] and got.share.gemm == [[0, 3, 0]]
+    body = json.loads(text)
+    body["body"]["share"]["pairs"][1][2] = bad
+    with pytest.raises(MessageError, match=rf"share\.{where.replace('[', '.').replace(']', '.')}"):
+        decode(json.dumps(body))

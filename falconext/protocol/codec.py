@@ -492,6 +492,14 @@ def _int_list(value: Any) -> list[int] | None:
     return value if type(value) is list and all(type(v) is int for v in value) else None
 
 
+def _int_rows(value: Any) -> list[list[int]] | None:
+    """``value`` when it is a list of lists of integers (no bools), else None (a validation
+    share's pair rows: thousands in each of the hundreds of shares of a 100k-rank plan)."""
+    if type(value) is not list or not set(map(type, value)) <= _LIST:
+        return None
+    return value if set(map(type, itertools.chain.from_iterable(value))) <= {int} else None
+
+
 def _float_rows(value: Any) -> list[list[float]] | None:
     """``value`` as rows of finite floats when it is a list of lists of finite numbers (no
     bools), else None."""
@@ -521,6 +529,8 @@ def _fast_check(hint: Any) -> Any:
     shape = _hint(hint)
     if shape == (list, (int,)):
         return _int_list
+    if shape[0] is list and _hint(shape[1][0]) == (list, (int,)):
+        return _int_rows
     if shape == (list, (float,)):
         return _finite_floats
     if shape[0] is list and _hint(shape[1][0]) == (list, (float,)):
