@@ -124,11 +124,11 @@ class Bus:
 
     def post(self, stream: str, msg: Any) -> bool:
         """Append one message; False when Redis is unreachable or refuses it."""
-        data = codec.encode(msg)
-        size = len(data.encode("utf-8"))
-        if size > codec.MAX_MESSAGE_BYTES:
-            # Every reader would drop it; better the sender learns here.
-            raise MessageError(f"{type(msg).__name__} of {size} bytes exceeds {codec.MAX_MESSAGE_BYTES}")
+        return self.post_text(stream, bus_text(msg))
+
+    def post_text(self, stream: str, data: str) -> bool:
+        """Append one message encoded already (:func:`bus_text`); False when Redis is
+        unreachable or refuses it."""
         return self.post_raw(stream, {FIELD: data}) is not None
 
     def post_raw(self, stream: str, fields: dict[str, str | bytes]) -> str | None:
@@ -442,6 +442,16 @@ class Bus:
         """Count a malformed entry as dropped, and keep ``why`` (one line) among the errors."""
         self.dropped += 1
         self.errors.append(why)
+
+
+def bus_text(msg: Any) -> str:
+    """``msg`` encoded for the bus; MessageError when it is over the cap (every reader would
+    drop it: better the sender learns here)."""
+    data = codec.encode(msg)
+    size = len(data.encode("utf-8"))
+    if size > codec.MAX_MESSAGE_BYTES:
+        raise MessageError(f"{type(msg).__name__} of {size} bytes exceeds {codec.MAX_MESSAGE_BYTES}")
+    return data
 
 
 def _text(value: str | bytes) -> str:

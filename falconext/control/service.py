@@ -217,7 +217,6 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
             if not backlog or time.monotonic() - last_tick >= MAX_DEADLINE_DEFER_S:
                 outputs += step(ctl.tick, time.time())
                 last_tick = time.monotonic()
-            collect_for(ctl.state)
             counts = (bus.dropped, readers.dropped if readers is not None else 0)
             if sum(counts) > sum(dropped):  # one event a round, however many: a burst must not flood the log
                 error = (readers.last_error if readers is not None and counts[1] > dropped[1]
@@ -265,6 +264,9 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                 next_status = t_status + gap
             for out in replies:
                 bus.put(reply_key(out.message.id), encode(out.message), REPLY_TTL_S)
+            # after the outputs are out: the collection a localization deferred (seconds at
+            # 100k ranks) must not hold back its verdict
+            collect_for(ctl.state)
     finally:
         if readers is not None:
             readers.close()
