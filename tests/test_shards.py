@@ -123,6 +123,10 @@ def test_node_traffic_stays_on_its_shard_and_the_controller_reads_every_shard(cl
             cmds = read_until(bus, [node_copy(CMD_STREAM, n)], 1)
             assert [type(m).__name__ for _, m in cmds] == ["Suspend"], n
             assert bus.read([node_copy(CMD_STREAM, n)]) == []
+        # several in one round trip per shard, encoded once: every node gets them in order
+        assert ctl.post_many(CMD_STREAM, [Suspend(8, 201, 5.0), Suspend(9, 202, 5.0)])
+        for n, bus in enumerate(nodes):
+            assert [m.session for _, m in read_until(bus, [node_copy(CMD_STREAM, n)], 2)] == [8, 9], n
         # an operator's command (posted without a node) is read once
         assert nodes[4].post(CTL_STREAM, report(99))
         assert [m.rank for _, m in read_until(ctl, [CTL_STREAM], 1)] == [99]

@@ -131,6 +131,28 @@ class Bus:
         unreachable or refuses it."""
         return self.post_raw(stream, {FIELD: data}) is not None
 
+    def post_many(self, stream: str, msgs: list[Any]) -> bool:
+        """Append several messages in one round trip (MessageError, before any is posted,
+        when one is over the cap); False when Redis is unreachable or refuses any."""
+        return self.post_texts(stream, [bus_text(m) for m in msgs])
+
+    def post_texts(self, stream: str, datas: list[str]) -> bool:
+        """Append several messages encoded already, in order, in one round trip (a
+        100k-rank validation plan's 179 shares took a round trip each); False when Redis
+        is unreachable or refuses any."""
+        if not datas:
+            return True
+        key = self.key(stream)
+
+        def send() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for data in datas:
+                pipe.xadd(key, {FIELD: data}, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+            return pipe.execute(raise_on_error=False)
+
+        got = self._call(f"post to {stream}", send, None)
+        return got is not None and not any(isinstance(x, Exception) for x in got)
+
     def post_raw(self, stream: str, fields: dict[str, str | bytes]) -> str | None:
         """Append an entry of arbitrary fields, unchecked (tests inject corrupted entries
         with this); returns its id, or None when Redis is unreachable or refuses."""

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -228,7 +228,8 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                 kept = ctl.operator_state()
                 bus.put(OPERATOR_KEY, json.dumps(kept), OPERATOR_TTL_S)
             replies = [out for out in outputs if out.kind == "reply"]
-            for out in outputs:
+            commands: list[Any] = []  # consecutive commands: posted in one round trip
+            for k, out in enumerate(outputs):
                 if out.kind == "reply":
                     continue  # after the snapshot below: a command reported done shows in the status
                 if out.kind == "table":  # an operator asked for every rank's row: written before the reply
@@ -237,12 +238,14 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                     except OSError as exc:
                         emit("table_failed", error=str(exc))
                     continue
-                if out.kind in ("command", "localized"):
-                    stream = CMD_STREAM if out.kind == "command" else LOCALIZED_STREAM
-                    try:
-                        bus.post(stream, out.message)
-                    except MessageError as exc:  # too large for the bus: said, never the controller's end
-                        emit("post_failed", what=type(out.message).__name__, error=str(exc))
+                if out.kind == "command":
+                    commands.append(out.message)
+                    if k + 1 < len(outputs) and outputs[k + 1].kind == "command":
+                        continue
+                    post_commands(bus, commands, emit)
+                    commands = []
+                elif out.kind == "localized":
+                    post_commands(bus, [out.message], emit, LOCALIZED_STREAM)
                 else:
                     ev = dict(out.event)
                     emit(ev.pop("type"), **ev)
@@ -285,6 +288,22 @@ def write_table(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)
+
+
+def post_commands(bus: Any, msgs: list[Any], emit: Callable[..., None], stream: str = CMD_STREAM) -> None:
+    """Post the controller's ``msgs`` to ``stream`` in order, in one round trip; one too
+    large for the bus is said (``post_failed``, never the controller's end) and the others
+    still go."""
+    try:
+        bus.post_many(stream, msgs)
+        return
+    except MessageError:
+        pass
+    for msg in msgs:
+        try:
+            bus.post(stream, msg)
+        except MessageError as exc:
+            emit("post_failed", what=type(msg).__name__, error=str(exc))
 
 
 def guarded(events):

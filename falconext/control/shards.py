@@ -216,6 +216,12 @@ class ShardedBus:
         data = bus_text(msg)  # encoded once for every copy (a 100k-rank plan's shares: 7 MB)
         return all([b.post_text(stream, data) for b in self._on(stream, post=True)])
 
+    def post_many(self, stream: str, msgs: list[Any]) -> bool:
+        """Append ``msgs`` to ``stream`` as Bus.post_many does, on every shard's copy of a
+        stream to the nodes, each encoded once."""
+        datas = [bus_text(m) for m in msgs]
+        return all([b.post_texts(stream, datas) for b in self._on(stream, post=True)])
+
     def post_raw(self, stream: str, fields: dict[str, str | bytes]) -> str | None:
         """As Bus.post_raw; on every shard's copy, the first shard's id."""
         ids = [b.post_raw(stream, fields) for b in self._on(stream, post=True)]
