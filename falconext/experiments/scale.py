@@ -51,7 +51,8 @@ from falconext.control.client import BEATS_STREAM, CMD_STREAM, CTL_STREAM, LOCAL
 from falconext.control.redis_cluster import start_redis_cluster
 from falconext.control.redis_server import start_redis
 from falconext.control.shards import ShardedBus, cluster_url, open_bus, read_shards
-from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+from falconext.protocol.base import MessageError
 from falconext.protocol.commands import Go, ProfileRequest, Share, Suspend
 from falconext.protocol.messages import Heartbeat, Localized, ProfileData, ValidationResult
 from falconext.protocol.rank_side import (
@@ -60,6 +61,7 @@ from falconext.protocol.rank_side import (
     fail_slow_report,
     heartbeat,
     held_ack,
+    missed_ack,
     profile_data,
     resumed_ack,
     validation_result,
@@ -224,7 +226,7 @@ class _Ranks:
         self.largest = ("", 0)
         self.posted = 0
         self.busy_s = 0.0
-        self._queue: deque[tuple[str, Any]] = deque()
+        self._queue: deque[tuple[str, Any, float]] = deque()
         self._keys: dict[str, tuple[int, str]] = {}
 
     def placed(self, stream: str, post: bool = False) -> list[tuple[int, str]]:
@@ -306,10 +308,19 @@ class _Ranks:
         self.busy_s += done - t0
         return done - t1
 
-    def next_message(self, streams: list[str], until: float) -> tuple[str, Any] | None:
-        """The next command or verdict, or None at ``until`` (monotonic)."""
+    def next_message(self, streams: list[str], until: float) -> tuple[str, Any, float] | None:
+        """The next command or verdict, with when the controller posted it (its stream
+        entry's time: a rank blocked on its node's commands has it then, where this
+        process reads and decodes every rank's one after another), or None at ``until``
+        (monotonic). ``streams``: the controller's streams to the ranks (commands,
+        verdicts), on shard 0 of a cluster (shards.route)."""
+        reader = self.bus.buses[0] if isinstance(self.bus, ShardedBus) else self.bus
         while not self._queue and time.monotonic() < until:
-            self._queue.extend(self.bus.read(streams, block_ms=50))
+            for stream, entry, text in reader.read_raw(streams, block_ms=50):
+                try:
+                    self._queue.append((stream, decode(text), int(entry.split("-")[0]) / 1000))
+                except (MessageError, ValueError):
+                    continue  # the controller posts only what decodes: never here
         return self._queue.popleft() if self._queue else None
 
     def close(self) -> None:
@@ -393,6 +404,7 @@ def premade(layout: Layout, iter_s: float, healthy_s: float, allreduce_s: float,
     s, i, t, p = MARKS["session"], MARKS["iteration"], MARKS["time"], MARKS["pause_s"]
     out = {"profiles": Premade(profiles(layout, s, iter_s, healthy_s, allreduce_s, time.time(), rng)),
            "held": Premade([held_ack(r, s, i, t) for r in range(ranks)]),
+           "missed": Premade([missed_ack(r, s, i, t) for r in range(ranks)]),
            "resumed": Premade([resumed_ack(r, s, i, t, p, False, False) for r in range(ranks)])}
     if cfg is not None:
         plan = expected_plan(layout, cfg)
@@ -468,6 +480,17 @@ def _localize(sim: _Ranks, layout: Layout, iteration: int, slow_s: float, health
             suspend_at = msg.iteration
             row["report_to_suspend_cmd_s"] = round(now - t_report, 3)
             row["suspend_command_bytes"] = len(encode(msg))
+            # where the ranks were when the command was posted (this process's own serial
+            # reading of every rank's shares is not the ranks')
+            lag = max(0.0, time.time() - got[2])
+            if iteration + (time.monotonic() - lag - clock0) / slow_s > suspend_at:
+                # the ranks began it before the command came: they say so
+                row["suspend_misses"] = row.get("suspend_misses", 0) + 1
+                if made is not None:
+                    sim.post_encoded(made["missed"].filled(session=session, iteration=suspend_at, time=time.time()))
+                else:
+                    sim.post([missed_ack(r, session, suspend_at, time.time()) for r in range(ranks)])
+                continue  # the controller releases them and suspends again further ahead
             reached = iteration + (time.monotonic() - clock0) / slow_s
             time.sleep(max(0.0, (suspend_at - reached) * slow_s))  # the ranks reach the agreed iteration
             held = time.time()
@@ -584,12 +607,17 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         # and the controller's CPU time meanwhile: its load at the offered rate
         iteration = FIRST_ITERATION
         cpu0, wall0 = _cpu_s(proc.pid), time.monotonic()
+        beat_at = time.monotonic()
         for _ in range(STEADY_ROUNDS):
-            t_round = time.monotonic()
+            t_round = beat_at = time.monotonic()
             sim.post(heartbeats(layout, iteration, slow_s, healthy_s, time.time()))
             iteration += 1
             time.sleep(max(0.0, cfg.heartbeat_s - (time.monotonic() - t_round)))
-        started = time.monotonic()  # ``iteration`` begins (the ranks' clock from here on)
+        # the ranks are where their last heartbeats said: that iteration began when they
+        # were made (the ranks' clock from here on). Counting it from after the last
+        # round's posting (seconds at 131,072 ranks) put the ranks iterations behind
+        # their own heartbeats, and they waited that much longer for the suspension's
+        iteration, started = iteration - 1, beat_at
         row["controller_cpu_share"] = round((_cpu_s(proc.pid) - cpu0) / (time.monotonic() - wall0), 3)
         row["steady_backlog_node_msgs"] = sim.backlog()
         sim.busy_s = 0.0
