@@ -442,3 +442,35 @@ def test_s3_roles_in_force_outlive_an_s4_restart(tmp_path):
         with pytest.raises(InputError, match="roles must be a permutation"):
             launch.restored_roles(restart.RestartRequest(iteration=5, exclude_nodes=[], checkpoint="c",
                                                          extra={"roles": bad}), 4)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_replica_view_of_columns_is_the_plain_loop_s(seed):
+    """The column form (numpy, for 100k heartbeats) gives exactly what a loop over the
+    heartbeats gives: the slowest member's time, the last heartbeat's count, or None."""
+    import random
+
+    from falconext.mitigate.mitigation import replica_view_of
+
+    def plain(replicas, mb_s, micros):
+        times, micro = {}, {}
+        for replica, mb, m in zip(replicas, mb_s, micros):
+            if replica < 0 or mb <= 0 or m <= 0:
+                return None
+            times[replica] = max(times.get(replica, 0.0), mb)
+            micro[replica] = m
+        if not times or sorted(times) != list(range(len(times))):
+            return None
+        n = len(times)
+        return ([times[r] for r in range(n)], [micro[r] for r in range(n)], sum(micro.values()))
+
+    rng = random.Random(seed)
+    for _ in range(300):
+        n = rng.randint(0, 12)
+        replicas = [rng.randint(-1 if rng.random() < 0.05 else 0, 4) for _ in range(n)]
+        mb = [rng.choice([0.0, round(rng.uniform(0.01, 0.2), 4)]) if rng.random() < 0.1 else round(rng.uniform(0.01, 0.2), 4)
+              for _ in range(n)]
+        micros = [rng.choice([0, 4, 8]) if rng.random() < 0.1 else rng.choice([4, 8]) for _ in range(n)]
+        got = replica_view_of(replicas, mb, micros)
+        want = plain(replicas, mb, micros)
+        assert (None if got is None else (got.times, got.plan, got.total)) == want, (replicas, mb, micros)

@@ -147,10 +147,9 @@ class Localizer:
             pairs = [(int(s), int(d), float(t)) for r in self.results.values() for s, d, t in r.links]
             suspects = self.findings.compute_suspects if self.findings else []
             # the rise of the ranks that ran a GEMM only: no other is judged (a 100k-rank job
-            # validates a few suspects' GPUs)
-            ran = {r: history[r] for r in flops if r in history}
+            # validates a few suspects' groups)
             gpus = slow_ranks(flops, cfg.validation_slow_factor, suspects,
-                              compute_rise=compute_rise(beats, ran, onset, cfg.min_duration))
+                              compute_rise=compute_rise(beats, history, onset, cfg.min_duration, set(flops)))
             links, link_evidence = slow_links(
                 [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, cfg.validation_slow_factor,
                 cfg.validation_min_link_excess_s, baseline=self.link_baseline,
@@ -208,14 +207,20 @@ class Localizer:
 
 
 def compute_rise(beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[Heartbeat]], onset: int | None,
-                 lookback: int) -> dict[int, float]:
-    """Each rank's compute per micro-batch in its latest heartbeat over its own before
-    ``onset`` (:func:`~falconext.mitigate.mitigation.healthy_mb_s`, ``lookback``
-    iterations back); ranks without both are left out; no onset, no figures."""
+                 lookback: int, ranks: set[int] | None = None) -> dict[int, float]:
+    """Each rank's (of ``ranks``; None: every one) compute per micro-batch in its latest
+    heartbeat over its own before ``onset``
+    (:func:`~falconext.mitigate.mitigation.healthy_mb_s`, ``lookback`` iterations back);
+    ranks without both are left out; no onset, no figures. Read as columns of the
+    controller's table (every rank at once: the 32,768 ranks of a 131,072-rank job's
+    suspect's DP group took 0.7 s a rank at a time)."""
     if onset is None:
         return {}
     before = healthy_mb_s(history, onset, lookback)
-    return {r: beats[r].mb_s / t for r, t in before.items() if r in beats and t > 0 and beats[r].mb_s > 0}
+    ids, mb = columns(beats, "rank", "mb_s")
+    now = dict(zip(ids.astype(int).tolist(), mb.tolist()))
+    return {r: now[r] / t for r, t in before.items()
+            if (ranks is None or r in ranks) and r in now and t > 0 and now[r] > 0}
 
 
 def for_bus(loc: Localized) -> Localized:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from falconext.config import FalconConfig
+from falconext.control.beat_table import columns
 from falconext.control.episodes import Episode, Sighting
 from falconext.protocol.actions import MitigationAction, action_details
 from falconext.protocol.messages import FailSlowReport, Heartbeat, Localized
@@ -50,7 +51,7 @@ from falconext.mitigate.mitigation import (
     link_excess,
     new_mitigation,
     recovery_references,
-    replica_view,
+    replica_view_of,
     replicas_of,
     straggler_recovered,
 )
@@ -67,7 +68,9 @@ def overheads(root: str, beats: Mapping[int, Heartbeat], last_pause_s: float,
     load and start-up (every rank's); S3 = the ranks' measured pause of a topology
     switch (a probe switch at start-up, then the last real one) plus the last pause."""
     s2 = None
-    view = replica_view(beats.values())
+    # columns, not a Heartbeat per rank (131,072 of them, three times a decision)
+    replica, mb, micro, restart_s, switch_s = columns(beats, "replica", "mb_s", "micro", "restart_s", "switch_s")
+    view = replica_view_of(replica, mb, micro)
     if root == "computation" and view is not None:
         t0 = time.perf_counter()
         try:
@@ -75,10 +78,9 @@ def overheads(root: str, beats: Mapping[int, Heartbeat], last_pause_s: float,
             s2 = time.perf_counter() - t0 + last_pause_s
         except ValueError:
             s2 = None
-    restart = [b.restart_s for b in beats.values() if b.restart_s > 0]
-    s4 = max(restart) if restart and len(restart) == len(beats) else None
-    switch = [b.switch_s for b in beats.values() if b.switch_s > 0]
-    s3 = max(switch) + last_pause_s if switch and len(switch) == len(beats) else None
+    restart, switch = restart_s[restart_s > 0], switch_s[switch_s > 0]
+    s4 = float(restart.max()) if len(restart) and len(restart) == len(beats) else None
+    s3 = float(switch.max()) + last_pause_s if len(switch) and len(switch) == len(beats) else None
     out: dict[str, float | None] = {"S3": s3, "S4": s4}
     if root == "computation":
         out["S2"] = s2
@@ -155,7 +157,7 @@ def check_recovery(mit: Mitigation, beats: Mapping[int, Heartbeat], it: int, cfg
     # every slow GPU needs its reference: one read against nothing could still be slow
     own = back_to_own_level(beats, mit.recovery_refs, cfg.min_slowdown) \
         if set(mit.recovery_refs) == set(mit.gpus) else None
-    view = replica_view(beats.values())
+    view = replica_view_of(*columns(beats, "replica", "mb_s", "micro"))
     if own is not None:
         seen = min(beats[g].iteration for g in mit.recovery_refs)
         if seen > mit.own_seen:  # a fresh reading (several heartbeats may carry one)

@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from falconext.protocol.actions import MicrobatchPlan, MitigationAction, Restart, TopologyChange
 from falconext.protocol.messages import Localized
 from falconext.mitigate.microbatch import plan_microbatches
@@ -117,17 +119,20 @@ def replica_view(beats: Iterable[Any]) -> ReplicaView | None:
 def replica_view_of(replicas: Sequence[int], mb_s: Sequence[float], micros: Sequence[int]) -> ReplicaView | None:
     """:func:`replica_view` of the heartbeats' values given a quantity at a time (the
     i-th of each is one heartbeat's: the controller reads them as columns)."""
-    times: dict[int, float] = {}
-    micro: dict[int, int] = {}
-    for replica, mb, m in zip(replicas, mb_s, micros):
-        if replica < 0 or mb <= 0 or m <= 0:
-            return None
-        times[replica] = max(times.get(replica, 0.0), mb)
-        micro[replica] = m
-    if not times or sorted(times) != list(range(len(times))):
+    rep = np.asarray(replicas, dtype=np.int64)
+    mb = np.asarray(mb_s, dtype=np.float64)
+    micro = np.asarray(micros, dtype=np.int64)
+    if not len(rep) or (rep < 0).any() or not (mb > 0).all() or (micro <= 0).any():
         return None
-    n = len(times)
-    return ReplicaView([times[r] for r in range(n)], [micro[r] for r in range(n)], sum(micro.values()))
+    n = int(rep.max()) + 1
+    if not (np.bincount(rep, minlength=n) > 0).all():  # the replicas are exactly 0 .. n-1
+        return None
+    times = np.zeros(n)
+    np.maximum.at(times, rep, mb)  # the slowest member's
+    last = np.zeros(n, dtype=np.int64)
+    np.maximum.at(last, rep, np.arange(len(rep)))  # the micro-batches its last heartbeat says
+    per = micro[last]
+    return ReplicaView(times.tolist(), per.tolist(), int(per.sum()))
 
 
 def cap_by_gemm(times: list[float], factors: Mapping[int, float]) -> list[float]:
