@@ -246,3 +246,27 @@ def test_bad_link_time_names_the_pair(bad):
 def test_rank_without_node_is_named():
     with pytest.raises(ValueError, match="rank 5"):
         slow_links([(0, 5, 1.0)], {0: 0, 1: 1})
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_link_values_over_arrays_are_the_loop_s(seed):
+    """At 100k ranks the link medians are worked out over arrays: exactly the figures of
+    the loop over the measurements (ties, even and odd counts, both directions, links
+    inside a node), and the same verdict; anything in doubt takes the loop's way."""
+    import random
+
+    from falconext.validate.verdict import _link_values, _link_values_at_once
+
+    rng = random.Random(seed)
+    nodes = rng.randint(2, 9)
+    node_of = {r: r // 4 for r in range(4 * nodes)}
+    pairs = []
+    for _ in range(rng.randint(1, 300)):
+        src, dst = rng.sample(sorted(node_of), 2)
+        pairs.append((src, dst, rng.choice([0.001, 0.002, round(rng.uniform(0.0005, 0.05), 6)])))
+    fast = _link_values_at_once(pairs, node_of)
+    assert fast is not None and fast == _link_values(pairs, node_of)
+    assert list(fast) == sorted(fast)
+    assert slow_links(pairs, node_of, 1.5) == slow_links([list(p) for p in pairs], node_of, 1.5)  # lists: the loop
+    for bad in ([(0, 1, float("nan"))], [(0, 1, 0.0)], [(0, 99, 0.1)], [(0, 1, 1)], [(-1, 1, 0.1)], [(0, 1)]):
+        assert _link_values_at_once(pairs + bad, node_of) is None
