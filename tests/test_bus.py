@@ -177,15 +177,14 @@ def test_commands_go_in_one_round_trip_in_order_and_one_too_large_is_said(redis_
     """The controller's consecutive commands (a 100k-rank plan's 179 shares, then the
     suspend) are posted in one pipeline, in order; one over the cap refuses the batch
     before anything is posted, so each goes alone and the too-large one is said."""
-    from falconext.control.service import post_commands
+    from falconext.control.service import post_in_order
 
     bus, reader = Bus(redis_server.url, "j"), Bus(redis_server.url, "j")
     assert bus.post_many("c", [Suspend(s, 100 + s, 5.0) for s in range(1, 6)]) and bus.post_many("c", [])
     assert [m.session for _, m in reader.read(["c"])] == [1, 2, 3, 4, 5]
     said: list[tuple[str, dict]] = []
     big = Localized([1], [], {"blob": "x" * MAX_MESSAGE_BYTES})
-    post_commands(bus, [Suspend(6, 106, 5.0), big, Suspend(7, 107, 5.0)], lambda t, **f: said.append((t, f)),
-                  stream="c")
+    post_in_order(bus, "c", [Suspend(6, 106, 5.0), big, Suspend(7, 107, 5.0)], lambda t, **f: said.append((t, f)))
     assert [m.session for _, m in reader.read(["c"])] == [6, 7]
     assert [(t, f["what"]) for t, f in said] == [("post_failed", "Localized")] and "exceeds" in said[0][1]["error"]
     redis_server.stop()

@@ -266,7 +266,7 @@ class LatestBeats(_TableView, Mapping[int, Heartbeat]):
         return self._table.column(name)
 
 
-class KeptReadings(_TableView, Mapping[int, list[Reading]]):
+class KeptReadings(_TableView, Mapping[int, tuple[Reading, ...]]):
     """Rank -> its kept readings, oldest first, read from a :class:`BeatTable`
     (read-only); :meth:`healthy_mb_s` works over every rank at once."""
 

@@ -242,10 +242,10 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                     commands.append(out.message)
                     if k + 1 < len(outputs) and outputs[k + 1].kind == "command":
                         continue
-                    post_commands(bus, commands, emit)
+                    post_in_order(bus, CMD_STREAM, commands, emit)
                     commands = []
                 elif out.kind == "localized":
-                    post_commands(bus, [out.message], emit, LOCALIZED_STREAM)
+                    post_in_order(bus, LOCALIZED_STREAM, [out.message], emit)
                 else:
                     ev = dict(out.event)
                     emit(ev.pop("type"), **ev)
@@ -290,10 +290,10 @@ def write_table(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def post_commands(bus: Any, msgs: list[Any], emit: Callable[..., None], stream: str = CMD_STREAM) -> None:
-    """Post the controller's ``msgs`` to ``stream`` in order, in one round trip; one too
-    large for the bus is said (``post_failed``, never the controller's end) and the others
-    still go."""
+def post_in_order(bus: Any, stream: str, msgs: list[Any], emit: Callable[..., None]) -> None:
+    """Post the controller's ``msgs`` (commands, a verdict) to ``stream`` in order, in one
+    round trip; one too large for the bus is said (``post_failed``, never the controller's
+    end) and the others still go."""
     try:
         bus.post_many(stream, msgs)
         return

@@ -616,7 +616,7 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         # the ranks are where their last heartbeats said: that iteration began when they
         # were made (the ranks' clock from here on). Counting it from after the last
         # round's posting (seconds at 131,072 ranks) put the ranks iterations behind
-        # their own heartbeats, and they waited that much longer for the suspension's
+        # their own heartbeats, and they waited that much longer for the suspension
         iteration, started = iteration - 1, beat_at
         row["controller_cpu_share"] = round((_cpu_s(proc.pid) - cpu0) / (time.monotonic() - wall0), 3)
         row["steady_backlog_node_msgs"] = sim.backlog()

@@ -20,7 +20,7 @@ import glob
 import json
 import os
 from statistics import fmean, median, pstdev
-from typing import Any
+from typing import Any, Sequence
 
 from falconext.detect.scores import RankSample, rank_scores
 from falconext.mitigate.planner import slowdown_removed
@@ -432,7 +432,7 @@ def _in_fault(e: dict, start: int, end: int | None) -> bool:
     return e.get("onset") is not None and start - 5 <= e["onset"] and (end is None or e["onset"] < end)
 
 
-def detection_figures(fail_slows: list[dict], faults: list[dict], suspicions: list[dict] = ()) -> dict[str, Any]:
+def detection_figures(fail_slows: list[dict], faults: list[dict], suspicions: Sequence[dict] = ()) -> dict[str, Any]:
     """Events per fault (detected by the ranks' detectors, the delay from the fault's
     start) and events outside faults. The controller's score trigger is a second detector
     (``straggler_suspected`` events, ``suspicions``): a fault it suspected first, whose
