@@ -12,6 +12,7 @@ import pytest
 from falconext.profile.analysis import last_arrivers, transfer_median
 from falconext.profile.matching import match
 from falconext.profile.window import analyze_window, group_members
+from falconext.protocol.codec import decode, encode, pack_batch
 from falconext.protocol.messages import ProfileData
 
 
@@ -74,6 +75,24 @@ def test_matching_over_arrays_is_the_plain_matching(seed):
     assert got.count == count
     assert got.arrivals == arrivals and list(got.arrivals) == list(arrivals)  # the same order too
     assert got.transfers == transfers
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decoded_profiles_are_matched_as_the_ones_made(seed):
+    """A node's profiles decoded from its batch carry their rows as one checked array
+    (ProfileData.call_array): the matching over them is the matching over the messages made."""
+    windows = random_windows(seed)
+    by_node = {}
+    for w in windows:
+        by_node.setdefault(w.rank // 4, []).append(w)
+    windows = [w for mine in by_node.values() for w in mine]  # in the order the batches bring them
+    decoded = [m for node, mine in by_node.items() for b in pack_batch(node, mine)
+               for m in decode(encode(b)).messages()]
+    assert all("_call_array" in vars(m) for m in decoded) and decoded == windows
+    made, got = match(windows, group_members), match(decoded, group_members)
+    assert (got.count, got.arrivals, got.transfers) == (made.count, made.arrivals, made.transfers)
+    for w, m in zip(windows, decoded):
+        assert m.call_array().tolist() == w.call_array().tolist()
 
 
 def test_a_collective_counts_only_when_every_member_reported_it():

@@ -55,10 +55,12 @@ def _segments(keys: list[np.ndarray]) -> np.ndarray:
 def _table(windows: Sequence[CallWindow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], dict[str, int]]:
     """Every call row as one float array ``(k, t_issue, t_end, bytes)``, with each row's
     group index and rank, the groups' ids, and for each group the index of the first
-    window whose calls name it (its members are read there)."""
+    window whose calls name it (its members are read there). A window's rows come from
+    its ``call_array()`` where it has one (a decoded profile: made when its batch was
+    checked)."""
     gids: dict[str, int] = {}
     first_window: dict[str, int] = {}
-    rows: list[Sequence[float]] = []
+    parts: list[np.ndarray] = []
     seg_g: list[int] = []
     seg_r: list[int] = []
     seg_n: list[int] = []
@@ -71,23 +73,32 @@ def _table(windows: Sequence[CallWindow]) -> tuple[np.ndarray, np.ndarray, np.nd
             gi = gids.get(gid)
             if gi is None:
                 gi = gids[gid] = len(gids)
-            rows.extend(calls)
             seg_g.append(gi)
             seg_r.append(w.rank)
             seg_n.append(len(calls))
-    try:
-        table = np.array(rows, dtype=np.float64).reshape(len(rows), 4)
-    except (ValueError, TypeError):
-        for w in windows:
+        try:
+            made = getattr(w, "call_array", None)
+            part = made() if callable(made) else _rows_array(w)
+        except (ValueError, TypeError, OverflowError):
+            part = None
+        if part is None or part.shape != (sum(map(len, w.calls.values())), 4):
             for gid, calls in w.calls.items():
                 for row in calls:
                     if len(row) != 4:
                         raise ValueError(f"rank {w.rank}, group {gid}: a call row needs [k, t_issue, t_end, bytes]")
-        raise ValueError("a call row is not four numbers") from None
+            raise ValueError("a call row is not four numbers")
+        parts.append(part)
+    table = np.concatenate(parts) if parts else np.zeros((0, 4))
     counts = np.array(seg_n, dtype=np.int64)
     g = np.repeat(np.array(seg_g, dtype=np.int64), counts)
     r = np.repeat(np.array(seg_r, dtype=np.int64), counts)
     return table, g, r, list(gids), first_window
+
+
+def _rows_array(w: CallWindow) -> np.ndarray:
+    """A window's call rows, group by group, as one ``(n, 4)`` float array."""
+    rows = [row for calls in w.calls.values() for row in calls]
+    return np.array(rows, dtype=np.float64).reshape(len(rows), 4)
 
 
 def _is_member(ranks: np.ndarray, members: Sequence[int]) -> tuple[np.ndarray, int]:

@@ -125,6 +125,37 @@ class ProfileData:
             for i, row in enumerate(rows):  # which: the slow way
                 if len(row) != 4 or not (is_rank(row[0]) and is_rank(row[3])) or row[2] < row[1]:
                     raise MessageError(f"ProfileData.calls[{gid}][{i}]: expected [k, t_issue, t_end, bytes], got {row!r}")
+        self._check_spans()
+
+    @staticmethod
+    def check_all(msgs: Sequence[ProfileData]) -> None:
+        """Each of ``msgs``' :meth:`check`, their call rows checked together as one array
+        (a node's batch, 100k ranks' at a suspension); raises MessageError naming the
+        first bad value, as the messages' own checks do."""
+        rows = [row for m in msgs for rs in m.calls.values() for row in rs]
+        table = _call_array(rows)
+        if table is None:
+            for m in msgs:
+                m.check()  # names it
+        at = 0
+        for m in msgs:
+            m._check_spans()
+            if table is not None:  # each message's rows, for call_array
+                n = sum(map(len, m.calls.values()))
+                object.__setattr__(m, "_call_array", table[at:at + n])
+                at += n
+
+    def call_array(self) -> np.ndarray:
+        """Every call row, group by group in the order of ``calls``, as one ``(n, 4)``
+        float array (made by :meth:`check_all` for a decoded batch's messages). Raises
+        ValueError where the rows are not four numbers each."""
+        made = self.__dict__.get("_call_array")
+        if made is not None:
+            return made
+        rows = [row for rs in self.calls.values() for row in rs]
+        return np.array(rows, dtype=np.float64).reshape(len(rows), 4)
+
+    def _check_spans(self) -> None:
         for gid, span in self.spans.items():
             if len(span) != 3 or span[0] < 0 or span[1] < 1 or span[2] < 1 or gid in self.members:
                 raise MessageError(f"ProfileData.spans[{gid}]: expected [first >= 0, step >= 1, count >= 1] of a "
@@ -252,6 +283,24 @@ def _heartbeat_columns(columns: tuple[str, ...]) -> tuple[tuple[str, bool], ...]
     if missing:
         raise MessageError(f"NodeHeartbeats.columns: missing {', '.join(missing)}")
     return tuple((c, known[c]) for c in columns)
+
+
+def _call_array(rows: list[list[float]]) -> np.ndarray | None:
+    """``rows`` as one ``(n, 4)`` float array when :func:`_call_rows_right` holds for
+    them (many ranks' rows checked at once), else None, also where they do not make one
+    array of numbers (the caller then looks row by row)."""
+    if not rows:
+        return np.zeros((0, 4))
+    if set(map(len, rows)) != {4}:
+        return None
+    try:
+        a = np.array(rows, dtype=np.float64)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    k, issue, end, nbytes = a.T
+    right = (np.isfinite(a).all() and ((k >= 0) & (k == np.floor(k)) & (nbytes >= 0) & (nbytes == np.floor(nbytes))
+                                       & (end >= issue)).all())
+    return a if right else None
 
 
 def _call_rows_right(rows: list[list[float]]) -> bool:
@@ -454,11 +503,12 @@ class NodeBatch:
         if not self.rows:
             raise MessageError("NodeBatch.rows: empty")
         width = len(self.columns)
-        for i, row in enumerate(self.rows):
-            if len(row) != width:
-                raise MessageError(f"NodeBatch.rows[{i}]: expected {width} values, got {len(row)}")
+        if set(map(len, self.rows)) != {width}:
+            for i, row in enumerate(self.rows):
+                if len(row) != width:
+                    raise MessageError(f"NodeBatch.rows[{i}]: expected {width} values, got {len(row)}")
         ranks = [row[0] for row in self.rows]  # every batch kind leads with its rank, an int
-        if not all(type(r) is int and r >= 0 for r in ranks) or len(set(ranks)) != len(ranks):
+        if not set(map(type, ranks)) <= {int} or min(ranks) < 0 or len(set(ranks)) != len(ranks):
             raise MessageError(f"NodeBatch.rows: ranks must be distinct integers >= 0, got {ranks}"[:300])
 
     def messages(self) -> list[Any]:
@@ -471,15 +521,20 @@ class NodeBatch:
             return list(made)
         cls = BATCH_KINDS[self.kind]
         own_check = getattr(cls, "check", None)
+        # a class may check many of its messages at once (each passes its own check
+        # exactly when they all pass), as the profiles' call rows are
+        all_check = getattr(cls, "check_all", None)
         out = []
         for row in self.rows:
             # a frozen dataclass's __init__ sets its fields one object.__setattr__ at a time;
             # the values are checked already, so they are filled at once (no __post_init__)
             msg = object.__new__(cls)
             msg.__dict__.update(zip(self.columns, row))
-            if own_check is not None:
+            if own_check is not None and all_check is None:
                 msg.check()
             out.append(msg)
+        if all_check is not None:
+            all_check(out)
         return out
 
 
