@@ -169,19 +169,37 @@ def test_the_agent_forwards_what_its_ranks_sent_together_as_one_batch(redis_serv
 
 
 def test_the_controller_takes_a_node_s_batch_as_its_ranks_messages():
-    """Profiles in batches reach the same plan as one by one; acks in batches hold the job."""
+    """Reports, profiles, acks and results in their nodes' batches (decoded from the wire)
+    take the controller where one by one does: the same plan, the "go", the same verdict."""
     world = 8
     by_one, by_node = Controller(FalconConfig(), world=world), Controller(FalconConfig(), world=world)
+
+    def both(make, now):
+        """``make(session)``'s messages to by_one one at a time, to by_node in two batches:
+        the kinds of what each put out."""
+        one = [o for m in make(by_one.session) for o in by_one.handle(m, now)]
+        node = [o for k in (0, 1) for b in pack_batch(k, make(by_node.session)[k * 4:k * 4 + 4])
+                for o in by_node.handle(decode(encode(b)), now)]
+        assert by_node.state == by_one.state
+        return one, node
+
     for ctl in (by_one, by_node):
-        ctl.handle(FailSlowReport(1, 40, 54, 2.0, 0.3, 1.0), 1.0)
-        assert ctl.state.value == "profiling"
-    profiles = late_profiles(world, by_one.session)
-    outs_one = [o for p in profiles for o in by_one.handle(p, 2.0)]
-    outs_node = [o for node in (0, 1) for b in pack_batch(node, profiles[node * 4:node * 4 + 4])
-                 for o in by_node.handle(decode(encode(b)), 2.0)]
-    assert by_node.state.value == by_one.state.value == "validating"
+        for r in range(world):
+            ctl.handle(Heartbeat(r, r // 4, 100, 0.5, 1.0), 1.0)
+    both(lambda s: [FailSlowReport(r, 90, 100, 2.0, 0.3, 1.0) for r in range(world)], 1.0)
+    assert by_node.state.value == "profiling"
+    outs_one, outs_node = both(lambda s: late_profiles(world, s), 2.0)
+    assert by_node.state.value == "validating"
     assert by_node.localizer.findings == by_one.localizer.findings and by_node.localizer.findings.compute_suspects == [1]
     assert [o.kind for o in outs_node] == [o.kind for o in outs_one]
+    at = by_one.suspension.iteration
+    outs_one, outs_node = both(lambda s: [SessionAck(r, s, "held", at, 3.0) for r in range(world)], 3.0)
+    assert [type(o.message).__name__ for o in outs_node if o.kind == "command"] == ["Go"]
+    assert [o.kind for o in outs_node] == [o.kind for o in outs_one]
+    outs_one, outs_node = both(lambda s: [ValidationResult(r, s, 2e14 if r == 1 else 4e14, []) for r in range(world)],
+                               4.0)
+    (one,), (node,) = ([o.message for o in outs if o.kind == "localized"] for outs in (outs_one, outs_node))
+    assert node.gpus == one.gpus == [1]
 
 
 def test_a_suspension_is_placed_from_the_clock_after_a_long_analysis():

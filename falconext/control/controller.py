@@ -145,8 +145,12 @@ class Controller:
         if isinstance(msg, NodeHeartbeats):  # a node agent's: its ranks' heartbeats, as one block
             return self._beats(msg.block(), now)
         if isinstance(msg, NodeBatch):  # a node agent's: several ranks' messages of one kind
+            msgs = msg.messages()
+            taken = self._collect(msgs, now)  # a node's profiles or results: at once
+            if taken is not None:
+                return taken
             got: list[Output] = []
-            for one in msg.messages():
+            for one in msgs:
                 got += self.handle(one, now)
             return got
         if isinstance(msg, Heartbeat):
@@ -155,20 +159,34 @@ class Controller:
             return self._on_report(msg, now)
         if isinstance(msg, OPERATOR_COMMANDS):
             return self._operator(msg, now)
-        if isinstance(msg, ProfileData) and self.state is State.PROFILING and msg.session == self.session:
-            self.localizer.profiles[msg.rank] = msg
-            self.suspension.heard_at = now
-            return self._profiled(now) if self.job.covers(self.localizer.profiles) else []
+        if isinstance(msg, (ProfileData, ValidationResult)):
+            return self._collect([msg], now) or []
         if isinstance(msg, SessionAck) and msg.session == self.session:
             self.suspension.heard_at = now
             return self._on_ack(msg, now)
-        if isinstance(msg, ValidationResult) and self.state is State.VALIDATING and msg.session == self.session:
-            self.localizer.results[msg.rank] = msg
-            self.suspension.heard_at = now
-            return self._verdict(now) if self.job.covers(self.localizer.results) else []
         if isinstance(msg, NodeHealth) and msg.session == self.session:
             self.localizer.health[msg.node] = msg
         return []
+
+    def _collect(self, msgs: list[Any], now: float) -> list[Output] | None:
+        """Take ``msgs`` (one rank's, or a node's batch: 100k ranks' come at a
+        suspension) when they are profiles while PROFILING or validation results while
+        VALIDATING, all of the session now: returns what follows, the analysis or the
+        verdict once every rank's are in (else nothing). None for anything else (another
+        session's are ignored, other kinds taken one by one)."""
+        if not msgs:
+            return None
+        if isinstance(msgs[0], ProfileData) and self.state is State.PROFILING:
+            kept, then = self.localizer.profiles, self._profiled
+        elif isinstance(msgs[0], ValidationResult) and self.state is State.VALIDATING:
+            kept, then = self.localizer.results, self._verdict
+        else:
+            return None
+        if any(m.session != self.session for m in msgs):
+            return None
+        kept.update((m.rank, m) for m in msgs)
+        self.suspension.heard_at = now
+        return then(now) if self.job.covers(kept) else []
 
     def tick(self, now: float) -> list[Output]:
         """Deadlines (a phase that waits for ranks never waits forever), and the per-rank
