@@ -285,7 +285,8 @@ def _build_batch(body: dict[str, Any]) -> NodeBatch:
 
 def _column(col: list[Any], hint: Any) -> list[Any] | None:
     """A batch's column of values, each checked against ``hint`` as :func:`_check` would
-    (numbers made floats where the field is a float), without a call or a path string per
+    (a float field's numbers made floats; numbers inside rows, groups' roles and members
+    kept as sent, the column itself returned), without a call or a path string per
     value; None when in doubt or for a hint it has no fast way for (the caller then takes
     the way that names the bad value)."""
     if hint is int or hint is str or hint is bool:
@@ -503,8 +504,8 @@ def _int_rows(value: Any) -> list[list[int]] | None:
 
 
 def _float_rows(value: Any) -> list[list[float]] | None:
-    """``value`` as rows of finite floats when it is a list of lists of finite numbers (no
-    bools), else None."""
+    """``value`` when it is a list of lists of finite numbers (no bools; kept as sent, as
+    :func:`_many_float_rows` keeps them), else None."""
     made = _many_float_rows([value])
     return None if made is None else made[0]
 
