@@ -198,8 +198,23 @@ def test_the_controller_takes_a_node_s_batch_as_its_ranks_messages():
     assert [o.kind for o in outs_node] == [o.kind for o in outs_one]
     outs_one, outs_node = both(lambda s: [ValidationResult(r, s, 2e14 if r == 1 else 4e14, []) for r in range(world)],
                                4.0)
+    assert by_node.suspension.acks["held"].keys() == by_one.suspension.acks["held"].keys() == set(range(world))
     (one,), (node,) = ([o.message for o in outs if o.kind == "localized"] for outs in (outs_one, outs_node))
     assert node.gpus == one.gpus == [1]
+
+
+def test_a_node_s_acks_of_several_statuses_are_taken_one_by_one():
+    """A batch whose ranks held and missed: the "missed" releases the ranks and retries in
+    a new session, as one by one; the "held" before it does not start the validation."""
+    world = 8
+    ctl = Controller(FalconConfig(), world=world)
+    to_validating(ctl, world)
+    session, at = ctl.session, ctl.suspension.iteration
+    acks = [SessionAck(r, session, "held", at, 2.0) for r in range(4)] + [SessionAck(4, session, "missed", at + 1, 2.0)]
+    (batch,) = pack_batch(1, acks)
+    outs = ctl.handle(decode(encode(batch)), 2.0)
+    kinds = [type(o.message).__name__ for o in outs if o.kind == "command"]
+    assert "Release" in kinds and "Go" not in kinds and ctl.session == session + 1
 
 
 def test_a_suspension_is_placed_from_the_clock_after_a_long_analysis():

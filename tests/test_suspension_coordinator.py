@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from falconext.config import FalconConfig
 from falconext.protocol.actions import MicrobatchPlan
 from falconext.protocol.commands import ProfileRequest, ValidationPlan
@@ -76,6 +78,29 @@ def test_go_goes_once_every_rank_is_held_and_resumed_acks_give_the_pauses():
     (resumed,) = [o.event for o in res.outputs]
     assert res.all_resumed and resumed["pause_s"] == 0.7 and resumed["expired"] == [3]
     assert resumed["pause_median_s"] == 0.2 and sus.last_pause_s == 0.7
+
+
+def test_a_node_s_acks_of_one_status_are_taken_at_once_as_one_by_one():
+    """Acks taken together (a node's batch) give what the last of them gives one by one:
+    the "go" once, the resumed event once; the first of several "missed" names the rank."""
+    sus = SuspensionCoordinator(first_session=7)
+    sus.profile(100.0, 100.5, CFG)
+    sus.place(beats(), 101.0, CFG)
+    sus.validation_posts(plan(), [], 0.0, CFG)
+    kw = dict(suspended=True, validating=True, covers=covers, tries=2, deadline_s=4.0)
+    assert not sus.ack([ack(0, 8, "held"), ack(1, 8, "held")], 101.0, **kw).outputs
+    out = sus.ack([ack(2, 8, "held"), ack(3, 8, "held")], 101.2, **kw).outputs
+    assert [o.message.KIND for o in out if o.kind == "command"] == ["go"] and sus.go_sent
+    assert [o.event["ranks"] for o in out if o.kind == "event"] == [4]
+    res = sus.ack([ack(r, 8, "resumed", pause_s=0.1 * r) for r in sorted(RANKS)], 102.0, **kw)
+    assert res.all_resumed and [o.event["pause_s"] for o in res.outputs] == [0.3]
+    with pytest.raises(ValueError, match="one status"):
+        sus.ack([ack(0, 8, "held"), ack(1, 8, "missed")], 102.0, **kw)
+    again = SuspensionCoordinator()
+    again.profile(100.0, 100.0, CFG)
+    again.place(beats(), 100.0, CFG)
+    res = again.ack([ack(2, again.session, "missed"), ack(3, again.session, "missed")], 101.0, **kw)
+    assert res.missed and [o.event["rank"] for o in res.outputs if o.kind == "event"] == [2]
 
 
 def test_a_missed_iteration_releases_and_retries_in_a_new_session_until_the_tries_run_out():

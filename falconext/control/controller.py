@@ -146,7 +146,7 @@ class Controller:
             return self._beats(msg.block(), now)
         if isinstance(msg, NodeBatch):  # a node agent's: several ranks' messages of one kind
             msgs = msg.messages()
-            taken = self._collect(msgs, now)  # a node's profiles or results: at once
+            taken = self._collect(msgs, now)  # a node's profiles, acks or results: at once
             if taken is not None:
                 return taken
             got: list[Output] = []
@@ -159,23 +159,25 @@ class Controller:
             return self._on_report(msg, now)
         if isinstance(msg, OPERATOR_COMMANDS):
             return self._operator(msg, now)
-        if isinstance(msg, (ProfileData, ValidationResult)):
+        if isinstance(msg, (ProfileData, SessionAck, ValidationResult)):
             return self._collect([msg], now) or []
-        if isinstance(msg, SessionAck) and msg.session == self.session:
-            self.suspension.heard_at = now
-            return self._on_ack(msg, now)
         if isinstance(msg, NodeHealth) and msg.session == self.session:
             self.localizer.health[msg.node] = msg
         return []
 
     def _collect(self, msgs: list[Any], now: float) -> list[Output] | None:
         """Take ``msgs`` (one rank's, or a node's batch: 100k ranks' come at a
-        suspension) when they are profiles while PROFILING or validation results while
-        VALIDATING, all of the session now: returns what follows, the analysis or the
-        verdict once every rank's are in (else nothing). None for anything else (another
-        session's are ignored, other kinds taken one by one)."""
+        suspension) when they are the session's acks of one status, or its profiles while
+        PROFILING or validation results while VALIDATING: returns what follows (the "go",
+        the analysis or the verdict once every rank's are in; else nothing). None for
+        anything else (another session's are ignored, other kinds taken one by one)."""
         if not msgs:
             return None
+        if isinstance(msgs[0], SessionAck):  # of one status: the session's acks at once
+            if len({(m.session, m.status) for m in msgs}) != 1 or msgs[0].session != self.session:
+                return None
+            self.suspension.heard_at = now
+            return self._on_ack(msgs, now)
         if isinstance(msgs[0], ProfileData) and self.state is State.PROFILING:
             kept, then = self.localizer.profiles, self._profiled
         elif isinstance(msgs[0], ValidationResult) and self.state is State.VALIDATING:
@@ -365,14 +367,15 @@ class Controller:
     def _release_hold(self) -> list[Output]:
         return self.suspension.release_hold(self.ranks(), self.cfg.suspend_deadline_s)
 
-    def _on_ack(self, ack: SessionAck, now: float) -> list[Output]:
+    def _on_ack(self, ack: SessionAck | list[SessionAck], now: float) -> list[Output]:
         res = self.suspension.ack(ack, now, suspended=self.state in (State.VALIDATING, State.MITIGATING),
                                   validating=self.state is State.VALIDATING, covers=self.job.covers,
                                   tries=self.cfg.suspend_tries, deadline_s=self.cfg.suspend_deadline_s,
                                   slack_s=self.cfg.control_slack_s)
         if res.gave_up:
+            rank = (ack if isinstance(ack, SessionAck) else ack[0]).rank
             return res.outputs + (self._mitigated(now, timed_out=True) if self.state is State.MITIGATING
-                                  else self._abort(now, f"rank {ack.rank} kept missing the suspension"))
+                                  else self._abort(now, f"rank {rank} kept missing the suspension"))
         if res.missed:
             return res.outputs + self._suspend(now, self.state)
         return res.outputs + (self._mitigated(now) if res.all_resumed and self.state is State.MITIGATING else [])

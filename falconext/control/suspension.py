@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -198,10 +198,12 @@ class SuspensionCoordinator:
         """Let every rank of this session go on without validating or applying anything."""
         return post(Release(self.session))
 
-    def ack(self, ack: SessionAck, now: float, *, suspended: bool, validating: bool,
+    def ack(self, ack: SessionAck | Sequence[SessionAck], now: float, *, suspended: bool, validating: bool,
             covers: Callable[[Mapping[int, Any]], bool], tries: int, deadline_s: float,
             slack_s: float = 0.0) -> AckOutcome:
-        """Take one ack of this session at ``now``. "missed" (a rank was past the iteration
+        """Take one ack of this session at ``now``, or several of one status at once (a
+        node's: 100k ranks' come at a suspension; their last one decides, as it would
+        one by one). "missed" (a rank was past the iteration
         before the "go"): release the ranks, and a new session for a retry, unless
         ``tries`` suspensions were tried. "held" from every rank (``covers``) while
         ``suspended``: "go" (a validation's ranks then wait for the verdict if it holds
@@ -209,7 +211,12 @@ class SuspensionCoordinator:
         what the ranks are given after the "go" (at 65,536 ranks the last ack came after
         the deadline placed for it, and the verdict was due before the "go" had gone).
         "resumed" from every rank: the ``resumed`` event with the pauses."""
+        many = [ack] if isinstance(ack, SessionAck) else list(ack)
+        if len({a.status for a in many}) != 1:
+            raise ValueError("acks taken at once must be of one status")
+        ack = many[-1]
         if ack.status == "missed" and suspended and not self.go_sent:
+            ack = many[0]  # the first that missed names the rank
             out = [self.release(), event("suspend_missed", session=self.session, rank=ack.rank,
                                          iteration=self.iteration, at=ack.iteration)]
             if self.tries >= tries:
@@ -219,7 +226,7 @@ class SuspensionCoordinator:
         if ack.status not in ("held", "resumed"):
             return AckOutcome()
         acks = self.acks.setdefault(ack.status, {})
-        acks[ack.rank] = ack
+        acks.update((a.rank, a) for a in many)
         res = AckOutcome()
         if ack.status == "held" and not self.go_sent and covers(acks) and suspended:
             self.go_sent = True
