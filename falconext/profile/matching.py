@@ -65,9 +65,9 @@ def _table(windows: Sequence[CallWindow]) -> tuple[np.ndarray, np.ndarray, np.nd
     seg_r: list[int] = []
     seg_n: list[int] = []
     for wi, w in enumerate(windows):
+        rows = 0
         for gid, calls in w.calls.items():
-            if gid not in first_window:
-                first_window[gid] = wi
+            first_window.setdefault(gid, wi)
             if not calls:
                 continue
             gi = gids.get(gid)
@@ -76,12 +76,13 @@ def _table(windows: Sequence[CallWindow]) -> tuple[np.ndarray, np.ndarray, np.nd
             seg_g.append(gi)
             seg_r.append(w.rank)
             seg_n.append(len(calls))
+            rows += len(calls)
         try:
             made = getattr(w, "call_array", None)
             part = made() if callable(made) else _rows_array(w)
         except (ValueError, TypeError, OverflowError):
             part = None
-        if part is None or part.shape != (sum(map(len, w.calls.values())), 4):
+        if part is None or part.shape != (rows, 4):
             for gid, calls in w.calls.items():
                 for row in calls:
                     if len(row) != 4:
@@ -196,9 +197,17 @@ def match(windows: Sequence[CallWindow],
     appear = np.lexsort((pos, rank_of_inst[i_row]))
     ranks_seen, at = np.unique(rv[appear], return_index=True)
     ranks_in_order = ranks_seen[np.argsort(at, kind="stable")].tolist()
-    arrivals = {
-        rank: ArrivalStats(int(taken[rank]), len(gaps.get(rank, [])), median(gaps[rank]) if rank in gaps else 0.0,
-                           sum(gaps.get(rank, [])))
-        for rank in ranks_in_order
-    }
+    taken_of = taken.tolist()
+    never_last: dict[int, ArrivalStats] = {}  # a rank never last: one (immutable) record per count
+    arrivals: dict[int, ArrivalStats] = {}
+    for rank in ranks_in_order:
+        g = gaps.get(rank)
+        if g is not None:
+            arrivals[rank] = ArrivalStats(taken_of[rank], len(g), median(g), sum(g))
+            continue
+        n = taken_of[rank]
+        made = never_last.get(n)
+        if made is None:
+            made = never_last[n] = ArrivalStats(n, 0, 0.0, 0)
+        arrivals[rank] = made
     return Matched(count, arrivals, transfers)

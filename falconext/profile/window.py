@@ -88,11 +88,11 @@ def group_members(w: RankWindow) -> Mapping[str, Sequence[int]]:
     return get() if callable(get) else w.members
 
 
-def _group_names(w: RankWindow) -> set[str] | Any:
-    """The ids of the window's groups (those of :func:`group_members`), without making
-    their member lists."""
+def _groups_known(known: Mapping[str, Any], w: RankWindow) -> bool:
+    """Whether every group of the window (those of :func:`group_members`) is in
+    ``known``, without making their member lists or a set of their ids."""
     spans = getattr(w, "spans", None)
-    return w.members.keys() | spans.keys() if spans else w.members.keys()
+    return known.keys() >= w.members.keys() and (not spans or known.keys() >= spans.keys())
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def analyze_window(
     """
     groups: dict[str, tuple[str, list[int]]] = {}
     for w in windows:
-        if groups.keys() >= _group_names(w):  # its groups known already (from another member)
+        if _groups_known(groups, w):  # its groups known already (from another member)
             continue
         for gid, ranks in group_members(w).items():
             if gid not in groups:
