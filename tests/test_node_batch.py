@@ -129,6 +129,11 @@ def _row(base: list, i: int, value) -> list:
      "NodeBatch(ValidationResult).rows[1].links[0][2]"),
     (_body("ValidationResult", rows=[[16, 7, None, [[1, 16, 0.1]], ""], [17, 7, None, [[1, 17, 10**400]], ""]]),
      "NodeBatch(ValidationResult).rows[1].links[0][2]"),
+    # a batch's links rows are checked together: the bad one is still named
+    (_body("ValidationResult", rows=[[16, 7, None, [[1, 16, 0.1]], ""], [17, 7, None, [[1, 17, 0.1], [2, 17, -0.5]], ""]]),
+     "ValidationResult.links[1]: expected [src, dst, seconds]"),
+    (_body("ValidationResult", rows=[[16, 7, None, [[1, 16, 0.1]], ""], [17, 7, None, [[1.5, 17, 0.1]], ""]]),
+     "ValidationResult.links[0]: expected [src, dst, seconds]"),
     # hundreds of numbers are checked as one array: an integer too large for a float is still named
     (_body("ProfileData", rows=[_row(PROFILE_ROW, 4, {"dp0": [[k, 1.0, 2.0, 5e7] for k in range(80)]}),
                                 _row(_row(PROFILE_ROW, 0, 17), 4, {"dp0": [[0, 1.0, 2.0, 10**400]]})]),

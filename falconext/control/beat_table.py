@@ -195,7 +195,8 @@ class BeatTable:
         lowest = np.where(window, mb, np.inf).min(axis=1)
         latest = mb[np.arange(used), np.where(clean, age, -1).argmax(axis=1)]
         value = np.where(window.any(axis=1), lowest, latest)
-        return {self._ranks[s]: float(value[s]) for s in np.flatnonzero(clean.any(axis=1)).tolist()}
+        values = value.tolist()
+        return {self._ranks[s]: values[s] for s in np.flatnonzero(clean.any(axis=1)).tolist()}
 
 
 def _rounds(ranks: np.ndarray) -> list[np.ndarray]:
