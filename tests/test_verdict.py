@@ -270,3 +270,5 @@ def test_link_values_over_arrays_are_the_loop_s(seed):
     assert slow_links(pairs, node_of, 1.5) == slow_links([list(p) for p in pairs], node_of, 1.5)  # lists: the loop
     for bad in ([(0, 1, float("nan"))], [(0, 1, 0.0)], [(0, 99, 0.1)], [(0, 1, 1)], [(-1, 1, 0.1)], [(0, 1)]):
         assert _link_values_at_once(pairs + bad, node_of) is None
+    huge = {**node_of, 2**70: 0}  # a rank past 64 bits: the loop's way, the same figures
+    assert _link_values_at_once(pairs, huge) is None and slow_links(pairs, huge, 1.5) == slow_links(pairs, node_of, 1.5)
