@@ -4,7 +4,6 @@ state."""
 
 from __future__ import annotations
 
-import heapq
 import math
 from typing import Any, Mapping
 
@@ -37,11 +36,11 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     order = np.argsort(rank_col, kind="stable")  # by rank
     ranks_in = rank_col[order].astype(int).tolist()
     scores = _scores(beats, scores)
-    if len(ranks_in) > cfg.listed_ranks:  # the slowest: by score, then by iteration time
-        time_of = dict(zip(ranks_in, iter_s[order].tolist()))
-        slow = heapq.nsmallest(cfg.listed_ranks, ranks_in, key=lambda r: (
-            -(scores[r].score if r in scores else -math.inf), -time_of[r], r))
-        shown_ranks = sorted(slow)
+    if len(ranks_in) > cfg.listed_ranks:  # the slowest: by score, then by iteration time, then rank
+        score = np.fromiter((scores[r].score if r in scores else -math.inf for r in ranks_in), dtype=np.float64,
+                            count=len(ranks_in))
+        by = np.lexsort((np.asarray(ranks_in), -iter_s[order], -score))
+        shown_ranks = sorted(np.asarray(ranks_in)[by[:cfg.listed_ranks]].tolist())
     else:
         shown_ranks = ranks_in
     ranks = {str(r): rank_row(beats[r], scores.get(r), now) for r in shown_ranks}
@@ -105,9 +104,11 @@ def _scores(beats: Mapping[int, Heartbeat], latest: Mapping[int, Any] | None = N
     """Every scored rank's straggler score against its peers (none below two scored ranks):
     ``latest`` (the controller's latest rank_scores) when it has every rank that is scored
     now, else worked out here (a rank heard from since has none there yet)."""
+    if latest is not None:  # which ranks are scored now: two columns, not every sample
+        rank, score_it = columns(beats, "rank", "score_iteration")
+        if all(r in latest for r in rank[score_it >= 0].astype(int).tolist()):
+            return latest
     found = scored_samples(beats)
-    if latest is not None and all(r in latest for r in found.ranks):
-        return latest
     return found.scores() if len(found.ranks) >= 2 else {}
 
 
