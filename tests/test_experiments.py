@@ -627,3 +627,16 @@ def test_scale_64_ranks_on_a_three_shard_redis_cluster() -> None:
     peaks = json.loads(row["redis_peak_mib_per_shard"])
     assert len(peaks) == 3 and all(p > 0 for p in peaks)
     assert row["burst_node_messages"] * 8 == row["burst_heartbeats"] and row["controller_heartbeats_per_s"] > 0
+
+
+def test_the_scale_experiment_reads_only_the_controller_s_whole_event_lines(tmp_path):
+    """The controller may be writing a line (a 2 MB ``localized`` at 131,072 ranks) while
+    the experiment looks: the part written so far is left for the next look."""
+    from falconext.experiments.scale import _events
+
+    path = tmp_path / "events.jsonl"
+    assert _events(path) == []
+    path.write_text('{"type": "controller_started"}\n{"type": "localized", "evidence": {"gem')
+    assert _events(path) == [{"type": "controller_started"}]
+    path.write_text('{"type": "controller_started"}\n{"type": "localized"}\n')
+    assert [e["type"] for e in _events(path)] == ["controller_started", "localized"]

@@ -360,9 +360,12 @@ def _largest_on(raw: Any, key: str) -> tuple[str, int]:
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
+    """The controller's events written so far: whole lines only (the line it is writing
+    now, a 2 MB ``localized`` at 131,072 ranks, is read on the next look)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    whole = path.read_text().split("\n")[:-1]  # the last: empty, or a line not finished yet
+    return [json.loads(line) for line in whole if line.strip()]
 
 
 #: the values premade messages carry until the real ones are known (no real message has them)
