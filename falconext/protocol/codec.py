@@ -233,13 +233,7 @@ def _heartbeats_fast(body: dict[str, Any]) -> NodeHeartbeats | None:
         return None
     if not set(map(type, columns)) <= {str} or not set(map(type, rows)) <= {list}:
         return None
-    flat = list(itertools.chain.from_iterable(rows))
-    if not set(map(type, flat)) <= _NUMBERS:
-        return None
-    try:
-        if not all(map(math.isfinite, flat)):
-            return None
-    except OverflowError:  # an integer too large for a float
+    if not _finite_numbers(list(itertools.chain.from_iterable(rows))):
         return None
     msg = NodeHeartbeats(node, columns, rows)
     msg.check()  # MessageError naming the row and column

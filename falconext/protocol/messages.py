@@ -119,12 +119,12 @@ class ProfileData:
     def check(self) -> None:
         """Each call row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0;
         each span is [first >= 0, step >= 1, count >= 1], of a group not also in members."""
-        for gid, rows in self.calls.items():
-            if _call_rows_right(rows):
-                continue
-            for i, row in enumerate(rows):  # which: the slow way
-                if len(row) != 4 or not (is_rank(row[0]) and is_rank(row[3])) or row[2] < row[1]:
-                    raise MessageError(f"ProfileData.calls[{gid}][{i}]: expected [k, t_issue, t_end, bytes], got {row!r}")
+        if _call_array([row for rs in self.calls.values() for row in rs]) is None:
+            for gid, rows in self.calls.items():
+                for i, row in enumerate(rows):  # which: the slow way
+                    if len(row) != 4 or not (is_rank(row[0]) and is_rank(row[3])) or row[2] < row[1]:
+                        raise MessageError(f"ProfileData.calls[{gid}][{i}]: expected [k, t_issue, t_end, bytes], "
+                                           f"got {row!r}")
         self._check_spans()
 
     @staticmethod
@@ -297,9 +297,10 @@ def _heartbeat_columns(columns: tuple[str, ...]) -> tuple[tuple[str, bool], ...]
 
 
 def _call_array(rows: list[list[float]]) -> np.ndarray | None:
-    """``rows`` as one ``(n, 4)`` float array when :func:`_call_rows_right` holds for
-    them (many ranks' rows checked at once), else None, also where they do not make one
-    array of numbers (the caller then looks row by row)."""
+    """``rows`` as one ``(n, 4)`` float array when every row is [k, t_issue, t_end,
+    bytes] of finite numbers, k and bytes whole and >= 0 and the end not before the issue
+    (one message's rows or a whole batch's, checked at once), else None, also where they
+    do not make one array of numbers (the caller then looks row by row)."""
     if not rows:
         return np.zeros((0, 4))
     if set(map(len, rows)) != {4}:
@@ -326,20 +327,6 @@ def _link_rows_right(rows: list[list[float]]) -> bool:
         return min(ranks) >= 0 and min(secs) >= 0 and all(map(float.is_integer, map(float, ranks)))
     except (TypeError, ValueError, OverflowError):  # not numbers: the caller looks row by row
         return False
-
-
-def _call_rows_right(rows: list[list[float]]) -> bool:
-    """Whether every row is [k, t_issue, t_end, bytes] with k and bytes whole and >= 0 and
-    the end not before the issue, checked a column at a time (thousands of ranks' rows
-    come at once)."""
-    if not rows:
-        return True
-    if not set(map(len, rows)) <= {4}:
-        return False
-    _, issues, ends, _ = zip(*rows)
-    whole = [v for row in rows for v in (row[0], row[3])]
-    return (min(whole) >= 0 and all(map(float.is_integer, map(float, whole)))
-            and all(map(operator.ge, ends, issues)))
 
 
 @dataclass(frozen=True)
