@@ -13,7 +13,6 @@ import csv
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from falconext.ports import free_port
 from falconext.cli import main
 from falconext.config import FalconConfig
 from falconext.control.bus import Bus
@@ -36,12 +36,6 @@ from falconext.control.service import run_controller
 JOB = "ctltest"
 ITER_S = {0: 0.41, 1: 0.42, 2: 0.43, 3: 0.44}
 EST_S = {0: 0.40, 1: 0.405, 2: 0.41, 3: 0.415}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ctl_process(run: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:

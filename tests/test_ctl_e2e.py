@@ -23,7 +23,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from falconext.ports import free_port
 from falconext.cli import main
 from falconext.config import FalconConfig
 from falconext.control import ctl as ctl_mod
@@ -54,12 +54,6 @@ MARGIN = 8
 #: it drives a job by hand (an operator steering it live), and its in-process ctl calls swap
 #: sys.stdout, which a test running beside it would share, so it is not run ahead
 ALONE = True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ctl(run: Path, *args: str) -> subprocess.CompletedProcess:
