@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from falconext.config import FalconConfig
 from falconext.control.snapshot import snapshot
-from falconext.control.stragglers import StragglerWatch
-from falconext.detect.scores import RankScore, slowest_listed
+from falconext.control.stragglers import StragglerWatch, scored_samples
+from falconext.detect.scores import RankSample, RankScore, ScoreTable, rank_scores, score_column, score_values, slowest_listed
 from falconext.protocol.codec import MAX_STATUS_BYTES, decode, encode
 from falconext.protocol.messages import Heartbeat
 from falconext.testbed.progress import progress_line
@@ -34,6 +36,25 @@ def test_the_slowest_are_listed_in_rank_order_and_all_when_few():
     scores = {r: RankScore(0.1, 0.1, 1.0, 0.0, s, 3) for r, s in {4: 0.5, 1: 0.1, 9: 0.5, 2: 0.9}.items()}
     assert list(slowest_listed(scores, 2)) == [2, 4]  # 0.9, then the tie 0.5 by rank
     assert list(slowest_listed(scores, 10)) == [1, 2, 4, 9]
+
+
+def test_a_score_table_reads_as_the_scores_it_holds_and_lists_the_same_slowest():
+    # the controller's scores are a ScoreTable (columns); what it lists, the snapshot's
+    # score column and the median must be those of the per-rank RankScores, ties by rank
+    found = scored_samples(beats())
+    table = found.scores()
+    assert isinstance(table, ScoreTable) and len(table) == RANKS
+    plain = dict(table.items())
+    assert table == plain and all(isinstance(v, RankScore) for v in plain.values())
+    assert table == rank_scores({r: RankSample(i, c, w) for r, i, c, w in
+                                 zip(found.ranks, found.iter_s, found.compute_s, found.wait_s)},
+                                dict(zip(found.ranks, found.roles)))
+    for most in (1, 3, 8, RANKS - 1):
+        assert slowest_listed(table, most) == slowest_listed(plain, most)
+    tied = ScoreTable([7, 3, 5], np.array([[0.1, 0.1, 1.0, 0.0, s] for s in (0.5, 0.5, 0.9)]), np.array([2, 2, 2]))
+    assert list(slowest_listed(tied, 2)) == [3, 5]  # 0.9, then the tie 0.5 by rank
+    assert score_column(table, [SLOW, 999], -1.0).tolist() == [plain[SLOW].score, -1.0]
+    assert score_values(table).tolist() == [s.score for s in plain.values()]
 
 
 def test_a_large_jobs_snapshot_lists_the_slowest_and_summarizes_every_rank():

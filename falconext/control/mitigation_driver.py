@@ -196,7 +196,8 @@ def prepare_action(mit: Mitigation, d: Decision, beats: Mapping[int, Heartbeat],
     action_for), or why it cannot be done now. An S2 plan's solving time is kept as part
     of its overhead; the decision is then in flight."""
     t0 = time.perf_counter()
-    action = action_for(mit, d, beats, cfg.max_microbatches_per_replica or None, room)
+    action = action_for(mit, d, beats, cfg.max_microbatches_per_replica or None, room,
+                        view=lambda: replica_view_of(*columns(beats, "replica", "mb_s", "micro")))
     if isinstance(action, str):
         return action
     if d.strategy == "S2" and d.action == "apply":

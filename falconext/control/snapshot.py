@@ -13,6 +13,7 @@ from falconext.config import FalconConfig
 from falconext.control.beat_table import columns
 from falconext.control.stragglers import scored_samples
 from falconext.control.episodes import Episode
+from falconext.detect.scores import score_column, score_values
 from falconext.protocol.messages import Heartbeat, StatusSnapshot
 from falconext.mitigate.mitigation import replica_view_of
 from falconext.mitigate.planner import slowdown_removed
@@ -37,8 +38,7 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     ranks_in = rank_col[order].astype(int).tolist()
     scores = _scores(beats, scores)
     if len(ranks_in) > cfg.listed_ranks:  # the slowest: by score, then by iteration time, then rank
-        score = np.fromiter((scores[r].score if r in scores else -math.inf for r in ranks_in), dtype=np.float64,
-                            count=len(ranks_in))
+        score = score_column(scores, ranks_in, -math.inf)
         by = np.lexsort((np.asarray(ranks_in), -iter_s[order], -score))
         shown_ranks = sorted(np.asarray(ranks_in)[by[:cfg.listed_ranks]].tolist())
     else:
@@ -121,7 +121,7 @@ def _summary(iterations: np.ndarray, iter_s: np.ndarray, scores: Mapping[int, An
     return {"ranks": len(iterations), "listed": listed, "iteration_min": int(iterations.min()),
             "iteration_max": int(iterations.max()), "iter_s_max": round(float(times[-1]), 6),
             "iter_s_median": round(float(times[len(times) // 2]), 6),
-            "score_max": round(max(s.score for s in scores.values()), 4) if scores else None}
+            "score_max": round(float(score_values(scores).max()), 4) if scores else None}
 
 
 def _episode_view(ep: Episode, beats: Mapping[int, Heartbeat],

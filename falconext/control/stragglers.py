@@ -17,7 +17,7 @@ from falconext.control.beat_table import columns
 from falconext.control.episodes import Episode, Sighting
 from falconext.protocol.messages import Heartbeat
 from falconext.control.outputs import Output, event
-from falconext.detect.scores import compute_outliers, role_key, scores_of, slowest, slowest_listed
+from falconext.detect.scores import ScoreTable, compute_outliers, role_key, score_values, scores_of, slowest, slowest_listed
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Samples:
     mb_s: list[float]
     iteration: int
 
-    def scores(self) -> dict[int, Any]:
+    def scores(self) -> ScoreTable:
         """Every scored rank's score against its peers (:func:`~falconext.detect.scores.scores_of`)."""
         return scores_of(self.ranks, self.iter_s, self.compute_s, self.wait_s, self.roles)
 
@@ -72,8 +72,8 @@ def scored_samples(beats: Mapping[int, Heartbeat]) -> Samples:
     rank, score_it, est, compute, wait, stage, role, tp, mb = columns(
         beats, "rank", "score_iteration", "est_iter_s", "compute_s", "wait_s", "stage", "role", "tp", "mb_s")
     at = np.flatnonzero(score_it >= 0)
-    roles = [role_key(st, ro, t) for st, ro, t in zip(stage[at].astype(int).tolist(), role[at].astype(int).tolist(),
-                                                      tp[at].astype(int).tolist())]
+    roles = list(map(role_key, stage[at].astype(int).tolist(), role[at].astype(int).tolist(),
+                     tp[at].astype(int).tolist()))
     return Samples(rank[at].astype(int).tolist(), est[at].tolist(), compute[at].tolist(), wait[at].tolist(), roles,
                    mb[at].tolist(), int(score_it[at].min()) if len(at) else -1)
 
@@ -121,7 +121,7 @@ class StragglerWatch:
         # the slowest of all is the first of the listed (the highest scores)
         out = [event("rank_scores", iteration=found.iteration, slowest=slowest(listed),
                      window=cfg.score_window, scored=len(scores), listed=len(listed),
-                     score_median=round(statistics.median(s.score for s in scores.values()), 4) if scores else None,
+                     score_median=round(float(np.median(score_values(scores))), 4) if scores else None,
                      ranks={str(r): s.to_dict() for r, s in listed.items()})]
         flagged = compute_outliers(scores, dict(zip(ranks, found.mb_s)), roles, cfg.score_trigger_ratio,
                                    cfg.min_slowdown) if cfg.score_trigger_ratio else {}

@@ -27,10 +27,11 @@ used (no cross-host clock comparison), so the scores hold across nodes.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
-from typing import Hashable, Mapping, Sequence
+from typing import Hashable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -140,41 +141,102 @@ def rank_scores(samples: Mapping[int, RankSample], roles: Mapping[int, Hashable]
     """
     ranks = list(samples)
     roles = roles or {}
-    return scores_of(ranks, [samples[r].iter_s for r in ranks], [samples[r].compute_s for r in ranks],
-                     [samples[r].wait_s for r in ranks], [roles.get(r) for r in ranks])
+    return dict(scores_of(ranks, [samples[r].iter_s for r in ranks], [samples[r].compute_s for r in ranks],
+                          [samples[r].wait_s for r in ranks], [roles.get(r) for r in ranks]).items())
+
+
+#: the quantities of a :class:`RankScore` a :class:`ScoreTable` keeps as columns, in order
+SCORE_FIELDS = ("compute_s", "wait_s", "compute_ratio", "late_s", "score")
+
+
+class ScoreTable(Mapping[int, RankScore]):
+    """Scores by rank, kept as columns (``values``: one row per rank in the order of
+    ``ranks``, the :data:`SCORE_FIELDS`; ``peers``: each rank's peer count): a
+    :class:`RankScore` is made when a rank's is asked for. The controller scores 100k
+    ranks every few seconds and reads a few of them; making one object per rank each
+    time held its loop up for a quarter of a second. Iterates in the order of ``ranks``;
+    equal to a dict with the same scores."""
+
+    def __init__(self, ranks: list[int], values: np.ndarray, peers: np.ndarray) -> None:
+        self._ranks = ranks
+        self._values = values
+        self._peers = peers
+        self._at = dict(zip(ranks, range(len(ranks))))
+
+    def __getitem__(self, rank: int) -> RankScore:
+        i = self._at[rank]
+        compute, wait, ratio, late, score = self._values[i].tolist()
+        return RankScore(compute, wait, ratio, late, score, int(self._peers[i]))
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._at
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def column(self, name: str, ranks: Sequence[int] | None = None, missing: float = math.nan) -> np.ndarray:
+        """The field ``name`` (one of :data:`SCORE_FIELDS`) of every rank in table order,
+        or of ``ranks`` in their order (``missing`` for a rank without a score)."""
+        col = self._values[:, SCORE_FIELDS.index(name)]
+        if ranks is None:
+            return col.copy()
+        at = np.fromiter((self._at.get(r, -1) for r in ranks), dtype=np.int64, count=len(ranks))
+        return np.where(at >= 0, col[np.maximum(at, 0)] if len(col) else missing, missing)
+
+
+def score_column(scores: Mapping[int, RankScore], ranks: Sequence[int], missing: float = math.nan) -> np.ndarray:
+    """Each of ``ranks``' score (``missing`` where it has none), read as a column from a
+    :class:`ScoreTable` without making a RankScore per rank."""
+    if isinstance(scores, ScoreTable):
+        return scores.column("score", ranks, missing)
+    return np.fromiter((scores[r].score if r in scores else missing for r in ranks), dtype=np.float64,
+                       count=len(ranks))
+
+
+def score_values(scores: Mapping[int, RankScore]) -> np.ndarray:
+    """Every rank's score, in the mapping's order."""
+    if isinstance(scores, ScoreTable):
+        return scores.column("score")
+    return np.fromiter((s.score for s in scores.values()), dtype=np.float64, count=len(scores))
 
 
 def scores_of(ranks: Sequence[int], iter_s: Sequence[float], compute_s: Sequence[float], wait_s: Sequence[float],
-              roles: Sequence[Hashable]) -> dict[int, RankScore]:
+              roles: Sequence[Hashable]) -> ScoreTable:
     """:func:`rank_scores` of the samples given a quantity at a time: ``ranks[i]``'s
     iteration, compute and wait seconds and role are the i-th of each (the controller
-    reads them from 100k heartbeats every few seconds, without a sample object per rank)."""
-    if not ranks:
-        return {}
+    reads them from 100k heartbeats every few seconds, without a sample object per rank),
+    as a :class:`ScoreTable`."""
     its = np.array(iter_s, dtype=float)
     computes = np.array(compute_s, dtype=float)
     waits = np.array(wait_s, dtype=float)
     with np.errstate(invalid="ignore"):
         good = np.isfinite(its) & np.isfinite(computes) & np.isfinite(waits) & (its >= 0) & (computes >= 0) & (waits >= 0)
-    out: dict[int, RankScore] = {}
-    for idx in _role_groups(roles, good):
-        members = [ranks[i] for i in idx.tolist()]
+    groups = _role_groups(roles, good) if len(ranks) else []
+    order = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+    values = np.zeros((len(order), len(SCORE_FIELDS)))
+    peers = np.zeros(len(order), dtype=np.int64)
+    at = 0
+    for idx in groups:
         c, w, it = computes[idx], waits[idx], its[idx]
-        if len(members) == 1:
-            out[members[0]] = RankScore(float(c[0]), float(w[0]), 1.0, 0.0, 0.0, 0)
-            continue
-        # each rank's peers are its role less itself: medians left one out, from one sort
-        # per quantity (thousands of ranks in a role: not one sort per rank)
-        pc, pw, pi = _peer_medians(c), _peer_medians(w), _peer_medians(it)
-        late = pw - w
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(pc > 0, c / np.where(pc > 0, pc, 1.0), 1.0)
-            score = np.where(pi > 0, late / np.where(pi > 0, pi, 1.0), 0.0)
-        peers = len(members) - 1
-        for r, cs, ws, ra, la, sc in zip(members, c.tolist(), w.tolist(), ratio.tolist(), late.tolist(),
-                                          score.tolist()):
-            out[r] = RankScore(cs, ws, ra, la, sc, peers)
-    return out
+        block = values[at:at + len(idx)]
+        block[:, 0], block[:, 1] = c, w
+        if len(idx) == 1:
+            block[:, 2] = 1.0  # no peer: ratio 1, late 0, score 0
+        else:
+            # each rank's peers are its role less itself: medians left one out, from one sort
+            # per quantity (thousands of ranks in a role: not one sort per rank)
+            pc, pw, pi = _peer_medians(c), _peer_medians(w), _peer_medians(it)
+            late = pw - w
+            with np.errstate(divide="ignore", invalid="ignore"):
+                block[:, 2] = np.where(pc > 0, c / np.where(pc > 0, pc, 1.0), 1.0)
+                block[:, 4] = np.where(pi > 0, late / np.where(pi > 0, pi, 1.0), 0.0)
+            block[:, 3] = late
+            peers[at:at + len(idx)] = len(idx) - 1
+        at += len(idx)
+    return ScoreTable([ranks[i] for i in order.tolist()], values, peers)
 
 
 def _role_groups(roles: Sequence[Hashable], good: np.ndarray) -> list[np.ndarray]:
@@ -183,8 +245,9 @@ def _role_groups(roles: Sequence[Hashable], good: np.ndarray) -> list[np.ndarray
     where = np.flatnonzero(good)
     if not len(where):
         return []
-    index: dict[Hashable, int] = {}
-    ids = np.array([index.setdefault(roles[i], len(index)) for i in where.tolist()], dtype=np.int64)
+    met = [roles[i] for i in where.tolist()]
+    index = {role: k for k, role in enumerate(dict.fromkeys(met))}  # roles in the order first met
+    ids = np.fromiter(map(index.__getitem__, met), dtype=np.int64, count=len(met))
     order = np.argsort(ids, kind="stable")
     bounds = np.flatnonzero(np.diff(ids[order])) + 1
     return np.split(where[order], bounds)
@@ -195,6 +258,10 @@ def slowest_listed(scores: Mapping[int, RankScore], most: int) -> dict[int, Rank
     rank), in rank order."""
     if len(scores) <= most:
         return dict(sorted(scores.items()))
+    if isinstance(scores, ScoreTable):  # one sort of two columns, RankScores made for the listed only
+        ranks = np.fromiter(scores, dtype=np.int64, count=len(scores))
+        top = ranks[np.lexsort((ranks, -scores.column("score")))[:most]]
+        return {r: scores[r] for r in sorted(top.tolist())}
     top = heapq.nsmallest(most, scores.items(), key=lambda kv: (-kv[1].score, kv[0]))
     return dict(sorted(top))
 
@@ -218,9 +285,12 @@ def compute_outliers(scores: Mapping[int, RankScore], mb_s: Mapping[int, float],
         if len(idx) < 2:
             continue
         mine = vals[idx]
-        for i, v, peers in zip(idx.tolist(), mine.tolist(), _peer_medians(mine).tolist()):
-            if peers > 0 and v / peers >= ratio and scores[ranks[i]].score >= min_score:
-                out[ranks[i]] = v / peers
+        peers = _peer_medians(mine)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            over = (peers > 0) & (mine / np.where(peers > 0, peers, 1.0) >= ratio)
+        for i, v, p in zip(idx[over].tolist(), mine[over].tolist(), peers[over].tolist()):
+            if v / p >= ratio and scores[ranks[i]].score >= min_score:
+                out[ranks[i]] = v / p
     return out
 
 
@@ -266,10 +336,14 @@ __all__ = [
     "BusyClock",
     "RankSample",
     "RankScore",
+    "SCORE_FIELDS",
+    "ScoreTable",
     "rank_scores",
     "recent_sample",
     "scores_of",
     "role_key",
+    "score_column",
+    "score_values",
     "slowest",
     "split_iteration",
 ]

@@ -130,13 +130,14 @@ def iteration_seconds(layout: Layout) -> tuple[float, float, float]:
 
 def heartbeats(layout: Layout, iteration: int, iter_s: float, healthy_s: float, now: float) -> list[Heartbeat]:
     """One heartbeat per rank at ``iteration``, as RankClient sends them (made by the
-    ranks' own builders, protocol/rank_side.py)."""
+    ranks' own builders, protocol/rank_side.py), at the start of the iteration (each
+    says it is 0 s into it, as a hooked rank says how far it is)."""
     d = layout.dp
     out = []
     for r in range(d * layout.pp):
         compute = healthy_s * 0.8 * (SLOW_FACTOR if r == SLOW_RANK else 1.0)
         fields = beat_fields(
-            replica=r % d, mb_s=compute / MICROBATCHES, micro=MICROBATCHES, restart_s=0.0, switch_s=0.0,
+            into_s=0.0, replica=r % d, mb_s=compute / MICROBATCHES, micro=MICROBATCHES, restart_s=0.0, switch_s=0.0,
             role={"role": r, "stage": r // d, "tp": 1, "pp": layout.pp, "grad_bytes": GRAD_BYTES,
                   "act_bytes": ACT_BYTES},
             score_iteration=iteration, est_iter_s=iter_s, compute_s=compute, wait_s=max(0.0, iter_s - compute))

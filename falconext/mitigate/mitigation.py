@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -385,33 +385,36 @@ def back_to_own_level(beats: Mapping[int, Any], refs: Mapping[int, tuple[int, fl
 
 
 def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None,
-               room: Any = None) -> MitigationAction | str:
+               room: Any = None, view: Callable[[], ReplicaView | None] | None = None) -> MitigationAction | str:
     """What every rank must do to apply the planner's decision ``d`` (the suspension's
-    action), or why it cannot be done now."""
+    action), or why it cannot be done now. ``view``: gives :func:`replica_view` of
+    ``beats`` when a revert or S2 needs it (a caller that reads the heartbeats as columns
+    gives it without making one per rank; None: read from ``beats.values()``)."""
+    read = view if view is not None else lambda: replica_view(beats.values())
     if d.action == "revert":
-        view = replica_view(beats.values())
-        if view is None:
+        now = read()
+        if now is None:
             return "replica layout unknown"
-        n = len(view.plan)
-        return MicrobatchPlan("revert", [view.total // n] * n)
+        n = len(now.plan)
+        return MicrobatchPlan("revert", [now.total // n] * n)
     if d.strategy == "S2":
-        view = replica_view(beats.values())
-        if view is None:
+        now = read()
+        if now is None:
             return "no compute time per micro-batch from every replica"
         by_replica: dict[int, float] = {}
         for p, f in mit.gpu_factors.items():
             b = beats.get(p)
-            if b is not None and 0 <= b.replica < len(view.times):
+            if b is not None and 0 <= b.replica < len(now.times):
                 by_replica[b.replica] = max(f, by_replica.get(b.replica, 1.0))
-        times = cap_by_gemm(view.times, by_replica)
+        times = cap_by_gemm(now.times, by_replica)
         try:
-            plan = plan_microbatches(times, view.total, max_per_replica)
+            plan = plan_microbatches(times, now.total, max_per_replica)
         except ValueError as exc:
             return f"no plan: {exc}"
-        if plan == view.plan:
+        if plan == now.plan:
             return f"the balanced plan {plan} is the plan in effect"
         return MicrobatchPlan("S2", plan, replica_mb_s=times,
-                              measured_mb_s=list(view.times) if times != view.times else None)
+                              measured_mb_s=list(now.times) if times != now.times else None)
     if d.strategy == "S3":
         plan_or_why = topology_for(mit, beats)
         if isinstance(plan_or_why, str):
