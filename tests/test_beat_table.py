@@ -106,6 +106,11 @@ def test_every_rank_s_compute_before_the_onset_is_the_plain_function_s(seed):
         plain = healthy_mb_s({r: list(k) for r, k in ref.history.items()}, onset, lookback)
         assert job.history.healthy_mb_s(onset, lookback) == plain
         assert healthy_mb_s(job.history, onset, lookback) == plain  # the function takes the table's way
+        # some ranks only (the verdict's GEMM ranks), a rank never heard from among them
+        some = set(rng.sample(sorted(ref.history), max(1, len(ref.history) // 3))) | {10**6}
+        only = {r: v for r, v in plain.items() if r in some}
+        assert healthy_mb_s({r: list(k) for r, k in ref.history.items()}, onset, lookback, some) == only
+        assert job.history.healthy_mb_s(onset, lookback, some) == only
 
 
 def test_a_rank_s_heartbeat_is_made_once_until_its_next():

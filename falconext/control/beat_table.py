@@ -178,25 +178,31 @@ class BeatTable:
         self._kept[slot] = (version, made)
         return made
 
-    def healthy_mb_s(self, onset: int, lookback: int = 0) -> dict[int, float]:
+    def healthy_mb_s(self, onset: int, lookback: int = 0, ranks: Iterable[int] | None = None) -> dict[int, float]:
         """:func:`~falconext.mitigate.mitigation.healthy_mb_s` over every rank's kept
-        readings at once: exactly its figures, by rank in the order first heard."""
+        readings at once (``ranks``: only these, those not heard from left out): exactly
+        its figures, by rank in the order first heard."""
         used = len(self._ranks)
-        if not used:
+        slots = np.arange(used) if ranks is None else np.array(sorted(self._slot[r] for r in set(ranks) if r in self._slot),
+                                                              dtype=np.int64)
+        if not len(slots):
             return {}
-        n, head = self._n[:used, None], self._head[:used, None]
+        n, head = self._n[slots, None], self._head[slots, None]
         age = (np.arange(self.keep)[None, :] - (head - n)) % self.keep  # 0: the oldest kept
         kept = age < n
         newest = (head - 1) % self.keep
-        role = self._role[np.arange(used), newest[:, 0]][:, None]
-        it, mb = self._it[:used], self._mb[:used]
-        clean = kept & (it <= onset) & (self._role[:used] == role) & (mb > 0)
+        rows = np.arange(len(slots))
+        role = self._role[slots, newest[:, 0]][:, None]
+        it, mb = self._it[slots], self._mb[slots]
+        clean = kept & (it <= onset) & (self._role[slots] == role) & (mb > 0)
         window = clean & (it >= onset - max(0, lookback))
         lowest = np.where(window, mb, np.inf).min(axis=1)
-        latest = mb[np.arange(used), np.where(clean, age, -1).argmax(axis=1)]
+        latest = mb[rows, np.where(clean, age, -1).argmax(axis=1)]
         value = np.where(window.any(axis=1), lowest, latest)
         values = value.tolist()
-        return {self._ranks[s]: values[s] for s in np.flatnonzero(clean.any(axis=1)).tolist()}
+        ranks_in = self._ranks
+        return {ranks_in[s]: values[k] for k, s in zip(np.flatnonzero(clean.any(axis=1)).tolist(),
+                                                       slots[clean.any(axis=1)].tolist())}
 
 
 def _rounds(ranks: np.ndarray) -> list[np.ndarray]:
@@ -274,6 +280,7 @@ class KeptReadings(_TableView, Mapping[int, tuple[Reading, ...]]):
     def __getitem__(self, rank: int) -> tuple[Reading, ...]:
         return self._table.readings(rank)
 
-    def healthy_mb_s(self, onset: int, lookback: int = 0) -> dict[int, float]:
-        """Every rank's compute before ``onset`` (:meth:`BeatTable.healthy_mb_s`)."""
-        return self._table.healthy_mb_s(onset, lookback)
+    def healthy_mb_s(self, onset: int, lookback: int = 0, ranks: Iterable[int] | None = None) -> dict[int, float]:
+        """Every rank's (``ranks``': only theirs) compute before ``onset``
+        (:meth:`BeatTable.healthy_mb_s`)."""
+        return self._table.healthy_mb_s(onset, lookback, ranks)

@@ -216,7 +216,7 @@ def compute_rise(beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[
     suspect's DP group took 0.7 s a rank at a time)."""
     if onset is None:
         return {}
-    before = healthy_mb_s(history, onset, lookback)
+    before = healthy_mb_s(history, onset, lookback, ranks)
     ids, mb = columns(beats, "rank", "mb_s")
     now = dict(zip(ids.astype(int).tolist(), mb.tolist()))
     return {r: now[r] / t for r, t in before.items()

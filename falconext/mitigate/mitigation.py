@@ -152,7 +152,8 @@ def cap_by_gemm(times: list[float], factors: Mapping[int, float]) -> list[float]
     return [min(t, ref * factors[r]) if r in factors and factors[r] >= 1.0 else t for r, t in enumerate(times)]
 
 
-def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int, lookback: int = 0) -> dict[int, float]:
+def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int, lookback: int = 0,
+                 ranks: Iterable[int] | None = None) -> dict[int, float]:
     """Each process's compute seconds per micro-batch before the fail-slow's onset
     iteration, in the role its latest heartbeat names: the lowest reading among its
     heartbeats of iterations ``onset - lookback`` .. ``onset``, or, with none there, its
@@ -171,13 +172,16 @@ def healthy_mb_s(history: Mapping[int, Iterable[Any]], onset: int, lookback: int
     figure is already a median over recent iterations, so the lowest of a few carries
     no single fast outlier (at most its own jitter, about 1% low). Processes without a
     heartbeat from before the onset (the job had just started, or switched roles since)
-    are left out.
+    are left out. ``ranks``: only these processes' (None: every one's).
     """
     at_once = getattr(history, "healthy_mb_s", None)  # the controller's table: every rank at once
     if at_once is not None:
-        return at_once(onset, lookback)
+        return at_once(onset, lookback, ranks)
     out: dict[int, float] = {}
+    only = None if ranks is None else set(ranks)
     for p, beats in history.items():
+        if only is not None and p not in only:
+            continue
         beats = list(beats)
         if not beats:
             continue
