@@ -14,9 +14,9 @@ import redis
 
 from falconext.control.bus import Bus
 from falconext.protocol.base import MessageError
-from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode
+from falconext.protocol.codec import MAX_MESSAGE_BYTES, encode, looks_like_report, pack_batch
 from falconext.protocol.commands import Suspend
-from falconext.protocol.messages import FailSlowReport, Localized
+from falconext.protocol.messages import FailSlowReport, Localized, SessionAck
 from falconext.control.redis_client import redis_client
 from falconext.control.redis_server import RedisServer, RedisUnavailable, start_redis
 from wallclock import LOADED_HOST_SLACK_S
@@ -218,6 +218,34 @@ def test_corrupted_entries_are_dropped_counted_and_named(redis_server: RedisServ
     for error, entry_id, (_, word) in zip(reader.errors, ids, corrupt):
         assert error.startswith(f"dropped s entry {entry_id}: ") and word in error, error
     assert reader.position("s") is not None and reader.read(["s"]) == []
+
+
+def test_reports_put_aside_wait_in_order_and_are_checked_when_taken(redis_server: RedisServer):
+    # the controller's reading while it localizes: reports (a rank's, a node's batch) are
+    # put aside undecoded, the rest is read in order; taken later, oldest first, and a
+    # text that only looked like a report is dropped and named then
+    reader, writer = Bus(redis_server.url, "j"), Bus(redis_server.url, "j")
+    (batch,) = pack_batch(1, [FailSlowReport(r, 150, 164, 1.4, 0.34, 5.0) for r in (8, 9)])
+    fake = encode(REPORT).replace("1.4", "NaN")
+    assert writer.post("s", REPORT) and writer.post("s", SUSPEND) and writer.post("s", batch)
+    bad_id = writer.post_raw("s", {"m": fake})
+    assert writer.post("s", LOCALIZED)
+    assert reader.read(["s"], later=looks_like_report) == [("s", SUSPEND), ("s", LOCALIZED)]
+    assert reader.deferred == 3 and reader.deferred_since() is not None and reader.dropped == 0
+    assert reader.take_later(2) == [("s", REPORT), ("s", batch)]
+    assert reader.take_later(5) == [] and reader.deferred == 0 and reader.deferred_since() is None
+    assert reader.dropped == 1 and reader.errors[-1].startswith(f"dropped s entry {bad_id}: ") \
+        and "NaN" in reader.errors[-1]
+    assert writer.post("s", REPORT) and reader.read(["s"]) == [("s", REPORT)]  # without later: read at once
+
+
+def test_only_reports_look_like_reports():
+    (batch,) = pack_batch(1, [FailSlowReport(r, 150, 164, 1.4, 0.34, 5.0) for r in (8, 9)])
+    for text in (encode(REPORT), encode(batch)):
+        assert looks_like_report(text) and looks_like_report(text.encode())
+    (others,) = pack_batch(1, [SessionAck(r, 1, "held", 5, 2.0) for r in (8, 9)])
+    for text in (encode(SUSPEND), encode(LOCALIZED), encode(others), "{not json", "", '"FailSlowReport"'):
+        assert not looks_like_report(text) and not looks_like_report(text.encode())
 
 
 # --- a dying Redis ---------------------------------------------------------------------

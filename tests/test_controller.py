@@ -65,7 +65,9 @@ def to_profiling(ctl, late_rank=1):
 
 def test_compute_fault_walks_the_states_and_names_the_gpu():
     ctl = Controller(CFG, world=4)
+    assert not ctl.defers_reports()  # nothing open: a report starts an episode at once
     outs = to_profiling(ctl)
+    assert ctl.defers_reports()  # localizing: a report can only join it, and may wait
     (prof,) = events(outs, "profiled")
     assert prof["compute_suspects"] == [1]
     (sus,) = commands(outs, "suspend")
@@ -87,7 +89,7 @@ def test_compute_fault_walks_the_states_and_names_the_gpu():
     assert loc["gpus"] == [1] and loc["links"] == []
     assert loc["after_event_s"] == 1.5
     assert loc["evidence"]["health"]["0"][0]["sm_clock_mhz"] == 1980
-    assert ctl.state is State.TRACKING
+    assert ctl.state is State.TRACKING and not ctl.defers_reports()
     outs = []
     for r in NODES:
         outs += ctl.handle(SessionAck(r, session, "resumed", sus.iteration, 103.0, pause_s=0.4 + r / 10), 103.0)

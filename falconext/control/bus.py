@@ -100,6 +100,8 @@ class Bus:
         self.dropped = 0
         self.errors: deque[str] = deque(maxlen=ERRORS_KEPT)
         self._positions: dict[str, StreamId] = {}  # per stream name: the last id delivered
+        #: entries a read put aside undecoded (``later``): (when, stream, entry id, text), oldest first
+        self._later: deque[tuple[float, str, str, Any]] = deque()
         # for streams without a position: from the server clock, or ``since_ms`` (entries
         # posted from that time on, milliseconds since the epoch)
         self._start: StreamId | None = None if since_ms is None else (max(0, int(since_ms)), 0)
@@ -165,10 +167,14 @@ class Bus:
         return _text(entry_id) if entry_id is not None else None
 
     def read(
-        self, streams: list[str], block_ms: int = 0, accept: set[str] | None = None, count: int | None = None
+        self, streams: list[str], block_ms: int = 0, accept: set[str] | None = None, count: int | None = None,
+        later: Callable[[Any], bool] | None = None,
     ) -> list[tuple[str, Any]]:
         """New messages on ``streams`` as ``(stream, message)`` in stream order, at most
-        ``count`` per stream (None: all there are).
+        ``count`` per stream (None: all there are). An entry whose text ``later`` holds
+        true of is put aside undecoded, in order, for :meth:`take_later` (a reader
+        with more urgent messages behind it: the controller's fail-slow reports while
+        it localizes).
 
         ``block_ms > 0`` waits up to that long for the first message (0 does not wait;
         it never means "forever" as in XREAD). While Redis is unreachable this returns
@@ -176,7 +182,25 @@ class Bus:
         out ``block_ms`` anyway, so a consumer's poll loop does not spin.
         """
         out: list[tuple[str, Any]] = []
-        self._read(streams, block_ms, count, lambda reply, keys: self._deliver(reply, keys, accept, out))
+        self._read(streams, block_ms, count, lambda reply, keys: self._deliver(reply, keys, accept, out, later))
+        return out
+
+    @property
+    def deferred(self) -> int:
+        """Entries put aside by reads (``later``) and not taken yet."""
+        return len(self._later)
+
+    def deferred_since(self) -> float | None:
+        """When (monotonic) the oldest entry put aside was read; None: none is."""
+        return self._later[0][0] if self._later else None
+
+    def take_later(self, most: int) -> list[tuple[str, Any]]:
+        """Up to ``most`` of the entries put aside, oldest first, decoded as :meth:`read`
+        decodes (a malformed one is dropped and counted)."""
+        out: list[tuple[str, Any]] = []
+        for _ in range(min(most, len(self._later))):
+            _, stream, eid, raw = self._later.popleft()
+            self._decode_into(stream, eid, raw, None, out)
         return out
 
     def read_raw(self, streams: list[str], block_ms: int = 0, count: int | None = None) -> list[tuple[str, str, bytes]]:
@@ -436,15 +460,24 @@ class Bus:
                 self._positions[stream] = _parse_id(eid)
                 yield stream, eid, fields
 
-    def _deliver(self, reply: Any, keys: dict[str, str], accept: set[str] | None, out: list[tuple[str, Any]]) -> None:
+    def _deliver(self, reply: Any, keys: dict[str, str], accept: set[str] | None, out: list[tuple[str, Any]],
+                 later: Callable[[Any], bool] | None = None) -> None:
+        now = time.monotonic()
         for stream, eid, fields in self._entries(reply, keys):
             raw = self._raw(stream, eid, fields)
             if raw is None:
                 continue
-            try:
-                out.append((stream, codec.decode(raw, accept)))
-            except MessageError as exc:
-                self.drop(f"dropped {stream} entry {eid}: {exc}")
+            if later is not None and later(raw):
+                self._later.append((now, stream, eid, raw))
+                continue
+            self._decode_into(stream, eid, raw, accept, out)
+
+    def _decode_into(self, stream: str, eid: str, raw: Any, accept: set[str] | None,
+                     out: list[tuple[str, Any]]) -> None:
+        try:
+            out.append((stream, codec.decode(raw, accept)))
+        except MessageError as exc:
+            self.drop(f"dropped {stream} entry {eid}: {exc}")
 
     def _deliver_raw(self, reply: Any, keys: dict[str, str], out: list[tuple[str, str, bytes]]) -> None:
         for stream, eid, fields in self._entries(reply, keys):

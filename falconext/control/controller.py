@@ -165,6 +165,14 @@ class Controller:
             self.localizer.health[msg.node] = msg
         return []
 
+    def defers_reports(self) -> bool:
+        """Whether fail-slow reports may wait behind the session's own messages (the
+        service reads them when the control stream is quiet): an episode is open past
+        TRACKING, so a report can only join it, end it or rise in it. At 131,072 ranks
+        every rank reports, and the 16,384 node batches of reports came before the
+        profiles they had asked for."""
+        return self.episode is not None and self.state is not State.TRACKING
+
     def _collect(self, msgs: list[Any], now: float) -> list[Output] | None:
         """Take ``msgs`` (one rank's, or a node's batch: 100k ranks' come at a
         suspension) when they are the session's acks of one status, or its profiles while

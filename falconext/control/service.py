@@ -42,7 +42,7 @@ from falconext.control.snapshot import ROW_COLUMNS, TABLE_FILE
 from falconext.control.metrics import JobMetrics, MetricsServer
 from falconext.protocol.eventlog import EventLog
 from falconext.protocol.base import MessageError
-from falconext.protocol.codec import encode
+from falconext.protocol.codec import encode, looks_like_report
 from falconext.protocol.messages import NodeHeartbeats, RankEvent
 from falconext.validate.health import gpu_health
 
@@ -56,6 +56,8 @@ OPERATOR_TTL_S = 7 * 24 * 3600.0
 ROUTINE_EVENTS = {"rank_scores"}
 #: control-stream messages read at most in one go (then a batch of heartbeats, then more)
 CTL_READ_MAX = 1000
+#: the longest a fail-slow report put aside during a localization waits to be read
+MAX_REPORT_WAIT_S = 5.0
 #: while the control stream holds a backlog, deadlines wait for the controller to read
 #: it (a profile that reached Redis in time is in time), but never longer than this
 MAX_DEADLINE_DEFER_S = 30.0
@@ -182,11 +184,18 @@ def run_controller(url: str, job: str, world: int | None, events_path: str, cfg,
                     if spares is not None:
                         ctl.spares = len(spares)
             outputs = []
-            before = bus.dropped
-            first = bus.read([CTL_STREAM], count=CTL_READ_MAX)
-            backlog = len(first) + bus.dropped - before >= CTL_READ_MAX  # a full read: more is waiting
-            got = first + bus.read(streams, block_ms=0 if first else (20 if readers is not None else 100),
-                                   count=c.controller_read_batch)
+            before, aside = bus.dropped, bus.deferred
+            # while a localization or mitigation runs, reports wait until the stream is quiet
+            later = looks_like_report if ctl.defers_reports() else None
+            first = bus.read([CTL_STREAM], count=CTL_READ_MAX, later=later)
+            came = len(first) + bus.dropped - before + bus.deferred - aside
+            backlog = came >= CTL_READ_MAX  # a full read: more is waiting
+            got = first + bus.read(streams, block_ms=0 if came else (20 if readers is not None else 100),
+                                   count=c.controller_read_batch, later=later)
+            since = bus.deferred_since()
+            if since is not None and ((not came and all(s != CTL_STREAM for s, _ in got))
+                                      or time.monotonic() - since >= MAX_REPORT_WAIT_S):
+                got += bus.take_later(CTL_READ_MAX)  # a quiet moment (or waited long enough): a read's worth
             beats = False
             run: list[NodeHeartbeats] = []  # consecutive node heartbeats: taken as one block
             for k, (stream, msg) in enumerate(got):

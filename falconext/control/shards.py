@@ -20,6 +20,7 @@ so (``on_state`` names the shard).
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import deque
@@ -188,6 +189,23 @@ class ShardedBus:
         return sum(b.dropped for b in self.buses)
 
     @property
+    def deferred(self) -> int:
+        """Entries put aside by reads on every shard (Bus.deferred)."""
+        return sum(b.deferred for b in self.buses)
+
+    def deferred_since(self) -> float | None:
+        """When the oldest entry put aside on any shard was read; None: none is."""
+        return min((t for t in (b.deferred_since() for b in self.buses) if t is not None), default=None)
+
+    def take_later(self, most: int) -> list[tuple[str, Any]]:
+        """Up to ``most`` of the entries put aside, the oldest shard's first (Bus.take_later)."""
+        out: list[tuple[str, Any]] = []
+        for bus in sorted(self.buses, key=lambda b: b.deferred_since() or math.inf):
+            if len(out) < most:
+                out += bus.take_later(most - len(out))
+        return out
+
+    @property
     def maxlen(self) -> int:
         """The length each stream is trimmed to (every shard's Bus has the same)."""
         return self.buses[0].maxlen
@@ -228,10 +246,10 @@ class ShardedBus:
         return ids[0]
 
     def read(self, streams: list[str], block_ms: int = 0, accept: set[str] | None = None,
-             count: int | None = None) -> list[tuple[str, Any]]:
-        """New messages on ``streams`` as Bus.read gives them, shard by shard. Waiting
-        (``block_ms``) is shared among the shards read, so a message on any of them is
-        seen within about ``block_ms``."""
+             count: int | None = None, later: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+        """New messages on ``streams`` as Bus.read gives them (``later``: put aside
+        there), shard by shard. Waiting (``block_ms``) is shared among the shards read,
+        so a message on any of them is seen within about ``block_ms``."""
         if block_ms < 0:
             raise ValueError(f"block_ms must be >= 0, got {block_ms}")
         by_shard: dict[int, list[str]] = {}
@@ -242,10 +260,10 @@ class ShardedBus:
             return []
         if len(by_shard) == 1:
             (k, names), = by_shard.items()
-            return self.buses[k].read(names, block_ms=block_ms, accept=accept, count=count)
+            return self.buses[k].read(names, block_ms=block_ms, accept=accept, count=count, later=later)
         out: list[tuple[str, Any]] = []
         for k, names in by_shard.items():
-            out += self.buses[k].read(names, accept=accept, count=count)
+            out += self.buses[k].read(names, accept=accept, count=count, later=later)
         if out or block_ms == 0:
             return out
         deadline = time.monotonic() + block_ms / 1000
@@ -255,7 +273,8 @@ class ShardedBus:
                 left = int((deadline - time.monotonic()) * 1000)
                 if left <= 0:
                     break
-                out += self.buses[k].read(names, block_ms=min(slice_ms, left), accept=accept, count=count)
+                out += self.buses[k].read(names, block_ms=min(slice_ms, left), accept=accept, count=count,
+                                          later=later)
                 if out:
                     break
         return out

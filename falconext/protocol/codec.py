@@ -13,6 +13,7 @@ import functools
 import itertools
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -184,6 +185,20 @@ def _schema(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
     ranks' heartbeats a second, the controller's main cost)."""
     return {f.name: f for f in fields(cls)}, typing.get_type_hints(cls)
 
+
+
+#: how a fail-slow report (a rank's, or a node's batch of them) begins as :func:`encode` writes it
+_REPORT_START = re.compile(r'\{"v":\d+,"type":"(?:FailSlowReport"|NodeBatch","body":\{"node":\d+,"kind":"FailSlowReport")')
+_REPORT_START_BYTES = re.compile(_REPORT_START.pattern.encode())
+
+
+def looks_like_report(data: str | bytes) -> bool:
+    """Whether ``data`` begins as an encoded fail-slow report or a node's batch of them:
+    a look at its first bytes, for scheduling only (a reader that puts reports aside
+    decodes them strictly later; a text that only looks like one is dropped then)."""
+    head = data[:120]
+    pattern = _REPORT_START_BYTES if isinstance(head, bytes) else _REPORT_START
+    return pattern.match(head) is not None  # type: ignore[arg-type]
 
 
 def decode(data: str | bytes, accept: set[str] | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
