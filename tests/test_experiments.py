@@ -629,6 +629,24 @@ def test_scale_64_ranks_on_a_three_shard_redis_cluster() -> None:
     assert row["burst_node_messages"] * 8 == row["burst_heartbeats"] and row["controller_heartbeats_per_s"] > 0
 
 
+def test_the_simulated_ranks_post_in_chunks_in_order(redis_server, monkeypatch) -> None:
+    """Posting goes a few messages a round trip (so the first are in Redis while the rest
+    are sent), every one of them, each stream's in the order given."""
+    from falconext.config import FalconConfig
+    from falconext.experiments import scale
+
+    monkeypatch.setattr(scale, "POST_CHUNK", 3)
+    sim = scale._Ranks(redis_server.url, "chunks", scale.layout_for(64), FalconConfig())
+    try:
+        data = [(f"ctl@{n % 8}", "X", json.dumps({"n": n})) for n in range(10)]
+        sim.post_encoded(data)
+        (_, key), = sim.placed("ctl", post=True)[:1]
+        got = [json.loads(f[b"m"])["n"] for _, f in sim.raw.xrange(key)]
+        assert got == list(range(10)) and sim.posted == 10
+    finally:
+        sim.close()
+
+
 def test_the_scale_experiment_reads_only_the_controller_s_whole_event_lines(tmp_path):
     """The controller may be writing a line (a 2 MB ``localized`` at 131,072 ranks) while
     the experiment looks: the part written so far is left for the next look."""
