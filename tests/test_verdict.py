@@ -272,3 +272,27 @@ def test_link_values_over_arrays_are_the_loop_s(seed):
         assert _link_values_at_once(pairs + bad, node_of) is None
     huge = {**node_of, 2**70: 0}  # a rank past 64 bits: the loop's way, the same figures
     assert _link_values_at_once(pairs, huge) is None and slow_links(pairs, huge, 1.5) == slow_links(pairs, node_of, 1.5)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_measurements_as_one_array_give_the_tuples_verdict(seed):
+    """The controller hands slow_links the results' rows as one array (measurement_array),
+    those of ranks without a node left out (with_nodes): the same links, figures and
+    evidence as the tuples; a row in doubt gives no array (the tuples' way names it)."""
+    import random
+
+    from falconext.validate.verdict import measurement_array, with_nodes
+
+    rng = random.Random(seed)
+    node_of = {r: r // 4 for r in range(4 * rng.randint(2, 9))}
+    rows = [[*rng.sample(sorted(node_of), 2), rng.choice([0.001, round(rng.uniform(0.0005, 0.05), 6)])]
+            for _ in range(rng.randint(2, 300))]
+    rows[0][2] = 8.0 * max(r[2] for r in rows)  # one slow measurement
+    stranger = [max(node_of) + 5, 0, 0.001]  # a rank without a node: left out
+    table = with_nodes(measurement_array(rows + [stranger]), node_of)
+    assert table is not None and table.shape == (len(rows), 3)
+    tuples = [(int(s), int(d), float(t)) for s, d, t in rows]
+    assert slow_links(table, node_of, 1.5) == slow_links(tuples, node_of, 1.5)
+    for bad in ([0, 1, float("nan")], [0, 1, 0.0], [0.5, 1, 0.1], [-1, 1, 0.1], [0, 1], [0, 1, "x"]):
+        assert measurement_array(rows + [bad]) is None
+    assert measurement_array([]) is None

@@ -27,7 +27,7 @@ from falconext.protocol.messages import Heartbeat, Localized, NodeHealth, Profil
 from falconext.mitigate.mitigation import healthy_mb_s
 from falconext.profile.window import Findings, analyze_window
 from falconext.validate.plan import nccl_allows_trees, on_nccl, split_plan, validation_plan
-from falconext.validate.verdict import link_baseline, slow_links, slow_ranks
+from falconext.validate.verdict import link_baseline, measurement_array, slow_links, slow_ranks, with_nodes
 
 
 @dataclass(frozen=True)
@@ -144,14 +144,19 @@ class Localizer:
         errors = {str(r.rank): r.error for r in self.results.values() if r.error}
         try:
             # rows were checked when decoded; one handed in directly (a test, a bug) is too
-            pairs = [(int(s), int(d), float(t)) for r in self.results.values() for s, d, t in r.links]
+            rows = [row for r in self.results.values() for row in r.links]
+            table = measurement_array(rows)
+            known = None if table is None else with_nodes(table, node_of)
             suspects = self.findings.compute_suspects if self.findings else []
             # the rise of the ranks that ran a GEMM only: no other is judged (a 100k-rank job
             # validates a few suspects' groups)
             gpus = slow_ranks(flops, cfg.validation_slow_factor, suspects,
                               compute_rise=compute_rise(beats, history, onset, cfg.min_duration, set(flops)))
+            if known is None:  # a measurement in doubt: the tuples' way, which names it
+                pairs = [(int(s), int(d), float(t)) for s, d, t in rows]
+                known = [p for p in pairs if p[0] in node_of and p[1] in node_of]
             links, link_evidence = slow_links(
-                [p for p in pairs if p[0] in node_of and p[1] in node_of], node_of, cfg.validation_slow_factor,
+                known, node_of, cfg.validation_slow_factor,
                 cfg.validation_min_link_excess_s, baseline=self.link_baseline,
             )
         except (ValueError, TypeError) as exc:

@@ -106,13 +106,14 @@ def _key(a: int, b: int) -> str:
 
 
 def slow_links(
-    pairs: Sequence[tuple[int, int, float]],
+    pairs: Sequence[tuple[int, int, float]] | np.ndarray,
     node_of: Mapping[int, int],
     factor: float = _DEFAULT.validation_slow_factor,
     min_excess_s: float = 0.0,
     baseline: Mapping[tuple[int, int], float] | None = None,
 ) -> tuple[list[tuple[int, int]], dict]:
     """Slow inter-node links as sorted node pairs (a, b), a < b, plus the evidence.
+    ``pairs``: (src, dst, seconds) measurements, or a :func:`measurement_array` of them.
 
     Each measured (src, dst, seconds) maps to the unordered node pair of its ranks; a
     link's value is the median of its measurements (both directions, several rank pairs),
@@ -140,7 +141,7 @@ def slow_links(
     _check_factor(factor, "slow_links")
     value = _link_values_at_once(pairs, node_of)
     if value is None:
-        value = _link_values(pairs, node_of)
+        value = _link_values(_as_tuples(pairs) if isinstance(pairs, np.ndarray) else pairs, node_of)
     inter = {link: v for link, v in value.items() if link[0] != link[1]}
     intra = {link: v for link, v in value.items() if link[0] == link[1]}
     own = {link: float(baseline[link]) for link in inter if baseline and _positive(baseline.get(link))}
@@ -171,6 +172,11 @@ def slow_links(
     return slow, evidence
 
 
+def _as_tuples(table: np.ndarray) -> list[tuple[int, int, float]]:
+    """A :func:`measurement_array`'s rows as the (src, dst, seconds) tuples they were."""
+    return [(int(a), int(b), float(t)) for a, b, t in table.tolist()]
+
+
 def _link_values(pairs: Sequence[tuple[int, int, float]], node_of: Mapping[int, int]) -> dict[tuple[int, int], float]:
     """Each node pair's median of the measurements ``pairs`` (see :func:`slow_links`), by
     node pair in order; ValueError naming the first measurement that is not right."""
@@ -189,31 +195,84 @@ def _link_values(pairs: Sequence[tuple[int, int, float]], node_of: Mapping[int, 
     return {link: float(median(s)) for link, s in sorted(samples.items())}
 
 
-def _link_values_at_once(pairs: Sequence[tuple[int, int, float]],
-                         node_of: Mapping[int, int]) -> dict[tuple[int, int], float] | None:
-    """:func:`_link_values` over arrays (a 131,072-rank validation measures about 300,000
-    pairs: 1.1 s a pair at a time): exactly its figures, or None when any measurement is
-    in doubt (the caller then takes the way that names it)."""
-    if not pairs or not set(map(type, pairs)) <= {tuple} or set(map(len, pairs)) != {3}:
+def measurement_array(rows: Sequence[Sequence[float]]) -> np.ndarray | None:
+    """Validation measurements ``[src, dst, seconds]`` as one ``(n, 3)`` float array,
+    for :func:`slow_links` (a 131,072-rank validation measures about 300,000: making a
+    tuple of each took a tenth of a second, and taking them apart again twice that);
+    None when any is in doubt (not three numbers, a rank not a whole number from 0 to
+    2**53, a time not finite and positive): the caller then takes the tuples' way, which
+    names it."""
+    if not rows or not set(map(type, rows)) <= {list, tuple} or set(map(len, rows)) != {3}:
         return None
-    src, dst, secs = zip(*pairs)
-    if not set(map(type, src)) | set(map(type, dst)) <= {int} or not set(map(type, secs)) <= {float}:
+    try:
+        table = np.array(rows, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
         return None
+    ranks, secs = table[:, :2], table[:, 2]
+    with np.errstate(invalid="ignore"):
+        if not ((ranks >= 0) & (ranks <= 2.0**53) & (ranks == np.floor(ranks))).all() \
+                or not (np.isfinite(secs) & (secs > 0)).all():
+            return None
+    return table
+
+
+def _node_lookup(node_of: Mapping[int, int], most: int) -> np.ndarray | None:
+    """Node of every rank 0..``most`` (-1: none), or None when ``node_of`` is in doubt."""
     if not node_of or not set(map(type, node_of)) | set(map(type, node_of.values())) <= {int}:
         return None
     try:
         at = np.fromiter(node_of.keys(), dtype=np.int64, count=len(node_of))
         nodes = np.fromiter(node_of.values(), dtype=np.int64, count=len(node_of))
-        ranks = np.array(src + dst, dtype=np.int64)
     except OverflowError:  # a number past 64 bits: the loop's way
         return None
-    if ranks.min() < 0 or at.min() < 0 or nodes.min() < 0:
+    if at.min() < 0 or nodes.min() < 0:
         return None
-    lookup = np.full(int(ranks.max()) + 1, -1, dtype=np.int64)
-    inside = at < len(lookup)
+    lookup = np.full(most + 1, -1, dtype=np.int64)
+    inside = at <= most
     lookup[at[inside]] = nodes[inside]
+    return lookup
+
+
+def with_nodes(table: np.ndarray, node_of: Mapping[int, int]) -> np.ndarray | None:
+    """The rows of a :func:`measurement_array` both of whose ranks have a node in
+    ``node_of`` (None: ``node_of`` in doubt)."""
+    if not len(table):
+        return table
+    lookup = _node_lookup(node_of, int(table[:, :2].max()))
+    if lookup is None:
+        return None
+    ends = lookup[table[:, :2].astype(np.int64)]
+    return table[(ends >= 0).all(axis=1)]
+
+
+def _link_values_at_once(pairs: Sequence[tuple[int, int, float]] | np.ndarray,
+                         node_of: Mapping[int, int]) -> dict[tuple[int, int], float] | None:
+    """:func:`_link_values` over arrays (a 131,072-rank validation measures about 300,000
+    pairs: 1.1 s a pair at a time): exactly its figures, or None when any measurement is
+    in doubt (the caller then takes the way that names it). ``pairs`` may be a
+    :func:`measurement_array`."""
+    if isinstance(pairs, np.ndarray):
+        if not len(pairs) or pairs.ndim != 2 or pairs.shape[1] != 3:
+            return None
+        ranks = np.concatenate([pairs[:, 0], pairs[:, 1]]).astype(np.int64)
+        seconds = pairs[:, 2]
+    else:
+        if not pairs or not set(map(type, pairs)) <= {tuple} or set(map(len, pairs)) != {3}:
+            return None
+        src, dst, secs = zip(*pairs)
+        if not set(map(type, src)) | set(map(type, dst)) <= {int} or not set(map(type, secs)) <= {float}:
+            return None
+        try:
+            ranks = np.array(src + dst, dtype=np.int64)
+        except OverflowError:  # a number past 64 bits: the loop's way
+            return None
+        seconds = np.array(secs, dtype=np.float64)
+    if ranks.min() < 0:
+        return None
+    lookup = _node_lookup(node_of, int(ranks.max()))
+    if lookup is None:
+        return None
     ends = lookup[ranks]
-    seconds = np.array(secs, dtype=np.float64)
     if (ends < 0).any() or not (np.isfinite(seconds) & (seconds > 0)).all():
         return None
     n = len(seconds)
