@@ -189,3 +189,28 @@ def test_a_share_s_rows_are_whole_numbers_each_named_when_not(bad, where):
     body["body"]["share"]["pairs"][1][2] = bad
     with pytest.raises(MessageError, match=rf"share\.{where.replace('[', '.').replace(']', '.')}"):
         decode(json.dumps(body))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_shares_worked_out_over_arrays_are_the_loop_s(seed, monkeypatch):
+    """At 100k ranks the shares are cut over arrays: the same blocks, GEMM runs and rows in
+    the same order as the loop (pairs listed twice, a pair within one rank, ranks outside
+    the job), and a block too large for the cap takes the loop's way, which halves it."""
+    import random
+
+    import falconext.validate.plan as plan_mod
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        n = rng.choice([1, 3, 50, 400, 2000])
+        ranks = list(range(n)) if rng.random() < 0.7 else sorted(rng.sample(range(3 * n), n))
+        passes = [[(rng.choice(ranks), rng.choice(ranks + [3 * n + 5])) for _ in range(rng.randint(0, n))]
+                  for _ in range(rng.randint(0, 4))]
+        whole = {"gemm": rng.sample(ranks, rng.randint(0, n)), "passes": passes,
+                 "gemm_concurrency": rng.choice([0, 1, 3]), "p2p_concurrency": rng.choice([0, 1, 7])}
+        cap = rng.choice([1030, 1060, 1100, 4000, MAX_MESSAGE_BYTES])  # the first: blocks the loop halves
+        fast = split_plan(whole, ranks, cap)
+        with monkeypatch.context() as m:
+            m.setattr(plan_mod, "_shares_at_once", lambda *a: None)
+            assert split_plan(whole, ranks, cap) == fast
+        assert all(len(encode(Share(2**62, sh))) <= cap for sh in fast[1] if sh.first != sh.last)
