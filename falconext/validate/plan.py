@@ -304,15 +304,7 @@ def _shares_at_once(rounds: list[list[tuple[int, int]]], gemm_round: Mapping[int
     shares = []
     for j in range(b + 1):
         block = members[bounds[j]:bounds[j + 1]]
-        runs: list[list[int]] = []
-        for r in block:
-            g = gemm_round.get(r)
-            if g is None:
-                continue
-            if runs and runs[-1][1] == r - 1 and runs[-1][2] == g:
-                runs[-1][1] = r
-            else:
-                runs.append([r, r, g])
+        runs = _gemm_runs(block, gemm_round)
         lo, hi = cuts[j], cuts[j + 1]
         share = ValidationShare(block[0], block[-1], runs, rows[lo:hi])
         if len(block) > 1:
@@ -323,10 +315,9 @@ def _shares_at_once(rounds: list[list[tuple[int, int]]], gemm_round: Mapping[int
     return shares
 
 
-def _shares(block: list[int], gemm_round: Mapping[int, int], pairs_of: Mapping[int, list[list[int]]],
-            max_bytes: int) -> list[ValidationShare]:
-    """The share of ``block`` (consecutive ranks), halved until each fits ``max_bytes``.
-    Its GEMM rows are runs ``[first, last, round]`` of consecutive GEMM ranks of one round."""
+def _gemm_runs(block: list[int], gemm_round: Mapping[int, int]) -> list[list[int]]:
+    """The GEMM rows of ``block`` (consecutive ranks): runs ``[first, last, round]`` of
+    consecutive GEMM ranks of one round."""
     runs: list[list[int]] = []
     for r in block:
         k = gemm_round.get(r)
@@ -336,6 +327,14 @@ def _shares(block: list[int], gemm_round: Mapping[int, int], pairs_of: Mapping[i
             runs[-1][1] = r
         else:
             runs.append([r, r, k])
+    return runs
+
+
+def _shares(block: list[int], gemm_round: Mapping[int, int], pairs_of: Mapping[int, list[list[int]]],
+            max_bytes: int) -> list[ValidationShare]:
+    """The share of ``block`` (consecutive ranks), halved until each fits ``max_bytes``.
+    Its GEMM rows are :func:`_gemm_runs`."""
+    runs = _gemm_runs(block, gemm_round)
     seen: set[tuple[int, int, int]] = set()
     pairs = []
     for r in block:
