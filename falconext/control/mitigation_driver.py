@@ -51,6 +51,7 @@ from falconext.mitigate.mitigation import (
     link_excess,
     new_mitigation,
     recovery_references,
+    replica_view_in,
     replica_view_of,
     replicas_of,
     straggler_recovered,
@@ -157,7 +158,7 @@ def check_recovery(mit: Mitigation, beats: Mapping[int, Heartbeat], it: int, cfg
     # every slow GPU needs its reference: one read against nothing could still be slow
     own = back_to_own_level(beats, mit.recovery_refs, cfg.min_slowdown) \
         if set(mit.recovery_refs) == set(mit.gpus) else None
-    view = replica_view_of(*columns(beats, "replica", "mb_s", "micro"))
+    view = replica_view_in(beats)
     if own is not None:
         seen = min(beats[g].iteration for g in mit.recovery_refs)
         if seen > mit.own_seen:  # a fresh reading (several heartbeats may carry one)
@@ -196,8 +197,7 @@ def prepare_action(mit: Mitigation, d: Decision, beats: Mapping[int, Heartbeat],
     action_for), or why it cannot be done now. An S2 plan's solving time is kept as part
     of its overhead; the decision is then in flight."""
     t0 = time.perf_counter()
-    action = action_for(mit, d, beats, cfg.max_microbatches_per_replica or None, room,
-                        view=lambda: replica_view_of(*columns(beats, "replica", "mb_s", "micro")))
+    action = action_for(mit, d, beats, cfg.max_microbatches_per_replica or None, room)
     if isinstance(action, str):
         return action
     if d.strategy == "S2" and d.action == "apply":

@@ -25,7 +25,7 @@ from falconext.protocol.commands import MitigateRequest, MuteRequest, OperatorCo
 from falconext.protocol.messages import CommandReply, FailSlowReport, Heartbeat
 from falconext.control.outputs import Output, event
 from falconext.mitigate.microbatch import plan_microbatches
-from falconext.mitigate.mitigation import replica_view
+from falconext.mitigate.mitigation import replica_view_in
 from falconext.model.roles import check_roles
 
 def refusal(reason: str) -> Output:
@@ -186,7 +186,7 @@ def operator_action(args: Mapping[str, Any], beats: Mapping[int, Heartbeat],
     permutation ``roles`` of the ranks) or S4 (``exclude_nodes``)."""
     strategy = args.get("strategy")
     if strategy in ("S2", "revert"):
-        view = replica_view(beats.values())
+        view = replica_view_in(beats)
         if view is None:
             return "replica layout not known yet (no heartbeats)"
         n = len(view.plan)

@@ -645,14 +645,14 @@ def run_size(ranks: int, cfg: FalconConfig | None = None, workdir: str | None = 
         reports = [fail_slow_report(r, FAIL_SLOW, 1, iteration - 12, iteration, round(slow_s / healthy_s, 4), healthy_s,
                                     MARKS["time"]) for r in range(ranks)]
         made_reports = Premade([rep for rep in reports if rep is not None])
-        # this process stands in for 16,384 hosts: its own garbage collection (0.6 s of
-        # pauses at 131,072 ranks, more after the earlier sizes' runs) is not the ranks'
         def gave_up() -> str | None:
             if proc.poll() is not None:
                 return "the controller died"
             failed = [e for e in _events(events_path) if e["type"] == "localization_failed"]
             return str(failed[0].get("reason")) if failed else None
 
+        # this process stands in for 16,384 hosts: its own garbage collection (0.6 s of
+        # pauses at 131,072 ranks, more after the earlier sizes' runs) is not the ranks'
         collecting = gc.isenabled()
         gc.disable()
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -114,6 +114,16 @@ def replica_view(beats: Iterable[Any]) -> ReplicaView | None:
     """
     found = list(beats)
     return replica_view_of([b.replica for b in found], [b.mb_s for b in found], [b.micro for b in found])
+
+
+def replica_view_in(beats: Mapping[int, Any]) -> ReplicaView | None:
+    """:func:`replica_view` of every heartbeat in ``beats`` (a mapping by rank), read as
+    columns where the mapping has them (the controller's table: 131,072 Heartbeats made
+    for one decision took half a second), else from its heartbeats."""
+    column = getattr(beats, "column", None)
+    if column is not None:
+        return replica_view_of(column("replica"), column("mb_s"), column("micro"))
+    return replica_view(beats.values())
 
 
 def replica_view_of(replicas: Sequence[int], mb_s: Sequence[float], micros: Sequence[int]) -> ReplicaView | None:
@@ -389,20 +399,17 @@ def back_to_own_level(beats: Mapping[int, Any], refs: Mapping[int, tuple[int, fl
 
 
 def action_for(mit: Mitigation, d: Any, beats: Mapping[int, Any], max_per_replica: int | None,
-               room: Any = None, view: Callable[[], ReplicaView | None] | None = None) -> MitigationAction | str:
+               room: Any = None) -> MitigationAction | str:
     """What every rank must do to apply the planner's decision ``d`` (the suspension's
-    action), or why it cannot be done now. ``view``: gives :func:`replica_view` of
-    ``beats`` when a revert or S2 needs it (a caller that reads the heartbeats as columns
-    gives it without making one per rank; None: read from ``beats.values()``)."""
-    read = view if view is not None else lambda: replica_view(beats.values())
+    action), or why it cannot be done now."""
     if d.action == "revert":
-        now = read()
+        now = replica_view_in(beats)
         if now is None:
             return "replica layout unknown"
         n = len(now.plan)
         return MicrobatchPlan("revert", [now.total // n] * n)
     if d.strategy == "S2":
-        now = read()
+        now = replica_view_in(beats)
         if now is None:
             return "no compute time per micro-batch from every replica"
         by_replica: dict[int, float] = {}
