@@ -284,10 +284,10 @@ def _shares_at_once(rounds: list[list[tuple[int, int]]], gemm_round: Mapping[int
     # a pair listed twice (the same round, source and destination) is one row
     table = np.column_stack([k, ends])
     width = int(ends.max()) + 1 if len(k) else 1
-    if len(k) and (int(k.max()) + 1) * width * width < 2**62:  # one number per row
-        _, same = np.unique((k * width + ends[:, 0]) * width + ends[:, 1], return_inverse=True)
+    if len(k) and (int(k.max()) + 1) * width * width >= 2**62:  # too wide for one number per row
+        _, same = np.unique(table, axis=0, return_inverse=True)
     else:
-        _, same = np.unique(table, axis=0, return_inverse=True) if len(k) else (None, np.zeros(0, dtype=np.int64))
+        _, same = np.unique((k * width + ends[:, 0]) * width + ends[:, 1], return_inverse=True)
     same = np.repeat(same.ravel(), 2)
     key = block_of[at[order]] * max(1, len(k)) + same[order]
     _, first = np.unique(key, return_index=True)
