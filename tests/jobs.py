@@ -179,12 +179,42 @@ QUIET = ("fail_slow", "straggler_suspected", "localized", "localization_failed",
          "mitigation", "episode_end")
 
 
+#: what a live falconext never raises: its own code failing on a rank, in a rank's control
+#: thread or in the controller (each leaves training alone, so a run with one can look quiet)
+FAILURES = ("monitor_error", "control_error", "controller_error")
+#: the share of rank-iterations a live run estimates from the calls (the trackers lock
+#: within their warm-up: measured 0.97 on the 60-iteration PP2 job, 2026-12-02)
+MIN_COVERAGE = 0.8
+
+
+def assert_live(out: Path, min_coverage: float = MIN_COVERAGE) -> None:
+    """falconext was alive in run ``out``, not merely silent: every rank of the run's
+    topology found its period from its calls, the estimates cover at least
+    ``min_coverage`` of the rank-iterations, the controller started and answered (it
+    scored the ranks from their heartbeats: ``rank_scores``), and nothing of
+    :data:`FAILURES` was raised. A dead falconext (a refused control plane, a controller
+    failing on every step, trackers that never lock) raises none of :data:`QUIET` either."""
+    evs = events(out)
+    failures = [e for e in evs if e["type"] in FAILURES]
+    assert failures == [], failures[:5]
+    world = int(json.loads((out / "run.json").read_text())["topology"]["world"])
+    locked = {int(e["rank"]) for e in evs if e["type"] == "period"}
+    assert locked >= set(range(world)), f"ranks that never found their period: {sorted(set(range(world)) - locked)}"
+    coverage = json.loads((out / "summary.json").read_text())["estimates"]["coverage"]
+    assert coverage >= min_coverage, f"estimates cover {coverage:.0%} of the rank-iterations (< {min_coverage:.0%})"
+    kinds = {e["type"] for e in evs}
+    assert "controller_started" in kinds, "the controller never started"
+    assert "rank_scores" in kinds, "the controller never scored the ranks (it did not answer)"
+
+
 def assert_quiet(out: Path) -> None:
-    """A fault-free run raised nothing of :data:`QUIET`, and its only suspensions were the
-    link baseline's of a multi-node job (named by their session); prints the worst rank's
-    overrun of its device time (a host too loaded for the device's speed)."""
+    """A fault-free run raised nothing of :data:`QUIET`, its only suspensions were the
+    link baseline's of a multi-node job (named by their session), and falconext was alive
+    all along (:func:`assert_live`); prints the worst rank's overrun of its device time (a
+    host too loaded for the device's speed)."""
     device = json.loads((out / "summary.json").read_text())["device"]
     print(f"{out.name}: worst rank's overrun share {device['worst_rank_overrun_share']:.1%}")
+    assert_live(out)
     raised = [e for e in events(out) if e["type"] in QUIET]
     assert raised == [], raised
     baseline = {e["session"] for e in events(out, "link_baseline")}

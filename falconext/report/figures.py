@@ -314,7 +314,7 @@ def write_report(out: str) -> str:
 
 def _page(out: str, summary: dict[str, Any]) -> str:
     keys = ("iterations", "healthy_iter_s", "slow_iter_s", "mitigated_iter_s", "slowdown_removed",
-            "slowdown_removed_max", "final_loss")
+            "s2_slowdown_removed", "slowdown_removed_max", "slowdown_removed_ceiling", "final_loss")
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(summary.get(k)))}</td></tr>"
                    for k in keys if k in summary)
     det = summary.get("detection") or {}
