@@ -222,42 +222,6 @@ def assert_quiet(out: Path) -> None:
     assert held <= baseline, (held, baseline)
 
 
-def device_times(out: Path) -> dict[int, float]:
-    """Each iteration's time on the run's emulated devices' own records (the device time
-    each rank's iteration took, fault included: ranks/device-rank*.json, and a restarted
-    attempt's ranks/device-r<k>-rank*.json for the iterations it ran), where an iteration
-    takes its slowest rank's compute and link time."""
-    run = json.loads((out / "run.json").read_text())
-    world = int(run["topology"]["world"])
-    merged: list[dict[str, dict]] = []
-    for r in range(world):
-        its = json.loads((out / "ranks" / f"device-rank{r}.json").read_text())["iterations"]
-        k = 1
-        while (later := out / "ranks" / f"device-r{k}-rank{r}.json").exists():
-            its.update(json.loads(later.read_text())["iterations"])
-            k += 1
-        merged.append(its)
-    return {int(it): max(rec[it]["compute_s"] + rec[it]["link_s"] for rec in merged)
-            for it in merged[0] if all(it in rec for rec in merged)}
-
-
-def device_summary(out: Path) -> dict[str, Any]:
-    """summary.json's figures (healthy, slow and mitigated iteration times, the slowdown
-    removed) with the same windows, computed from :func:`device_times` instead of the wall
-    clock: deterministic, where the wall clock's figures carry the host's noise."""
-    from falconext.report.summary import summarize
-
-    run = json.loads((out / "run.json").read_text())
-    rows = [[0, it, secs, ""] for it, secs in sorted(device_times(out).items())]
-    return summarize(rows, [], events(out), run)
-
-
-def device_slowdown_removed(out: Path) -> float | None:
-    """The share of the slowdown a run's mitigation removed on its emulated devices' own
-    records (:func:`device_summary`); None without a mitigation or a window."""
-    return device_summary(out)["slowdown_removed"]
-
-
 #: iterations.csv holds losses to 6 decimals: two runs that learn the same agree to the last
 #: digit, give or take one rounding of it (a float-rounding difference that straddles a
 #: rounding boundary); the losses here are over 1, so this is under 1e-6 relative

@@ -237,3 +237,64 @@ def test_s2_ceiling_is_the_optimal_integer_plan_on_true_times():
     assert s2_ceiling([1.0, 1.0], [1.0, 1.0], 24) is None
     with pytest.raises(ValueError):
         s2_ceiling([1.0], [1.0, 2.0], 4)
+
+
+def _emulated_run(out, wall: dict[int, float], device: dict[int, float], mitigation_at: int) -> None:
+    """A finished DP2 run on disk: rank 1 2x slow from iteration 10 (0.1 s per
+    micro-batch healthy, 8 micro-batches), S2 [5, 3] at ``mitigation_at``; each
+    iteration's loop time ``wall``, its device time ``device`` (rank 1's; rank 0 idles)."""
+    import json
+
+    from falconext.report.device import write_device_record
+
+    (out / "ranks").mkdir(parents=True)
+    roles = [{"rank": r, "dp_rank": r, "pp_rank": 0, "tp_rank": 0} for r in range(2)]
+    (out / "run.json").write_text(json.dumps({
+        "topology": {"world": 2, "dp": 2, "ranks_per_node": 1, "ranks": roles},
+        "faults": [{"kind": "compute", "rank": 1, "factor": 2.0, "start": 10, "end": None}],
+        "args": {"global_batch_size": 8, "micro_batch_size": 1}, "falcon_config": {}}))
+    for r in range(2):
+        (out / "ranks" / f"iterations-{r}.csv").write_text(
+            "".join(f"{r},{it},{secs:.6f},1.0\n" for it, secs in wall.items()))
+        its = {str(it): {"compute_s": secs if r == 1 else 0.01, "link_s": 0.0} for it, secs in device.items()}
+        write_device_record(str(out), r, {"microbatch_s": 0.1, "windows": 1, "closed": 1, "overruns": 0,
+                                          "overrun_s": 0.0, "model": {"gflops": 1.0}, "iterations": its})
+    (out / "events.jsonl").write_text(json.dumps(
+        {"type": "mitigation", "strategy": "S2", "iteration": mitigation_at, "plan": [5, 3], "trigger": "planner"}) + "\n")
+
+
+def test_an_emulated_runs_slowdown_is_measured_on_its_devices_not_the_hosts_clock(tmp_path):
+    """The wall clock's healthy time carries the host's own work (here 0.5 s for a 0.4 s
+    device iteration), which puts its share of the slowdown removed above what any plan
+    reaches (0.71 of a 0.5 ceiling); the summary's figures are the devices' (exactly the
+    best plan's 0.5), the wall clock's stay beside them, marked as a measuring error."""
+    from falconext.report.summary import finalize, format_summary
+
+    slow_from, fix = 10, 20
+    device = {it: 0.4 if it < slow_from else 0.8 if it < fix else 0.6 for it in range(40)}
+    wall = {it: 0.5 if it < slow_from else 0.85 if it < fix else 0.6 for it in range(40)}
+    _emulated_run(tmp_path, wall, device, fix)
+    s = finalize(str(tmp_path))
+    assert s["timing"] == "device"
+    assert (s["healthy_iter_s"], s["slow_iter_s"], s["mitigated_iter_s"]) == (0.4, 0.8, 0.6)
+    assert s["slowdown_removed"] == s["s2_slowdown_removed"] == s["slowdown_removed_max"] == 0.5
+    assert s["slowdown_removed_ceiling"] == 0.5 and s["s2_best_plan"] in ([5, 3], [6, 2])
+    assert s["wall_clock"]["slowdown_removed"] == pytest.approx(0.7143, abs=1e-4)
+    text = format_summary(s)
+    assert "on the emulated devices' time: healthy 0.4 s/iter, slow 0.8, mitigated 0.6: " \
+           "slowdown removed 0.5 of at most 0.5\n" in text, text
+    wall_line = next(line for line in text.splitlines() if "by this host's wall clock" in line)
+    assert "removed 0.7143 (above what any plan can reach" in wall_line, wall_line
+
+
+def test_device_times_take_each_iterations_slowest_process_and_a_restarts_records(tmp_path):
+    from falconext.report.device import device_iteration_times, write_device_record
+
+    (tmp_path / "ranks").mkdir()
+    write_device_record(str(tmp_path), 0, {"iterations": {"0": {"compute_s": 0.2, "link_s": 0.1},
+                                                          "1": {"compute_s": 0.2, "link_s": 0.0}}})
+    write_device_record(str(tmp_path), 1, {"iterations": {"0": {"compute_s": 0.1, "link_s": 0.1}}})
+    assert device_iteration_times(str(tmp_path), 2) == {0: pytest.approx(0.3)}  # 1: rank 1 never ran it
+    write_device_record(str(tmp_path), 1, {"iterations": {"1": {"compute_s": 0.5, "link_s": 0.0}}}, "-r1")
+    assert device_iteration_times(str(tmp_path), 2) == {0: pytest.approx(0.3), 1: pytest.approx(0.5)}
+    assert device_iteration_times(str(tmp_path), 3) is None  # rank 2 has no record

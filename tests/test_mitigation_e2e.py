@@ -34,8 +34,6 @@ from jobs import (
     S2_ITERS,
     JobCache,
     assert_same_trajectory,
-    device_slowdown_removed,
-    device_summary,
     events,
     forced_pp2_job,
     launch,
@@ -99,13 +97,20 @@ def test_s2_rebalances_the_straggler_automatically(runs):
     assert summary["slow_iter_s"] > 1.5 * summary["healthy_iter_s"]
     # the best integer plan on the true device times leaves 10 units of 8 healthy and 16 slow: 0.75
     assert summary["slowdown_removed_max"] == 0.75
-    # judged on the devices' own records (the wall clock's figure, printed, carries the
-    # host's noise: 0.787 against this 0.75 ceiling once, docs/testbed.md)
-    removed = device_slowdown_removed(out)
-    print(f"S2 removed {removed} of the slowdown on the devices' records, {summary['slowdown_removed']} "
-          f"by the wall clock; the best plan: {summary['slowdown_removed_max']}")
-    assert removed is not None and removed >= 0.95 * summary["slowdown_removed_max"], (removed, summary)
-    assert "slowdown removed" in (out / "stdout.txt").read_text()
+    # judged on the devices' own records, which the summary reads where they exist (the
+    # wall clock's figure, printed beside it, carries the host's noise: 0.855 against this
+    # 0.75 ceiling on 2026-12-02, a healthy time inflated by four ranks on two cores)
+    assert summary["timing"] == "device", summary
+    removed, wall = summary["slowdown_removed"], summary["wall_clock"]["slowdown_removed"]
+    print(f"S2 removed {removed} of the slowdown on the devices' records, {wall} by the wall clock; "
+          f"the best plan: {summary['slowdown_removed_max']}")
+    assert removed is not None and removed >= 0.95 * summary["slowdown_removed_max"], summary
+    # and no more than the best plan can: above it, the figure is a measuring error
+    assert removed <= summary["slowdown_removed_max"] + 1e-3, summary
+    assert summary["slowdown_removed_ceiling"] == summary["slowdown_removed_max"], summary
+    assert summary["s2_slowdown_removed"] == removed, summary  # S2 alone: the run's share is S2's
+    printed = (out / "stdout.txt").read_text()
+    assert f"slowdown removed {removed} of at most {summary['slowdown_removed_max']}" in printed, printed[-2000:]
 
 
 def test_s2_does_not_change_what_the_model_learns(runs):
@@ -138,13 +143,22 @@ def test_s4_escalates_restarts_without_the_node_and_resumes_exactly(runs):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == S4_ITERS
     # back to its healthy speed without the faulty node, on the devices' own records
-    # (deterministic); the wall clock's figure, printed, carries the host's load: 1.11x
-    # in a fresh-clone run of the suite (2026-11-27) beside unit tests that start torch
-    # processes of their own, where the devices read 1.00x
-    device = device_summary(out)
-    print(f"S4: mitigated / healthy {device['mitigated_iter_s'] / device['healthy_iter_s']:.3f} on the devices' "
-          f"records, {summary['mitigated_iter_s'] / summary['healthy_iter_s']:.3f} by the wall clock")
-    assert device["mitigated_iter_s"] == pytest.approx(device["healthy_iter_s"], rel=1e-3), device
+    # (deterministic), which the summary reads; the wall clock's figure, printed, carries
+    # the host's load: 1.11x in a fresh-clone run of the suite (2026-11-27) beside unit
+    # tests that start torch processes of their own, where the devices read 1.00x
+    assert summary["timing"] == "device", summary
+    wall = summary["wall_clock"]
+    print(f"S4: mitigated / healthy {summary['mitigated_iter_s'] / summary['healthy_iter_s']:.3f} on the devices' "
+          f"records, {wall['mitigated_iter_s'] / wall['healthy_iter_s']:.3f} by the wall clock")
+    assert summary["mitigated_iter_s"] == pytest.approx(summary["healthy_iter_s"], rel=1e-3), summary
+    # S2's share is measured before the restart, apart from the run's (S4's later speed is
+    # not S2's): at most the best plan's, as in the S2 run; the run's, after S4, up to all
+    assert summary["slowdown_removed_max"] == 0.75 and summary["slowdown_removed_ceiling"] == 1.0, summary
+    assert summary["s2_slowdown_removed"] is not None, summary
+    assert summary["s2_slowdown_removed"] <= summary["slowdown_removed_max"] + 1e-3, summary
+    assert summary["slowdown_removed"] <= 1.0 + 1e-3, summary
+    printed = (out / "stdout.txt").read_text()
+    assert f"S2 alone (before any restart): {summary['s2_iter_s']} s/iter" in printed, printed[-2000:]
     assert summary["mitigation"]["restarts"][0]["downtime_s"] > 0
 
 

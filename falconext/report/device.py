@@ -32,6 +32,30 @@ def write_device_record(out: str, process: int, record: dict[str, Any], suffix: 
         json.dump(record, f)
 
 
+def device_iteration_times(out: str, world: int) -> dict[int, float] | None:
+    """Each iteration's time on the run's emulated devices' own records: the device time
+    (compute and links, faults included) of its slowest process, which every other waits
+    for; a restarted attempt's records (``device-r<k>-rank<p>.json``) add the iterations it
+    ran. Only iterations every process recorded; None without device records."""
+    merged: list[dict[str, dict]] = []
+    for p in range(world):
+        path = device_record_path(out, p)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            its = dict(json.load(f)["iterations"])
+        k = 1
+        while os.path.exists(later := device_record_path(out, p, f"-r{k}")):
+            with open(later) as f:
+                its.update(json.load(f)["iterations"])
+            k += 1
+        merged.append(its)
+    if not merged:
+        return None
+    return {int(it): max(float(rec[it]["compute_s"]) + float(rec[it].get("link_s", 0.0)) for rec in merged)
+            for it in merged[0] if all(it in rec for rec in merged)}
+
+
 def s2_ceiling(healthy_mb_s: list[float], slow_mb_s: list[float], total: int) -> dict[str, Any] | None:
     """The iteration compute time (max over replicas of micro-batches x time per
     micro-batch) healthy, slow under the even plan, and under the optimal plan, and the

@@ -313,10 +313,12 @@ def write_report(out: str) -> str:
 
 
 def _page(out: str, summary: dict[str, Any]) -> str:
-    keys = ("iterations", "healthy_iter_s", "slow_iter_s", "mitigated_iter_s", "slowdown_removed",
+    keys = ("iterations", "timing", "healthy_iter_s", "slow_iter_s", "mitigated_iter_s", "slowdown_removed",
             "s2_slowdown_removed", "slowdown_removed_max", "slowdown_removed_ceiling", "final_loss")
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(summary.get(k)))}</td></tr>"
                    for k in keys if k in summary)
+    for k, v in (summary.get("wall_clock") or {}).items():  # beside the devices' figures
+        rows += f"<tr><th>wall clock {html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
     det = summary.get("detection") or {}
     for k, v in (det.items() if isinstance(det, dict) else []):
         if not isinstance(v, (dict, list)):

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from jobs import QUIET as JOBS_QUIET
+from jobs import assert_live
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM checkout)")
@@ -136,12 +137,16 @@ QUIET = (*JOBS_QUIET, "suspended")
 
 @pytest.mark.long
 def test_a_healthy_pretrain_gpt_job_raises_nothing(script: str, tmp_path: Path) -> None:
-    """The slow-GPU test's job without its fault: 200 iterations of pretrain_gpt.py with
-    falconext (--log-interval 10), and not one detection, suspicion, localization,
-    suspension or mitigation."""
+    """The slow-GPU test's job without its fault (the same shape: 200 iterations, 16
+    micro-batches per replica, --log-interval 10), and not one detection, suspicion,
+    localization, suspension or mitigation; and falconext alive all along (tests/jobs.py:
+    assert_live: both ranks found their period, the estimates cover the run, the controller
+    started and scored the ranks, no error in a rank's monitor or control thread: a refused
+    control plane, which leaves a job quiet, fails here)."""
     out = tmp_path / "out"
-    launch(script, [*TINY_GPT, "--global-batch-size", "16", "--train-iters", "200", "--log-interval", "10",
+    launch(script, [*TINY_GPT, "--global-batch-size", "32", "--train-iters", "200", "--log-interval", "10",
                     "--falcon", "--falcon-out", str(out), "--falcon-device-gflops", device_gflops()])
+    assert_live(out)
     raised = [e for e in events(out) if e["type"] in QUIET]
     assert raised == [], raised
 
