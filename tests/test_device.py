@@ -298,3 +298,24 @@ def test_device_times_take_each_iterations_slowest_process_and_a_restarts_record
     write_device_record(str(tmp_path), 1, {"iterations": {"1": {"compute_s": 0.5, "link_s": 0.0}}}, "-r1")
     assert device_iteration_times(str(tmp_path), 2) == {0: pytest.approx(0.3), 1: pytest.approx(0.5)}
     assert device_iteration_times(str(tmp_path), 3) is None  # rank 2 has no record
+
+
+def test_a_link_fault_on_real_links_is_measured_on_the_wall_clock(tmp_path):
+    """Real links (network namespaces) leave no link time in the device records: a link
+    fault's slowdown is only on the wall clock, so the summary keeps the wall clock's."""
+    import json
+
+    from falconext.report.summary import finalize
+
+    device = {it: 0.4 for it in range(40)}  # what the devices saw: nothing slow
+    wall = {it: 0.5 if it < 10 else 0.9 if it < 20 else 0.6 for it in range(40)}
+    _emulated_run(tmp_path, wall, device, 20)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["faults"] = [{"kind": "link", "nodes": [0, 1], "factor": 30.0, "start": 10, "end": None}]
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    for r in range(2):
+        path = tmp_path / "ranks" / f"device-rank{r}.json"
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), real_links=True)))
+    s = finalize(str(tmp_path))
+    assert s["timing"] == "wall_clock" and s["device"]["real_links"] and "wall_clock" not in s
+    assert (s["healthy_iter_s"], s["slow_iter_s"], s["mitigated_iter_s"]) == (0.5, 0.9, 0.6)

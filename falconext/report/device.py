@@ -114,6 +114,7 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
     overrun_s = compute_s = 0.0
     worst: tuple[float, int] = (0.0, -1)
     gflops: set[float] = set()
+    real_links = False
     for r in range(world):
         path = device_record_path(out, r)
         if not os.path.exists(path):
@@ -121,6 +122,7 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
         with open(path) as f:
             rec = json.load(f)
         gflops.add(float(rec.get("model", {}).get("gflops", 0.0)))
+        real_links = real_links or bool(rec.get("real_links", False))
         windows += int(rec["windows"])
         overruns += int(rec["overruns"])
         closed += int(rec.get("closed", rec["windows"]))
@@ -140,4 +142,6 @@ def device_figures(out: str, world: int) -> dict[str, Any] | None:
         "overrun_share": round(overrun_s / compute_s, 5) if compute_s > 0 else 0.0,
         "worst_rank": worst[1],
         "worst_rank_overrun_share": round(worst[0], 5),
+        #: the links were real (network namespaces): the records hold no link time
+        "real_links": real_links,
     }

@@ -246,11 +246,15 @@ def _add_device_figures(out: str, run: dict, summary: dict[str, Any], events: li
     wall clock adds the host's own work, which four ranks on two cores do together while
     healthy and apart while one is slow, so its healthy time is inflated and its shares
     pass what any plan can reach (0.85 of a 0.75 ceiling, 2026-12-02); the wall clock's
-    figures stay under ``wall_clock``. ``timing`` says which the figures are."""
+    figures stay under ``wall_clock``. ``timing`` says which the figures are: the wall
+    clock's where the run has no device records, or where its links were real and a link
+    fault slowed them (the records hold no link time then; a constant real link time
+    beside a compute fault changes no share)."""
     world = int((run.get("topology") or {}).get("world", 0))
-    summary["device"] = device_figures(out, world) if world else None
+    device = summary["device"] = device_figures(out, world) if world else None
     summary["timing"] = "wall_clock"
-    times = device_iteration_times(out, world) if summary["device"] is not None else None
+    blind = device is not None and device["real_links"] and any(f.get("kind") == "link" for f in run.get("faults") or [])
+    times = device_iteration_times(out, world) if device is not None and not blind else None
     if times:
         on_device = summarize([[0, it, secs, ""] for it, secs in sorted(times.items())], [],
                               read_events(out) if events is None else events, run)

@@ -6,7 +6,8 @@ Skipped unless ``MEGATRON_LM_PATH`` names a core_v0.16.1 checkout and this machi
 network namespaces (root). What is asserted is issue 30's first acceptance item: a 2x
 compute fault on node 1's local rank 0 from iteration 60; one controller for the job;
 ``fail_slow`` with onset within 5 of 60 and detected within 15; localized to global rank 2;
-S2 applied on both nodes; ``slowdown_removed`` in summary.json.
+S2 applied on both nodes, removing on the emulated devices' records between 0.8 of the
+best plan's share and that share.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 MLM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM core_v0.16.1 checkout)")
 
-from test_pretrain_gpt import TINY_GPT, events, pretrain_script  # noqa: E402
+from test_pretrain_gpt import LOSS_REL, TINY_GPT, events, pretrain_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +76,16 @@ def test_two_nodes_one_job_detect_localize_and_rebalance(script: str, tmp_path: 
     assert {e["host"] for e in applied} == {"node0", "node1"}, applied
     plan = applied[0]["plan"]
     assert all(e["plan"] == plan for e in applied) and plan[2] < min(plan[0], plan[1], plan[3]), applied
+    # on the emulated devices' records (the wall clock's healthy time carries four ranks
+    # on two cores: 80-90% by it, above any plan's reach, on 2026-11-27): of one 2x
+    # replica of four with 8 micro-batches each, the best plan leaves 10 of 8 -> 16 units,
+    # 0.75; the planner's plan gets at least 0.8 of that, and no figure passes it
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["slowdown_removed"] is not None and summary["slowdown_removed"] > 0, summary
+    assert summary["timing"] == "device" and summary["slowdown_removed_max"] == 0.75, summary
+    removed = summary["slowdown_removed"]
+    print(f"two nodes: S2 removed {removed} on the devices' records "
+          f"({summary['wall_clock']['slowdown_removed']} by the wall clock) of at most 0.75")
+    assert removed is not None and 0.8 * 0.75 <= removed <= 0.75 + 1e-3, summary
     # the fault is named where it was: node 1's local rank 0 ran as global rank 2
     run = json.loads((out / "run.json").read_text())
     assert run["faults"] == [{"kind": "compute", "factor": 2.0, "start": 60, "end": None, "rank": 2, "node": 1,
@@ -104,7 +113,7 @@ def uninterrupted(script: str) -> str:
 
 def assert_resumed_exactly(output: str, plain_output: str, resumed_at: int) -> None:
     """Every ``lm loss`` Megatron logged after the resume at step ``resumed_at`` (0-based;
-    logged as iteration ``resumed_at + 1``) equals the uninterrupted run's (relative 1e-5),
+    logged as iteration ``resumed_at + 1``) equals the uninterrupted run's (relative LOSS_REL),
     but the line that averages the resumed first iteration: Megatron logs that iteration
     without resetting its accumulators (training_log's should_reset), so the next log line
     after it averages it with the iterations since. Every ``grad norm`` logged from the
@@ -117,7 +126,7 @@ def assert_resumed_exactly(output: str, plain_output: str, resumed_at: int) -> N
     after = [it for it in plain if it > averaged]
     assert after and all(it in restarted for it in after), (sorted(restarted), after)
     for it in after:
-        assert restarted[it] == pytest.approx(plain[it], rel=1e-5), it
+        assert restarted[it] == pytest.approx(plain[it], rel=LOSS_REL), it
     ours, theirs = grad_norms(output), grad_norms(plain_output)
     logged = [it for it in theirs if it >= first]
     assert all(ours.get(it) == theirs[it] for it in logged), [(it, ours.get(it), theirs[it]) for it in logged]
@@ -162,8 +171,14 @@ def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted: str, tmp_pa
     resumed = [e for e in evs if e["type"] == "restart_requested"][0]["resume_at"]
     assert (out / "checkpoint" / f"iter_{resumed:07d}").is_dir()
     assert_resumed_exactly(output, uninterrupted, resumed)
+    # back to the healthy speed on the spare, within 1% (docs/multinode.md), on the
+    # emulated devices' records: the wall clock's figure carries the bed's own load
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["mitigated_iter_s"] <= 1.10 * summary["healthy_iter_s"], summary
+    assert summary["timing"] == "device", summary
+    print(f"spare: mitigated / healthy {summary['mitigated_iter_s'] / summary['healthy_iter_s']:.4f} on the devices' "
+          f"records, {summary['wall_clock']['mitigated_iter_s'] / summary['wall_clock']['healthy_iter_s']:.4f} "
+          f"by the wall clock")
+    assert summary["mitigated_iter_s"] == pytest.approx(summary["healthy_iter_s"], rel=0.01), summary
 
 
 @pytest.mark.long

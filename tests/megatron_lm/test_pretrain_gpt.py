@@ -7,10 +7,11 @@ the emulated device. What is asserted is the issue's acceptance list:
 
 - a 2x compute fault on rank 1 from iteration 60 (16 micro-batches per replica,
   ``--log-interval 10``): ``fail_slow`` from the detector with onset within 5 iterations,
-  detected within 15, localized to rank 1, an S2 mitigation, ``slowdown_removed`` >= 0.4
-  in summary.json, and nothing reported before the fault;
+  detected within 15, localized to rank 1, an S2 mitigation removing, on the emulated
+  devices' records, between 0.8 of the best plan's share and that share (0.625), and
+  nothing reported before the fault;
 - ``--falcon-force-microbatches 3,5`` against the run without ``--falcon``: Megatron's
-  logged ``lm loss`` equal at every iteration (relative difference <= 1e-5);
+  logged ``lm loss`` equal at every iteration (relative difference <= :data:`LOSS_REL`);
 - an S4 forced at iteration K resumes at K + 1 from Megatron's checkpoint and continues
   the uninterrupted run's losses;
 - S3 as a restart: the same, with the torch ranks handed to the processes in a new order
@@ -40,6 +41,12 @@ TINY_GPT = (
     "--eval-iters 0 --eval-interval 1000 --calculate-per-token-loss --attention-dropout 0 --hidden-dropout 0 "
     "--use-cpu-initialization --split 100,0,0"
 ).split()
+
+#: Megatron logs ``lm loss`` to 7 significant digits (``6.934570E+00``): two runs that train
+#: the same agree to that digit, give or take one rounding of it (float summation in
+#: another order can straddle a rounding boundary): 1e-6 relative, the bed's own bound
+#: (tests/jobs.py: LOSS_DIGIT)
+LOSS_REL = 1e-6
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
@@ -124,8 +131,19 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     assert localized and localized[0]["gpus"] == [1], localized
     s2 = [e for e in evs if e["type"] == "mitigation" and e.get("strategy") == "S2"]
     assert s2, [e["type"] for e in evs]
+    # the share of the slowdown S2 removed, on the emulated devices' records (the wall
+    # clock's healthy time carries the host's own work: 0.859 by it, above any plan's
+    # reach, on 2026-11-27): of one 2x replica of two with 16 micro-batches each, the best
+    # plan [21, 11] leaves 22 of 16 -> 32 units, 0.625; the planner's plan, chosen on the
+    # measured times, gets at least 0.8 of that, and no figure passes it
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["slowdown_removed"] is not None and summary["slowdown_removed"] >= 0.4, summary
+    assert summary["timing"] == "device" and summary["slowdown_removed_max"] == 0.625, summary
+    removed = summary["slowdown_removed"]
+    print(f"S2 removed {removed} of the slowdown on the devices' records "
+          f"({summary['wall_clock']['slowdown_removed']} by the wall clock) of at most {summary['slowdown_removed_max']}")
+    assert removed is not None and 0.8 * 0.625 <= removed <= 0.625 + 1e-3, summary
+    if {e["strategy"] for e in evs if e["type"] == "mitigation"} == {"S2"}:
+        assert summary["s2_slowdown_removed"] == removed, summary
     # nothing was reported before the fault: the micro-batch spans were never watched
     assert not [e for e in evs if e["type"] in ("fail_slow", "straggler_suspected") and (e.get("onset") or 0) < 55]
 
@@ -159,7 +177,7 @@ def test_forced_microbatches_train_exactly_what_megatron_trains(script: str, tmp
                                      "--falcon-force-microbatches", "3,5"]))
     assert sorted(plain) == list(range(1, 31)) and sorted(planned) == sorted(plain)
     for it in plain:
-        assert planned[it] == pytest.approx(plain[it], rel=1e-5), it
+        assert planned[it] == pytest.approx(plain[it], rel=LOSS_REL), it
     # the plan ran: replica 0 did 3 micro-batches (6 device windows) per step, replica 1 did 5
     windows = [json.loads((planned_out / "ranks" / f"device-rank{r}.json").read_text())["iterations"]["20"]["windows"]
                for r in (0, 1)]
@@ -185,7 +203,7 @@ def assert_continues(output: str, plain_output: str) -> None:
     expected = dict(plain)
     expected[18] = (plain[17] + plain[18]) / 2
     for it in plain:
-        assert restarted[it] == pytest.approx(expected[it], rel=1e-5), it
+        assert restarted[it] == pytest.approx(expected[it], rel=LOSS_REL), it
     # the gradient norm is logged per iteration: equal at every one, before and after
     assert grad_norms(output) == grad_norms(plain_output)
 
