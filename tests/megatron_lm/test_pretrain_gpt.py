@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from jobs import QUIET as JOBS_QUIET
-from jobs import assert_live
+from jobs import assert_live, host_factor
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM checkout)")
@@ -70,14 +70,19 @@ def pretrain_script() -> str:
     return os.path.join(MLM, "pretrain_gpt.py")
 
 
-def device_gflops() -> str:
+def device_gflops(core: str | None = None) -> str:
     """The emulated device's speed for the 200-iteration jobs: slow enough that the device's
-    time, not the host's own work, makes the iteration (what a GPU's timings are). Megatron-LM
+    time, not the host's own work, makes the iteration (what a GPU's timings are), for
+    megatron-core ``core`` (default: the installed one). Megatron-LM
     core_v0.19 on Python 3.12 spends about twice core_v0.16.1's host time per micro-batch on
-    these CPUs: at 4 GFLOP/s its host work overran the device and a 2x fault read 1.27x."""
+    these CPUs: at 4 GFLOP/s its host work overran the device and a 2x fault read 1.27x;
+    core_v0.16.1 at 4 GFLOP/s overran 7.7% of its device time on 2026-12-02 (the planner's
+    measured 1.46x then chose [19, 13], 0.375 of the slowdown), so each runs at half that,
+    times this host's pace (tests/jobs.py: host_factor; 1 on the reference machine)."""
     from importlib.metadata import version as installed
 
-    return "4" if installed("megatron-core").startswith("0.16.") else "2"
+    base = 2.0 if (core or installed("megatron-core")).startswith("0.16.") else 1.0
+    return f"{base * host_factor():.4g}"  # paced to this host, as every emulated job of the suite
 
 
 @pytest.fixture(scope="module")
@@ -131,19 +136,22 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     assert localized and localized[0]["gpus"] == [1], localized
     s2 = [e for e in evs if e["type"] == "mitigation" and e.get("strategy") == "S2"]
     assert s2, [e["type"] for e in evs]
-    # the share of the slowdown S2 removed, on the emulated devices' records (the wall
-    # clock's healthy time carries the host's own work: 0.859 by it, above any plan's
-    # reach, on 2026-11-27): of one 2x replica of two with 16 micro-batches each, the best
-    # plan [21, 11] leaves 22 of 16 -> 32 units, 0.625; the planner's plan, chosen on the
-    # measured times, gets at least 0.8 of that, and no figure passes it
+    # the share of the slowdown S2 removed before any restart (an S4 may follow: the
+    # bed replaces the one node), on the emulated devices' records (the wall clock's
+    # healthy time carries the host's own work: 0.859 by it, above any plan's reach, on
+    # 2026-11-27): of one 2x replica of two with 16 micro-batches each, the best plan
+    # [21, 11] leaves 22 of 16 -> 32 units, 0.625; the planner's plan, chosen on the
+    # measured times, gets at least 0.8 of that, and no figure passes its ceiling
     summary = json.loads((out / "summary.json").read_text())
     assert summary["timing"] == "device" and summary["slowdown_removed_max"] == 0.625, summary
-    removed = summary["slowdown_removed"]
-    print(f"S2 removed {removed} of the slowdown on the devices' records "
-          f"({summary['wall_clock']['slowdown_removed']} by the wall clock) of at most {summary['slowdown_removed_max']}")
-    assert removed is not None and 0.8 * 0.625 <= removed <= 0.625 + 1e-3, summary
-    if {e["strategy"] for e in evs if e["type"] == "mitigation"} == {"S2"}:
-        assert summary["s2_slowdown_removed"] == removed, summary
+    # the host kept up with the device (else the measured times are the host's, not a GPU's)
+    assert summary["device"]["overrun_share"] < 0.05, summary["device"]
+    s2, removed = summary["s2_slowdown_removed"], summary["slowdown_removed"]
+    print(f"S2 removed {s2} of the slowdown on the devices' records "
+          f"({summary['wall_clock']['s2_slowdown_removed']} by the wall clock) of at most 0.625; "
+          f"the run {removed} of at most {summary['slowdown_removed_ceiling']}")
+    assert s2 is not None and 0.8 * 0.625 <= s2 <= 0.625 + 1e-3, summary
+    assert removed <= summary["slowdown_removed_ceiling"] + 1e-3, summary
     # nothing was reported before the fault: the micro-batch spans were never watched
     assert not [e for e in evs if e["type"] in ("fail_slow", "straggler_suspected") and (e.get("onset") or 0) < 55]
 
