@@ -391,8 +391,8 @@ def s2_job(jobs: JobCache) -> Path:
         else:
             try:
                 S2_PROMETHEUS["server"] = promserver.Prometheus(out.parent / f"{out.name}-prometheus", S2_METRICS_PORT)
-            except RuntimeError as exc:
-                S2_PROMETHEUS["why_not"] = str(exc)
+            except RuntimeError as exc:  # installed, and failed to start: a failure, not a skip
+                S2_PROMETHEUS["error"] = str(exc)
         started = time.time()
         done = train(out, *args, faults=faults, device="emulated", report=True)
         S2_PROMETHEUS["span"] = (started, time.time())

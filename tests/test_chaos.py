@@ -6,6 +6,7 @@ about 60 s, more than the main suite's ten minutes can hold."""
 from __future__ import annotations
 
 import json
+from statistics import median
 
 import pytest
 
@@ -14,7 +15,7 @@ from falconext.protocol.codec import decode, encode
 from falconext.protocol.messages import Heartbeat
 from falconext.testbed.chaos import BusChaos, ChaosError, ChaosSpec, Kill, parse_chaos
 
-from jobs import events, launch, train
+from jobs import assert_same_trajectory, events, launch, losses, train
 
 
 def test_a_spec_reads_every_action():
@@ -82,12 +83,27 @@ def test_training_survives_the_chaos_and_falconext_still_finds_and_fixes_the_fau
     """Emulated DP4 (two nodes), rank 1 2x slow from 50, S2 allowed: Redis, the controller
     and node 1's agent die before the fault, and 8% of the ranks' messages are lost or
     damaged all along."""
-    run = train(tmp_path / "chaos", "--iters", "110", "--global-batch-size", "16", "--micro-batch-size", "1",
-                "--falcon-mitigation-strategies", "S2", "--chaos", CHAOS,
-                faults=[{"kind": "compute", "rank": 1, "factor": 2.0, "start": CHAOS_FAULT_START}],
-                device="emulated", timeout=900)
+    job = ("--iters", "110", "--global-batch-size", "16", "--micro-batch-size", "1")
+    fault = [{"kind": "compute", "rank": 1, "factor": 2.0, "start": CHAOS_FAULT_START}]
+    run = train(tmp_path / "chaos", *job, "--falcon-mitigation-strategies", "S2", "--chaos", CHAOS,
+                faults=fault, device="emulated", timeout=900)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["iterations"] == 110
+    # training did not care: the same losses as the job without falconext (S2's plans are
+    # exact), and its speed kept while the control plane was down or coming back (from the
+    # first kill to the fault) against the iterations before the kills, by the slowest
+    # rank's loop time: within 1.5x, test_control_e2e's bound for the same fail-open (the
+    # quiet-host figure, within 5%, is examples/chaos_acceptance.py's, which holds it)
+    reference = train(tmp_path / "reference", *job, "--no-falcon", faults=fault, device="emulated", timeout=900)
+    assert_same_trajectory(losses(run), losses(reference), 110)
+    slowest: dict[int, float] = {}
+    for line in (run / "iterations.csv").read_text().splitlines()[1:]:
+        rank, it, secs = line.split(",")[:3]
+        slowest[int(it)] = max(slowest.get(int(it), 0.0), float(secs))
+    before = median(slowest[i] for i in range(10, 22))
+    down = median(slowest[i] for i in range(22, CHAOS_FAULT_START))
+    print(f"chaos: iteration time while the control plane was down or back / before: {down / before:.3f}")
+    assert down < 1.5 * before, (down, before)
     acted = events(run, "chaos")
     kills = {e["action"]: e for e in acted if e["action"].startswith("kill-")}
     assert set(kills) == {"kill-redis", "kill-controller", "kill-agent1"}

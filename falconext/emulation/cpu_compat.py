@@ -7,7 +7,9 @@ essential to what the schedules compute, so on CPU (and only there: ``--device c
 
 - a ``TorchFunctionMode`` rewrites CUDA device arguments (``"cuda"``, ``"cuda:N"``, a CUDA
   ``torch.device``, or a bare device index) to CPU, and makes ``Tensor.cuda()`` a no-op;
-- ``torch.cuda.current_device`` answers 0 and ``synchronize`` does nothing;
+- ``torch.cuda.current_device`` answers 0 and ``synchronize`` does nothing; streams and
+  events are one in-order CPU stream (:class:`CpuStream`) and host-time marks
+  (:class:`CpuEvent`): megatron-core 0.19's gradient sync asks for the current stream;
 - the RNG tracker's ``fork()`` becomes a plain context (one CPU RNG stream), and seeding
   seeds the CPU generator.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import time
 from typing import Any
 
 import torch
@@ -142,6 +145,57 @@ def import_megatron_core() -> None:
         torch.compile = compile_  # type: ignore[assignment]
 
 
+class CpuStream:
+    """``torch.cuda.Stream`` on CPU: one in-order stream, nothing to wait for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "CpuEvent":
+        return event or CpuEvent()
+
+    def __enter__(self) -> "CpuStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class CpuEvent:
+    """``torch.cuda.Event`` on CPU: records host time."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._t = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "CpuEvent") -> float:
+        return (end._t - self._t) * 1000.0
+
+
+#: the ``torch.cuda`` names :func:`enable` stands in for with :class:`CpuStream` and :class:`CpuEvent`
+STREAM_NAMES = ("Stream", "Event", "current_stream", "default_stream", "stream", "set_stream")
+
+
 def enable(fast: bool = False) -> None:
     """Apply the CPU compatibility layer to this process (idempotent); imports
     megatron-core first if nothing has (:func:`import_megatron_core`). ``fast``: rewrite
@@ -162,9 +216,17 @@ def enable(fast: bool = False) -> None:
         "fork": mrandom.CudaRNGStatesTracker.fork,
         "add": mrandom.CudaRNGStatesTracker.add,
         "manual_seed": mrandom.model_parallel_cuda_manual_seed,
+        "streams": {n: getattr(torch.cuda, n, None) for n in STREAM_NAMES},
     }
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    shared = CpuStream()
+    torch.cuda.Stream = CpuStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = CpuEvent  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: shared  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: shared  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.set_stream = lambda *a, **k: None  # type: ignore[assignment]
 
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):  # noqa: ARG001 - same signature
@@ -192,6 +254,8 @@ def disable() -> None:
     _state["mode"].__exit__(None, None, None)
     torch.cuda.current_device = _state["current_device"]  # type: ignore[assignment]
     torch.cuda.synchronize = _state["synchronize"]  # type: ignore[assignment]
+    for name, value in _state["streams"].items():
+        setattr(torch.cuda, name, value)
     mrandom.CudaRNGStatesTracker.fork = _state["fork"]  # type: ignore[method-assign]
     mrandom.CudaRNGStatesTracker.add = _state["add"]  # type: ignore[method-assign]
     mrandom.model_parallel_cuda_manual_seed = _state["manual_seed"]  # type: ignore[assignment]

@@ -14,10 +14,8 @@ and the losses are Megatron-LM's own.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-import time
 import types
 from typing import Any
 
@@ -57,53 +55,6 @@ def script_flags(argv: list[str]) -> list[str]:
     return out
 
 
-class _Stream:
-    """``torch.cuda.Stream`` on CPU: one in-order stream, nothing to wait for."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> "_Event":
-        return event or _Event()
-
-    def __enter__(self) -> "_Stream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-class _Event:
-    """``torch.cuda.Event`` on CPU: records host time."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._t = 0.0
-
-    def record(self, stream: Any = None) -> None:
-        self._t = time.perf_counter()
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: "_Event") -> float:
-        return (end._t - self._t) * 1000.0
-
-
 _saved: dict[str, Any] = {}
 
 
@@ -117,8 +68,8 @@ def enable() -> None:
 
     cpu_compat.enable()
     cuda = torch.cuda
-    names = ("set_device", "device_count", "Stream", "Event", "current_stream", "default_stream", "stream",
-             "get_rng_state", "set_rng_state", "empty_cache", "memory_allocated", "max_memory_allocated",
+    names = ("set_device", "device_count", "get_rng_state", "set_rng_state", "empty_cache", "memory_allocated",
+             "max_memory_allocated",
              "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "get_device_name",
              "get_device_capability", "set_stream")
     _saved.update({n: getattr(cuda, n, None) for n in names})
@@ -126,13 +77,6 @@ def enable() -> None:
     # one (emulated) device per process: Megatron builds its model-parallel groups only
     # when it sees a device
     cuda.device_count = lambda: 1
-    cuda.Stream = _Stream
-    cuda.Event = _Event
-    shared = _Stream()
-    cuda.current_stream = lambda *a, **k: shared
-    cuda.default_stream = lambda *a, **k: shared
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.set_stream = lambda *a, **k: None
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: None
     cuda.empty_cache = lambda: None
