@@ -152,15 +152,16 @@ class CpuStream:
         pass
 
     def wait_stream(self, other: Any) -> None:
-        pass
+        """Nothing to wait for: one in-order stream."""
 
     def wait_event(self, event: Any) -> None:
-        pass
+        """Nothing to wait for: events are recorded when reached."""
 
     def synchronize(self) -> None:
-        pass
+        """Nothing outstanding on CPU."""
 
     def record_event(self, event: Any = None) -> "CpuEvent":
+        """``event`` (a new :class:`CpuEvent` when None), as recorded on this stream."""
         return event or CpuEvent()
 
     def __enter__(self) -> "CpuStream":
@@ -177,18 +178,21 @@ class CpuEvent:
         self._t = 0.0
 
     def record(self, stream: Any = None) -> None:
+        """Mark the host time now."""
         self._t = time.perf_counter()
 
     def synchronize(self) -> None:
-        pass
+        """Nothing outstanding on CPU."""
 
     def wait(self, stream: Any = None) -> None:
-        pass
+        """Nothing to wait for on CPU."""
 
     def query(self) -> bool:
+        """Always complete."""
         return True
 
     def elapsed_time(self, end: "CpuEvent") -> float:
+        """Milliseconds of host time from this mark to ``end``'s."""
         return (end._t - self._t) * 1000.0
 
 
