@@ -319,3 +319,21 @@ def test_a_link_fault_on_real_links_is_measured_on_the_wall_clock(tmp_path):
     s = finalize(str(tmp_path))
     assert s["timing"] == "wall_clock" and s["device"]["real_links"] and "wall_clock" not in s
     assert (s["healthy_iter_s"], s["slow_iter_s"], s["mitigated_iter_s"]) == (0.5, 0.9, 0.6)
+
+
+def test_a_pipelines_slowdown_is_measured_on_the_wall_clock(tmp_path):
+    """A pipeline's iteration is its schedule's critical path, bubbles included, which no
+    process's busy time on its device holds: the summary keeps the wall clock's."""
+    import json
+
+    from falconext.report.summary import finalize
+
+    device = {it: 0.4 if it < 10 else 0.8 if it < 20 else 0.6 for it in range(40)}
+    wall = {it: 0.5 if it < 10 else 0.9 if it < 20 else 0.6 for it in range(40)}
+    _emulated_run(tmp_path, wall, device, 20)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["topology"]["pp"] = 2
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    s = finalize(str(tmp_path))
+    assert s["timing"] == "wall_clock" and "wall_clock" not in s
+    assert (s["healthy_iter_s"], s["slow_iter_s"], s["mitigated_iter_s"]) == (0.5, 0.9, 0.6)

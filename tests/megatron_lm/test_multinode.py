@@ -323,14 +323,14 @@ def test_s3_across_nodes_puts_each_pipeline_inside_a_node(script: str, tmp_path:
         {rank: (p, f"node{p // 2}") for rank, p in process_of.items()}
     joined = [e for e in evs if e["type"] == "node_joined" and e["attempt"] == 1]
     assert sorted(e["host"] for e in joined) == ["node0", "node1"]
-    # faster on the emulated devices' records (the link model's time, fault included: the
-    # wall clock adds the bed's own load), printed beside the planner's prediction
+    # faster, by the wall clock (a pipeline's iteration is its schedule's critical path,
+    # which the devices' records do not hold: report/summary.py), printed beside the
+    # planner's prediction
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["timing"] == "device", summary
+    assert summary["timing"] == "wall_clock", summary
     s3 = [e for e in evs if e["type"] == "mitigation" and e.get("strategy") == "S3"]
-    print(f"S3 across nodes: {summary['slow_iter_s']} -> {summary['mitigated_iter_s']} s/iter on the devices' "
-          f"records (healthy {summary['healthy_iter_s']}), predicted {s3[0].get('predicted_s') if s3 else None}; "
-          f"wall clock {summary['wall_clock']}")
+    print(f"S3 across nodes: {summary['slow_iter_s']} -> {summary['mitigated_iter_s']} s/iter "
+          f"(healthy {summary['healthy_iter_s']}), predicted {s3[0].get('predicted_s') if s3 else None}")
     assert summary["mitigated_iter_s"] < summary["slow_iter_s"], summary
     # the same training: the job without fault or falconext, on one launcher, uninterrupted
     assert_resumed_exactly(output, launch(script, job, nproc=4), requested[0]["resume_at"])
