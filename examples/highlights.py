@@ -137,14 +137,14 @@ def main_job_rows(scratch: str) -> list[Row]:
 def megatron_row(version: str, path: str, python: str, scratch: str) -> Row:
     """The slow-GPU test's job inside ``path``'s pretrain_gpt.py under ``python``."""
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "megatron_lm")]
-    from test_pretrain_gpt import LONG_ITERS, TINY_GPT, device_gflops  # the test's own job, not a copy of it
+    from test_pretrain_gpt import JOB_SHAPE, LONG_ITERS, TINY_GPT, device_gflops  # the test's own job, not a copy of it
 
     faults = Path(scratch, f"fault-{version}.json")
     faults.write_text(json.dumps([{"kind": "compute", "rank": 1, "factor": 2.0, "start": 60}]))
     out = os.path.join(scratch, f"mlm-{version}")
     gflops = device_gflops(version.removeprefix("core_v"))
     cmd = [python, "-m", "falconext.cli", "launch", "--nproc-per-node", "2", os.path.join(path, "pretrain_gpt.py"),
-           *TINY_GPT, "--global-batch-size", "32", "--train-iters", str(LONG_ITERS), "--log-interval", "10", "--falcon",
+           *TINY_GPT, "--global-batch-size", JOB_SHAPE, "--train-iters", str(LONG_ITERS), "--log-interval", "10", "--falcon",
            "--falcon-out", out, "--falcon-inject", str(faults), "--falcon-device-gflops", gflops]
     run(cmd, timeout=900)
     events = [json.loads(x) for x in Path(out, "events.jsonl").read_text().splitlines() if x.strip()]
