@@ -8,7 +8,7 @@ the emulated device. What is asserted is the issue's acceptance list:
 - a 2x compute fault on rank 1 from iteration 60 (8 micro-batches per replica,
   ``--log-interval 10``): ``fail_slow`` from the detector with onset within 5 iterations,
   detected within 15, localized to rank 1, an S2 mitigation removing, on the emulated
-  devices' records, between 0.8 of the best plan's share and that share (0.625), and
+  devices' records, the share of the best plan on the measured times (0.5 to 0.625), and
   nothing reported before the fault;
 - ``--falcon-force-microbatches 3,5`` against the run without ``--falcon``: Megatron's
   logged ``lm loss`` equal at every iteration (relative difference <= :data:`LOSS_REL`);
@@ -150,8 +150,12 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     # bed replaces the one node), on the emulated devices' records (the wall clock's
     # healthy time carries the host's own work: 0.859 by it, above any plan's reach, on
     # 2026-11-27): of one 2x replica of two with 8 micro-batches each, the best plan
-    # [11, 5] leaves 11 of 8 -> 16 units, 0.625; the planner's plan, chosen on the
-    # measured times, gets at least 0.8 of that, and no figure passes its ceiling
+    # [11, 5] leaves 11 of 8 -> 16 units, 0.625. The planner plans on the times the ranks
+    # measure, where the bed's host work adds a part the device fault does not scale: the
+    # 2x fault read 1.77x (2026-12-02), and from 1.43x to 1.83x the best plan on the
+    # readings is [10, 6], which leaves 12 units: 0.5 (measured: 0.5 on core_v0.16.1, 0.625
+    # with 16 micro-batches a replica). So S2 removes 0.5 or 0.625, and no figure passes
+    # its ceiling
     summary = json.loads((out / "summary.json").read_text())
     assert summary["timing"] == "device" and summary["slowdown_removed_max"] == 0.625, summary
     # the host kept up with the device (else the measured times are the host's, not a GPU's)
@@ -160,7 +164,7 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     print(f"S2 removed {s2} of the slowdown on the devices' records "
           f"({summary['wall_clock']['s2_slowdown_removed']} by the wall clock) of at most 0.625; "
           f"the run {removed} of at most {summary['slowdown_removed_ceiling']}")
-    assert s2 is not None and 0.8 * 0.625 <= s2 <= 0.625 + 1e-3, summary
+    assert s2 is not None and 0.5 - 1e-3 <= s2 <= 0.625 + 1e-3, summary
     assert removed <= summary["slowdown_removed_ceiling"] + 1e-3, summary
     # nothing was reported before the fault: the micro-batch spans were never watched
     assert not [e for e in evs if e["type"] in ("fail_slow", "straggler_suspected") and (e.get("onset") or 0) < 55]
