@@ -105,6 +105,23 @@ def ci_rows(log: str) -> list[Row]:
     ]
 
 
+def mitigation_parts(s: dict) -> list[str]:
+    """What a run's summary says of its mitigation: each strategy and where it applied, a
+    restart's downtime, the slowdown removed beside its ceiling, and S2's own share where
+    another strategy followed it."""
+    applied = (s.get("mitigation") or {}).get("applied") or []
+    restarts = (s.get("mitigation") or {}).get("restarts") or []
+    steps = [f"S2 {r['plan']} from {r['iteration']}" if r["strategy"] == "S2" else f"{r['strategy']} from {r['iteration']}"
+             for r in applied]
+    parts = [", ".join(steps) or "no mitigation"]
+    if restarts:
+        parts.append(f"{restarts[0]['downtime_s']:.1f} s down")
+    parts.append(removal(s))
+    if s.get("s2_slowdown_removed") is not None and {r["strategy"] for r in applied} != {"S2"}:
+        parts.append(f"S2 alone {s['s2_slowdown_removed']} of at most {s['slowdown_removed_max']}")
+    return parts
+
+
 def main_job_rows(scratch: str) -> list[Row]:
     """The README's first command, run here."""
     out = os.path.join(scratch, "demo")
@@ -113,19 +130,10 @@ def main_job_rows(scratch: str) -> list[Row]:
     s = json.loads(Path(out, "summary.json").read_text())
     det = [f for f in s["detection"]["faults"] if f["detected"] or f.get("suspected_after") is not None]
     loc = (s.get("localization") or {}).get("localized") or []
-    applied = (s.get("mitigation") or {}).get("applied") or []
-    restarts = (s.get("mitigation") or {}).get("restarts") or []
-    steps = [f"S2 {r['plan']} from {r['iteration']}" if r["strategy"] == "S2" else f"{r['strategy']} from {r['iteration']}"
-             for r in applied]
     parts = [f"{secs:.0f} s",
              f"detected after {det[0]['first_alarm_delay']} iterations" if det else "NOT detected",
              f"GPU {loc[0]['gpus']} {loc[0]['after_event_s']} s after the event" if loc else "not localized",
-             ", ".join(steps) or "no mitigation"]
-    if restarts:
-        parts.append(f"{restarts[0]['downtime_s']:.1f} s down")
-    parts.append(removal(s))
-    if s.get("s2_slowdown_removed") is not None and {r["strategy"] for r in applied} != {"S2"}:
-        parts.append(f"S2 alone {s['s2_slowdown_removed']} of at most {s['slowdown_removed_max']}")
+             *mitigation_parts(s)]
     rows = [Row("main job (the README's first command)", "; ".join(parts), shown(cmd))]
     if s.get("overhead"):
         from falconext.report.summary import format_overhead
@@ -151,13 +159,13 @@ def megatron_row(version: str, path: str, python: str, scratch: str) -> Row:
     s = json.loads(Path(out, "summary.json").read_text())
     alarms = sorted((e for e in events if e["type"] == "fail_slow"), key=lambda e: e["detected_at"])
     loc = [e for e in events if e["type"] == "localized"]
-    s2 = [e for e in events if e["type"] == "mitigation" and e.get("strategy") == "S2"]
     parts = [f"onset {alarms[0]['onset']} reported at iteration {alarms[0]['detected_at']}" if alarms else "NOT detected",
-             f"localized {loc[0]['gpus']}" if loc else "not localized",
-             f"S2 {s2[0]['plan']} at {s2[0]['iteration']}" if s2 else "no S2", removal(s)]
+             f"localized {loc[0]['gpus']}" if loc else "not localized", *mitigation_parts(s)]
     py = run([python, "-c", "import platform; print(platform.python_version())"], 60)[0].strip()
-    return Row(f"real Megatron-LM {version} (Python {py}), 2x on rank 1 from 60", "; ".join(parts),
-               shown(cmd).replace(path, "$MEGATRON_LM_PATH").replace(str(faults), "FAULT.json"))
+    command = shown(cmd).replace(path, "$MEGATRON_LM_PATH")
+    if python != sys.executable:  # another interpreter: named by its version, not its path
+        command = command.replace(python, "python" + ".".join(py.split(".")[:2]), 1)
+    return Row(f"real Megatron-LM {version} (Python {py}), 2x on rank 1 from 60", "; ".join(parts), command)
 
 
 def ctl_row() -> Row:
