@@ -149,7 +149,9 @@ def main_job_rows(scratch: str) -> list[Row]:
 
 def megatron_row(version: str, path: str, python: str, scratch: str) -> Row:
     """The slow-GPU test's job inside ``path``'s pretrain_gpt.py under ``python``."""
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "megatron_lm")]
+    for folder in (ROOT / "tests", ROOT / "tests" / "megatron_lm"):  # once, however many versions
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
     from test_pretrain_gpt import JOB_SHAPE, LONG_ITERS, TINY_GPT, device_gflops  # the test's own job, not a copy of it
 
     faults = Path(scratch, f"fault-{version}.json")

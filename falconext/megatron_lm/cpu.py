@@ -69,9 +69,8 @@ def enable() -> None:
     cpu_compat.enable()
     cuda = torch.cuda
     names = ("set_device", "device_count", "get_rng_state", "set_rng_state", "empty_cache", "memory_allocated",
-             "max_memory_allocated",
-             "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "get_device_name",
-             "get_device_capability", "set_stream")
+             "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats",
+             "get_device_name", "get_device_capability")
     _saved.update({n: getattr(cuda, n, None) for n in names})
     cuda.set_device = lambda *a, **k: None
     # one (emulated) device per process: Megatron builds its model-parallel groups only

@@ -223,12 +223,13 @@ def finalize(out: str) -> dict[str, Any]:
         run = json.load(f)
     measured = _merge(out, "iterations")
     estimated = _merge(out, "estimates", run)
-    summary = summarize(measured, estimated, read_events(out), run, overheads=read_overheads(out))
+    events = read_events(out)
+    summary = summarize(measured, estimated, events, run, overheads=read_overheads(out))
     control = os.path.join(out, "control.json")
     if os.path.exists(control):  # the supervisor's restarts of Redis, controller and agents
         with open(control) as f:
             summary["reliability"]["restarts"] = dict(json.load(f).get("restarts") or {})
-    _add_device_figures(out, run, summary)
+    _add_device_figures(out, run, summary, events)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -240,7 +241,7 @@ TIMING_KEYS = ("healthy_iter_s", "slow_iter_s", "mitigated_iter_s", "slowdown_re
                "s2_slowdown_removed")
 
 
-def _add_device_figures(out: str, run: dict, summary: dict[str, Any], events: list[dict] | None = None) -> None:
+def _add_device_figures(out: str, run: dict, summary: dict[str, Any], events: list[dict]) -> None:
     """With the emulated device: its accounting, S2's ceiling beside the measured share,
     and the slowdown's figures on the devices' own time. The device is the bed's GPU: the
     wall clock adds the host's own work, which four ranks on two cores do together while
@@ -253,21 +254,20 @@ def _add_device_figures(out: str, run: dict, summary: dict[str, Any], events: li
     is the schedule's critical path through the stages, bubbles included, which no one
     process's busy time holds (a consolidation read 0.178 s on the records where the
     planner's exact model and the wall clock said 0.28)."""
-    world = int((run.get("topology") or {}).get("world", 0))
+    topo = run.get("topology") or {}
+    world = int(topo.get("world", 0))
     device = summary["device"] = device_figures(out, world) if world else None
     summary["timing"] = "wall_clock"
-    topo = run.get("topology") or {}
     blind = device is not None and (
         (device["real_links"] and any(f.get("kind") == "link" for f in run.get("faults") or []))
         or int(topo.get("pp", 1) or 1) > 1)
     times = device_iteration_times(out, world) if device is not None and not blind else None
     if times:
-        on_device = summarize([[0, it, secs, ""] for it, secs in sorted(times.items())], [],
-                              read_events(out) if events is None else events, run)
+        on_device = summarize([[0, it, secs, ""] for it, secs in sorted(times.items())], [], events, run)
         summary["wall_clock"] = {k: summary.get(k) for k in TIMING_KEYS}
         summary.update({k: on_device[k] for k in TIMING_KEYS})
         summary["timing"] = "device"
-    ceiling = ceiling_from_run(out, run) if summary["device"] is not None else None
+    ceiling = ceiling_from_run(out, run) if device is not None else None
     summary["slowdown_removed_max"] = None if ceiling is None else round(ceiling["removed_max"], 4)
     summary["s2_best_plan"] = None if ceiling is None else ceiling["plan"]
     summary["slowdown_removed_ceiling"] = removal_ceiling(summary)
