@@ -432,3 +432,39 @@ def test_an_exclude_hook_that_fails_or_hangs_is_one_line_and_bounded(tmp_path: P
     assert lines == ["falconext: --falcon-on-exclude for node1: done",
                      "falconext: --falcon-on-exclude for node1: failed (status 3)",
                      "falconext: --falcon-on-exclude for node1: failed (timed out after 0.5s)"]
+
+
+@pytest.mark.parametrize("spare", [True, False], ids=["spare", "kept-waiting-by-arrival-order"])
+def test_a_node_never_needed_ends_0_when_its_agent_loses_the_store_at_the_jobs_end(
+        tmp_path: Path, url: str, spare: bool, capsys) -> None:
+    """A spare (or the launcher the rendezvous kept waiting) whose agent fails because the
+    job's head exited ends 0 saying so, though the job's end is marked a moment after its
+    agent failed (issue 52: it said 'training failed' and failed a Slurm job that trained to
+    the end); a node whose ranks trained still fails."""
+    import threading
+    import time
+
+    from falconext.control.plane import ACCESS_FILE
+    from falconext.elastic.node import NodeRun, run_node
+    from falconext.elastic.restart import mark_joined
+
+    started = time.time()
+    access = tmp_path / ACCESS_FILE
+    access.write_text(json.dumps({"rdzv_id": "j", "url": url, "job": "job", "started": started, "ended": None}))
+    (tmp_path / "run.json").write_text(json.dumps({"clock": {"time": started + 1}}))
+
+    def head_marks_the_end() -> None:
+        time.sleep(1.5)
+        access.write_text(json.dumps({"rdzv_id": "j", "job": "job", "started": started, "ended": time.time()}))
+
+    lost_store = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    run = NodeRun("node2", str(tmp_path), lost_store, dict(os.environ), url, "job", spare)
+    marker = threading.Thread(target=head_marks_the_end)
+    marker.start()
+    assert run_node(run) == 0
+    marker.join()
+    said = "spare node node2" if spare else "node node2"
+    assert f"falconext: {said}: the job ended before it was needed" in capsys.readouterr().out
+    mark_joined(str(tmp_path), "node2")  # its ranks trained: the same failure is one
+    with pytest.raises(InputError, match="training failed on node node2"):
+        run_node(NodeRun("node2", str(tmp_path), lost_store, dict(os.environ), url, "job", False))

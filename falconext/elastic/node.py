@@ -42,6 +42,9 @@ POLL_S = 0.5
 SPARE_TTL_S = 10.0
 #: once a node's leave file is there, how long its ranks get to exit before the agent is stopped
 LEAVE_GRACE_S = 5.0
+#: how long a node whose agent failed without ever training waits for the job's end to be
+#: marked (the head's launcher marks it once its own agent is done and the plane stopped)
+JOB_END_WAIT_S = 30.0
 #: how long the agent gets to stop after SIGTERM before SIGKILL, seconds (an agent waiting
 #: in torch's exit barrier, a blocking store call, only sees SIGTERM when that returns)
 STOP_GRACE_S = 5.0
@@ -102,8 +105,12 @@ def run_node(run: NodeRun) -> int:
             on_exclude(run, run.on_exclude.replace("{host}", shlex.quote(run.name)))
         return 0
     if code != 0:
-        if run.spare and _job_ended(run) and not restart.joined(run.out, run.name):
-            print(f"falconext: spare node {run.name}: the job ended before it was needed", flush=True)
+        # a node whose ranks never trained (a spare, or the launcher the rendezvous kept
+        # waiting) loses the c10d store when the job's head exits, a moment before that
+        # head's launcher marks the job ended: wait for that mark before calling it a failure
+        if not restart.joined(run.out, run.name) and _wait_job_ended(run, JOB_END_WAIT_S):
+            print(f"falconext: {'spare ' if run.spare else ''}node {run.name}: the job ended before it was needed",
+                  flush=True)
             return 0
         raise InputError(f"training failed on node {run.name} (torchrun exit status {code}); see the messages above")
     return 0
@@ -143,6 +150,19 @@ def _job_ended(run: NodeRun) -> bool:
     """Whether the job's plane says the job is over (access.json ended)."""
     data = read_access(run.out)
     return data is not None and data.get("ended") is not None
+
+
+def _wait_job_ended(run: NodeRun, deadline_s: float) -> bool:
+    """Whether the job's plane says the job is over, waiting at most ``deadline_s`` for it
+    (no plane: nothing to wait for, False)."""
+    if run.url is None:
+        return False
+    end = time.monotonic() + deadline_s
+    while not _job_ended(run):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(POLL_S)
+    return True
 
 
 def _wait_until_training(run: NodeRun) -> bool:
