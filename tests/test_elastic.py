@@ -20,7 +20,7 @@ from falconext.elastic.restart import NodeLeave, read_leave, write_leave
 from falconext.mitigate.room import RestartRoom, shrink_floor
 from falconext.inputs import InputError
 from falconext.megatron_lm.hooks import plane_refusal
-from falconext.megatron_lm.launcher import elastic_options, shrink_floor_of
+from falconext.megatron_lm.launcher import elastic_options, job_floor, shrink_floor_of
 from falconext.model.device import DEFAULT_GFLOPS, host_gflops
 from falconext.model.faults import on_hardware, parse_faults, placed
 from falconext.testbed.nodes import mbps_to_bytes, substitute
@@ -97,6 +97,25 @@ def test_torchrun_gets_the_floor_and_restarts() -> None:
         "--max-restarts", "1", "--nnodes", "2:2"]
 
 
+def test_a_static_rendezvous_keeps_its_nodes_and_has_no_spares() -> None:
+    """--master-addr/--master-port: torch's static rendezvous cannot lose a node, so the job
+    neither shrinks nor excludes one (issue 52: the launcher passed --nnodes FLOOR:MIN and
+    nothing refused an S4 without a node, on which the staying nodes would wait for the
+    excluded one until torch timed out); the controller refuses such an S4 in one line."""
+    args = ["--global-batch-size", "32", "--micro-batch-size", "1"]
+    static = rendezvous.parse(["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "h", "--master-port", "29500"])
+    assert job_floor(args, static) == 2
+    assert elastic_options(["--nnodes", "2", "--nproc-per-node", "2"], static, job_floor(args, static)) == [
+        "--nproc-per-node", "2", "--nnodes", "2:2", "--max-restarts", "3"]
+    why = RestartRoom(2, floor=job_floor(args, static), spares=0).refusal([1])
+    assert why is not None and "below 2" in why
+    assert RestartRoom(2, floor=job_floor(args, static), spares=0).refusal([]) is None  # in place: fine
+    with pytest.raises(InputError, match="static rendezvous .* has no spares"):
+        job_floor(args, rendezvous.parse(["--nnodes", "2:3", "--master-addr", "h", "--master-port", "1"]))
+    c10d = rendezvous.parse(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"])
+    assert job_floor(args, c10d) == 1  # an elastic job shrinks as far as its batch allows
+
+
 def test_an_exclusion_the_job_cannot_absorb_is_refused_with_the_reason() -> None:
     assert RestartRoom(2, floor=0).refusal([1]) is None  # one launcher: it replaces nodes itself
     assert RestartRoom(2, floor=2, spares=1).refusal([1]) is None  # the spare fills in
@@ -138,6 +157,36 @@ def test_a_plane_that_never_comes_is_a_reason_after_the_deadline(tmp_path: Path)
         {"job": "j", "url": "redis://:pw@127.0.0.1:1/0", "rdzv_id": "t1", "ended": None}))
     why = join.find_plane(str(tmp_path), "t1", deadline_s=0.3, poll_s=0.1)
     assert isinstance(why, str) and "127.0.0.1:1 does not answer" in why
+
+
+def test_a_launcher_with_another_rdzv_id_is_refused_at_once_and_the_job_stops_with_it(
+        tmp_path: Path, url: str) -> None:
+    """A node given a --rdzv-id other than the running job's in the same --falcon-out (issue
+    52: it waited out the plane's deadline and then torch's, or formed a second job sharing
+    the folder) learns it at once; the job's launchers stop on its note, one line each."""
+    import threading
+    import time
+
+    from falconext.elastic.node import NodeRun, run_node
+    from falconext.elastic.restart import write_refusal
+
+    running = {"job": "j", "url": url, "rdzv_id": "1234", "ended": None}
+    (tmp_path / "access.json").write_text(json.dumps(running))
+    t0 = time.monotonic()
+    other = join.find_plane(str(tmp_path), "1235", deadline_s=30, poll_s=0.1)
+    assert isinstance(other, join.OtherJob) and other.rdzv_id == "1234" and time.monotonic() - t0 < 5
+    assert "belongs to a running job of rendezvous '1234'" in other.refusal(str(tmp_path), "1235")
+    assert isinstance(join.find_plane(str(tmp_path), "1234", deadline_s=5, poll_s=0.1), join.PlaneAccess)
+    # a job that died (its Redis gone) or ended leaves no running job behind
+    assert join.running_other_job(dict(running, url="redis://:pw@127.0.0.1:1/0"), "1235") is None
+    assert join.running_other_job(dict(running, ended=5.0), "1235") is None
+    # the job's own launcher, its agent waiting in the rendezvous, stops on the refusal
+    waiting = [sys.executable, "-c", "import time; time.sleep(60)"]
+    threading.Timer(1.0, write_refusal, (str(tmp_path), "node1", other.refusal(str(tmp_path), "1235"))).start()
+    t0 = time.monotonic()
+    with pytest.raises(InputError, match="node node1 refused this job, so it cannot form: --falcon-out"):
+        run_node(NodeRun("node0", str(tmp_path), waiting, dict(os.environ), url, "j", False))
+    assert time.monotonic() - t0 < 15
 
 
 def test_every_rank_uses_the_plane_or_none_does() -> None:
@@ -468,3 +517,26 @@ def test_a_node_never_needed_ends_0_when_its_agent_loses_the_store_at_the_jobs_e
     mark_joined(str(tmp_path), "node2")  # its ranks trained: the same failure is one
     with pytest.raises(InputError, match="training failed on node node2"):
         run_node(NodeRun("node2", str(tmp_path), lost_store, dict(os.environ), url, "job", False))
+
+
+def test_hosts_of_two_sizes_give_the_same_flags_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digest that tells a node with other --falcon* flags to train without the plane
+    leaves out what each launcher picks from its own host (issue 52: the CPU device's speed,
+    from the core count, made two hosts of different sizes read as "flags differ")."""
+    from falconext.elastic.hosts import NODES_ON_HOST_ENV
+    from falconext.inputs import option
+    from falconext.megatron_lm.hooks import flags_digest
+    from falconext.megatron_lm.launcher import _prepare, split_command
+
+    seen = []
+    for sharing, user in (("1", []), ("2", []), ("2", ["--falcon-bocd-threshold", "0.7"])):
+        monkeypatch.setenv(NODES_ON_HOST_ENV, sharing)  # as many ranks on fewer cores: a smaller host
+        plan = split_command(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                              "h:1", "train.py", "--global-batch-size", "8", "--falcon", "--falcon-out",
+                              str(tmp_path / f"out{len(seen)}"), *user])
+        job = _prepare(plan, rendezvous.parse(plan.torchrun), hosts=False)
+        seen.append((option(job.flags, "--falcon-device-gflops"), flags_digest(json.dumps(job.flags))))
+    if seen[0][0] is not None:  # the emulated device (no CUDA): each host picked its own speed
+        assert seen[0][0] != seen[1][0], seen
+    assert seen[0][1] == seen[1][1], seen
+    assert seen[2][1] != seen[1][1], seen  # a flag the user gave differently still shows

@@ -129,3 +129,23 @@ def test_a_localization_whose_session_is_unknown_says_so() -> None:
     assert figures.localization_trigger(loc, events()) == "unknown"
     op = [{"time": 1, "type": "controller_state", "new": "profiling", "session": 5, "trigger": "operator"}]
     assert figures.localization_trigger({"evidence": {"session": 5}}, op) == "operator"
+
+
+def test_each_attempt_lists_the_plans_it_ran_under() -> None:
+    from falconext.report.plans import plans_by_attempt
+
+    assert plans_by_attempt(events(), 0, 2, 24) == [
+        {"attempt": 0, "from_iteration": 0,
+         "plans": [[0, [12, 12]], [S2_AT, [16, 8]], [REVERT_AT, [12, 12]], [S2_AGAIN_AT, [15, 9]]]},
+        {"attempt": 1, "from_iteration": RESUME_AT, "plans": [[RESUME_AT, [12, 12]]]},
+    ]
+    assert plans_by_attempt([], 3, 2, 24) == [{"attempt": 0, "from_iteration": 3, "plans": [[3, [12, 12]]]}]
+
+
+def test_the_page_names_each_restart_and_each_attempts_plan(run_dir: Path) -> None:
+    s = {"mitigation": {"restarts": [{"iteration": RESUME_AT, "downtime_s": 12.5}],
+                        "attempts": [{"attempt": 0, "from_iteration": 0, "plans": [[0, [12, 12]], [S2_AT, [16, 8]]]},
+                                     {"attempt": 1, "from_iteration": RESUME_AT, "plans": [[RESUME_AT, [12, 12]]]}]}}
+    page = figures._page(str(run_dir), s)
+    assert f"<th>restart</th><td>at iteration {RESUME_AT} after 12.5 s down</td>" in page
+    assert f"<th>attempt 1</th><td>from iteration {RESUME_AT}: plan [12, 12] from {RESUME_AT}</td>" in page

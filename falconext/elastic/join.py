@@ -72,13 +72,43 @@ def ping(url: str, timeout_s: float = 2.0) -> str | None:
     return None
 
 
-def find_plane(out: str, rdzv_id: str, deadline_s: float, poll_s: float = 0.5) -> PlaneAccess | str:
-    """Wait at most ``deadline_s`` for this job's control plane in ``out``; the plane, or the
-    last reason none was usable (one line, naming the address when Redis did not answer)."""
+@dataclass(frozen=True)
+class OtherJob:
+    """access.json names a job that runs now (its Redis answers) under another rendezvous id."""
+
+    rdzv_id: str
+
+    def refusal(self, out: str, mine: str) -> str:
+        """The one line a launcher given ``--rdzv-id mine`` stops with."""
+        return (f"--falcon-out {out} belongs to a running job of rendezvous {self.rdzv_id!r}, and this launcher's "
+                f"--rdzv-id is {mine!r}: every node of one job gives the same --rdzv-id, and two jobs never share "
+                "a --falcon-out")
+
+
+def running_other_job(data: dict | None, rdzv_id: str) -> OtherJob | None:
+    """The job access.json ``data`` names when it runs now (not ended, its Redis answering)
+    under a rendezvous id other than ``rdzv_id``; else None (absent, ended, this job's, or
+    left by a job that died: its Redis does not answer)."""
+    if data is None or data.get("ended") is not None or not isinstance(data.get("url"), str):
+        return None
+    if data.get("rdzv_id") == rdzv_id:
+        return None
+    return OtherJob(str(data.get("rdzv_id"))) if ping(data["url"]) is None else None
+
+
+def find_plane(out: str, rdzv_id: str, deadline_s: float, poll_s: float = 0.5) -> PlaneAccess | OtherJob | str:
+    """Wait at most ``deadline_s`` for this job's control plane in ``out``; the plane, the
+    running job of another rendezvous id the run directory belongs to (at once: a node given
+    the wrong ``--rdzv-id`` must not wait), or the last reason none was usable (one line,
+    naming the address when Redis did not answer)."""
     end = time.monotonic() + deadline_s
     why = "no access.json in the run directory"
     while True:
-        found = check_access(read_access(out), rdzv_id)
+        data = read_access(out)
+        other = running_other_job(data, rdzv_id)
+        if other is not None:
+            return other
+        found = check_access(data, rdzv_id)
         if isinstance(found, PlaneAccess):
             err = ping(found.url)
             if err is None:

@@ -42,6 +42,9 @@ POLL_S = 0.5
 SPARE_TTL_S = 10.0
 #: once a node's leave file is there, how long its ranks get to exit before the agent is stopped
 LEAVE_GRACE_S = 5.0
+#: a refusal written this long before this launcher started its agent still counts (the
+#: launchers of one job start within moments of each other; older notes are other jobs')
+REFUSAL_WINDOW_S = 120.0
 #: how long a node whose agent failed without ever training waits for the job's end to be
 #: marked (the head's launcher marks it once its own agent is done and the plane stopped)
 JOB_END_WAIT_S = 30.0
@@ -80,13 +83,23 @@ def run_node(run: NodeRun) -> int:
     keeper = threading.Thread(target=_keep_spare_key, args=(run, stop), daemon=True) if run.spare else None
     if keeper is not None:
         keeper.start()
+    started = time.time()
     proc = subprocess.Popen(run.cmd, env=run.env, start_new_session=True)
     leave = None
+    refused: list[tuple[str, str]] = []
+    training = False
     try:
         while proc.poll() is None:
             leave = leave or restart.read_leave(run.out, run.name)
             if leave is not None:
                 _stop_agent(proc)
+                break
+            # until the job trains, a launcher that refused it (another --rdzv-id) is a node
+            # the rendezvous would wait for until torch's timeout: stop now, saying why
+            training = training or _job_training(run)
+            refused = [] if training else restart.refusals(run.out, started - REFUSAL_WINDOW_S)
+            if refused:
+                stop_groups([proc], STOP_GRACE_S)
                 break
             time.sleep(POLL_S)
     except BaseException:
@@ -95,6 +108,9 @@ def run_node(run: NodeRun) -> int:
     finally:
         stop.set()
     code = proc.wait()
+    if refused:
+        host, why = refused[0]
+        raise InputError(f"node {host} refused this job, so it cannot form: {why}")
     leave = leave or restart.read_leave(run.out, run.name)
     if leave is not None:
         restart.mark_left(run.out, run.name)  # the nodes that stay may go on to the next round
@@ -172,16 +188,21 @@ def _wait_until_training(run: NodeRun) -> bool:
     while True:
         if _job_ended(run):
             return False
-        data = read_access(run.out)
-        started = data.get("started") if data is not None else None
-        try:
-            with open(os.path.join(run.out, "run.json")) as f:
-                clock = json.load(f).get("clock", {}).get("time")
-        except (OSError, ValueError, AttributeError):
-            clock = None
-        if isinstance(started, (int, float)) and isinstance(clock, (int, float)) and clock >= started:
+        if _job_training(run):
             return True
         time.sleep(POLL_S)
+
+
+def _job_training(run: NodeRun) -> bool:
+    """Whether the job trains: its rank 0 wrote run.json after the plane started."""
+    data = read_access(run.out)
+    started = data.get("started") if data is not None else None
+    try:
+        with open(os.path.join(run.out, "run.json")) as f:
+            clock = json.load(f).get("clock", {}).get("time")
+    except (OSError, ValueError, AttributeError):
+        clock = None
+    return isinstance(started, (int, float)) and isinstance(clock, (int, float)) and clock >= started
 
 
 def _keep_spare_key(run: NodeRun, stop: threading.Event) -> None:

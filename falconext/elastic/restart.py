@@ -24,6 +24,7 @@ global batch unchanged (:func:`falconext.mitigate.room.shrink_floor`: torchrun i
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
@@ -84,6 +85,35 @@ def _mark(out: str, host: str, name: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"time": time.time()}, f)
+
+
+#: written by a launcher that refused the job (another rendezvous id): the job's other
+#: launchers stop rather than wait for it
+REFUSED_FILE = "refused.json"
+
+
+def write_refusal(out: str, host: str, reason: str) -> None:
+    """Note that node ``host``'s launcher refused to join the job in ``out``, and why."""
+    path = os.path.join(out, "nodes", host, REFUSED_FILE)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"host": host, "reason": reason, "time": time.time()}, f)
+    os.replace(tmp, path)
+
+
+def refusals(out: str, since: float) -> list[tuple[str, str]]:
+    """(host, reason) of every launcher that refused the job in ``out`` at ``since`` or later."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(out, "nodes", "*", REFUSED_FILE))):
+        try:
+            with open(path) as f:
+                data: Any = json.load(f)
+            if float(data["time"]) >= since:
+                found.append((str(data["host"]), str(data["reason"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 def mark_joined(out: str, host: str) -> None:

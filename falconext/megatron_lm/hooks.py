@@ -327,6 +327,9 @@ class Session:
             self.runtime.switch_s = round(self.runtime.restart_s, 3)
             self.events.emit("restart_probe", rank=self.process, iteration=iteration,
                              restart_s=round(self.runtime.restart_s, 4), startup_s=round(self.runtime.restart_s, 4))
+            if self.attempt > 0 and self.rank == 0:  # the report's attempt boundary (the test bed's event)
+                self.events.emit("restarted", iteration=iteration, attempt=self.attempt, load_s=None,
+                                 downtime_s=round(self.runtime.restart_s, 3))
         if self.rank == 0 and self.s2_refused and self.cfg.mitigation and "S2" in self.cfg.strategies():
             self.events.emit("control_error", rank=0, error=f"S2 off: {self.s2_refused}")
 
@@ -629,9 +632,31 @@ def exit_status(code: int) -> int:
     return code
 
 
+#: flags a node's launcher may set from its own host, left out of :func:`flags_digest`: the
+#: emulated device's speed (picked from the host's cores: hosts of two sizes differ) and the
+#: run directory's path (one shared folder may be mounted at two paths)
+HOST_FLAGS = ("--falcon-device-gflops", "--falcon-out")
+
+
 def flags_digest(flags_json: str) -> str:
-    """A short digest of a launcher's ``--falcon*`` flags (the JSON list in FLAGS_ENV), to
-    compare nodes' launchers without sending the flags around."""
+    """A short digest of a launcher's ``--falcon*`` flags (the JSON list in FLAGS_ENV),
+    :data:`HOST_FLAGS` left out, to compare nodes' launchers without sending the flags
+    around: equal for the same job configuration on hosts of any size."""
+    try:
+        flags = json.loads(flags_json)
+    except ValueError:
+        flags = None
+    if isinstance(flags, list):
+        kept: list[Any] = []
+        skip = False
+        for a in flags:
+            if skip:
+                skip = False
+            elif isinstance(a, str) and a in HOST_FLAGS:
+                skip = True
+            elif not (isinstance(a, str) and a.split("=", 1)[0] in HOST_FLAGS):
+                kept.append(a)
+        flags_json = json.dumps(kept)
     return hashlib.sha256(flags_json.encode()).hexdigest()[:16]
 
 

@@ -33,9 +33,9 @@ from falconext.control.client import JOB_ENV, REDIS_URL_ENV
 from falconext.control.plane import start_plane
 from falconext.elastic import rendezvous
 from falconext.elastic.hosts import NODES_ON_HOST_ENV, node_name
-from falconext.elastic.join import find_plane
+from falconext.elastic.join import OtherJob, find_plane, read_access, running_other_job
 from falconext.elastic.node import NodeRun, run_node
-from falconext.elastic.restart import DEFAULT_MAX_RESTARTS
+from falconext.elastic.restart import DEFAULT_MAX_RESTARTS, write_refusal
 from falconext.elastic.supervisor import AttemptEnd, Supervisor
 from falconext.inputs import InputError, option, set_option
 from falconext.megatron_lm import contract
@@ -192,7 +192,7 @@ def launch(argv: list[str]) -> int:
     node = _NodeRole.of(rdzv, plan.torchrun)
     plan.torchrun += node.torchrun_additions
     if rdzv.multi_node and plan.falcon:
-        plan.torchrun = elastic_options(plan.torchrun, rdzv, shrink_floor_of(plan.script_args, rdzv))
+        plan.torchrun = elastic_options(plan.torchrun, rdzv, job_floor(plan.script_args, rdzv))
     if not plan.falcon:
         if plan.falcon_args:
             raise InputError(f"{plan.falcon_args[0]} needs --falcon")
@@ -274,6 +274,10 @@ def _launch_node(plan: LaunchPlan, job: "_Job", rdzv, node: _NodeRole, env: dict
             env[REDIS_URL_ENV] = ""
     elif cfg.control_plane:
         found = find_plane(job.out, rdzv.rdzv_id, cfg.plane_wait_s)
+        if isinstance(found, OtherJob):  # the job's other launchers stop on this note, not a timeout
+            why = found.refusal(job.out, rdzv.rdzv_id)
+            write_refusal(job.out, name, why)
+            raise InputError(f"node {name}: {why}")
         if isinstance(found, str):
             print(f"falconext: node {name}: {found}; this node trains without falconext's control plane", flush=True)
             env[REDIS_URL_ENV] = ""
@@ -304,6 +308,21 @@ def shrink_floor_of(script_args: list[str], rdzv) -> int:
                                                  "--micro-batch-size")}
     tp, pp, mbs = (int(v) if v and v.isdigit() else 1 for v in ints.values())
     return shrink_floor(rdzv.min_nodes, rdzv.nproc_per_node, tp, pp, int(gbs), mbs)
+
+
+def job_floor(script_args: list[str], rdzv) -> int:
+    """The fewest nodes the job may go on with after an exclusion: :func:`shrink_floor_of`
+    on an elastic rendezvous (c10d); all of them on a static one (``--master-addr``/
+    ``--master-port``), whose nodes are fixed: an S4 there restarts them in place, and one
+    without a node is refused by the controller before anything stops. A static
+    rendezvous given ``--nnodes MIN:MAX`` (room for spares it cannot have) is an InputError."""
+    if rdzv.elastic:
+        return shrink_floor_of(script_args, rdzv)
+    if rdzv.max_nodes != rdzv.min_nodes:
+        raise InputError(f"--nnodes {rdzv.min_nodes}:{rdzv.max_nodes} with a static rendezvous "
+                         "(--master-addr/--master-port): its nodes are fixed, so it has no spares; "
+                         "use --rdzv-backend c10d --rdzv-endpoint HOST:PORT for spares and shrinking")
+    return rdzv.min_nodes
 
 
 def elastic_options(opts: list[str], rdzv, floor: int) -> list[str]:
@@ -340,6 +359,9 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     except (FlagError, ConfigError) as exc:
         raise InputError(str(exc)) from None
     out = os.path.abspath(flags.falcon_out or "falcon-out")
+    other = running_other_job(read_access(out), rdzv.rdzv_id) if hosts and rdzv.multi_node else None
+    if other is not None:  # its events, summary and access.json are not this job's to clear
+        raise InputError(other.refusal(out, rdzv.rdzv_id))
     os.makedirs(out, exist_ok=True)
     for stale in ("events.jsonl", "restart.json", "summary.json"):  # the node that owns them clears them
         if hosts and os.path.exists(os.path.join(out, stale)):
@@ -363,7 +385,10 @@ def _prepare(plan: LaunchPlan, rdzv, hosts: bool = True) -> _Job:
     if forced is not None:
         checked_roles(forced[1], world, "--falcon-force-topology")
     if rdzv.multi_node:  # what an exclusion may leave: the controller refuses one the job cannot absorb
-        extra += ["--falcon-restart-floor-nodes", str(max(1, shrink_floor_of(plan.script_args, rdzv)))]
+        extra += ["--falcon-restart-floor-nodes", str(max(1, job_floor(plan.script_args, rdzv)))]
+        if not rdzv.elastic and hosts:
+            print(f"falconext: a static rendezvous (--master-addr/--master-port) keeps its {rdzv.min_nodes} nodes: "
+                  "S4 restarts them in place, never without a node (that needs --rdzv-backend c10d)", flush=True)
     if flags.falcon_mitigation_strategies is None:
         strategies = [s for s in ("S2", "S4") if not (s == "S2" and why)]
         extra += ["--falcon-mitigation-strategies", ",".join(strategies) or "S4"]

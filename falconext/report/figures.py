@@ -31,6 +31,7 @@ from statistics import median
 from typing import Any
 
 from falconext.inputs import InputError
+from falconext.report.plans import plan_in_force, plan_shape
 from falconext.report.summary import read_events
 
 FIGURES = ("iterations.png", "scores.png", "plan.png")
@@ -86,35 +87,6 @@ def score_matrix(estimates: list[dict[str, str]]) -> tuple[list[int], list[int],
     ranks = sorted({k[0] for k in cells})
     its = sorted({k[1] for k in cells})
     return ranks, its, [[cells.get((rk, it), float("nan")) for it in its] for rk in ranks]
-
-
-def even_plan(total: int, dp: int) -> list[int]:
-    """``total`` micro-batches over ``dp`` replicas as evenly as they go (the first
-    replicas take the remainder)."""
-    if dp < 1:
-        return []
-    return [total // dp + (1 if k < total % dp else 0) for k in range(dp)]
-
-
-def plan_in_force(events: list[dict[str, Any]], first: int, dp: int, total: int) -> list[tuple[int, list[int]]]:
-    """The micro-batch plan in force as steps (from iteration, micro-batches per replica),
-    following the job through its attempts: the even plan from ``first`` and again from
-    every restart's iteration (a restarted attempt runs the even plan until it applies one),
-    each applied plan (S2, a revert: ``plan_applied``) from its iteration. A restart that
-    resumes at iteration r drops the steps from r on (the iterations it runs again);
-    events in the order they were written."""
-    even = even_plan(total, dp)
-    steps: list[tuple[int, list[int]]] = [(first, even)]
-    for e in events:
-        kind = e.get("type")
-        if kind == "plan_applied" and isinstance(e.get("plan"), list) and e.get("rank", 0) == 0:
-            at, plan = int(e["iteration"]), [int(x) for x in e["plan"]]
-        elif kind == "restarted" and e.get("iteration") is not None:
-            at, plan = int(e["iteration"]), even
-        else:
-            continue
-        steps = [st for st in steps if st[0] < at] + [(at, plan)]
-    return steps
 
 
 def plan_series(steps: list[tuple[int, list[int]]], iterations: list[int]) -> list[list[int]]:
@@ -277,8 +249,7 @@ def write_report(out: str) -> str:
     fig.savefig(os.path.join(out, "scores.png"), dpi=DPI)
     plt.close(fig)
 
-    args = run.get("args") or {}
-    total = int(args.get("global_batch_size") or dp) // max(1, int(args.get("micro_batch_size") or 1))
+    dp, total = plan_shape(run)
     steps = plan_in_force(events, its[0] if its else 0, dp, total)
     series = plan_series(steps, its)
     fig, ax = plt.subplots(figsize=(9, 2.6), dpi=DPI)
@@ -317,6 +288,14 @@ def _page(out: str, summary: dict[str, Any]) -> str:
             "s2_slowdown_removed", "slowdown_removed_max", "slowdown_removed_ceiling", "final_loss")
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(summary.get(k)))}</td></tr>"
                    for k in keys if k in summary)
+    mit = summary.get("mitigation") or {}
+    for r in mit.get("restarts") or []:
+        rows += (f"<tr><th>restart</th><td>at iteration {html.escape(str(r.get('iteration')))} after "
+                 f"{html.escape(str(r.get('downtime_s')))} s down</td></tr>")
+    for a in mit.get("attempts") or []:
+        plans = ", ".join(f"{p} from {it}" for it, p in a.get("plans") or [])
+        rows += (f"<tr><th>attempt {html.escape(str(a.get('attempt')))}</th><td>from iteration "
+                 f"{html.escape(str(a.get('from_iteration')))}: plan {html.escape(plans)}</td></tr>")
     for k, v in (summary.get("wall_clock") or {}).items():  # beside the devices' figures
         rows += f"<tr><th>wall clock {html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
     det = summary.get("detection") or {}

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from falconext.detect.scores import RankSample, rank_scores
 from falconext.mitigate.planner import slowdown_removed
+from falconext.report.plans import plan_shape, plans_by_attempt
 from falconext.report.device import ceiling_from_run, device_figures, device_iteration_times
 
 HEADER = ["rank", "iteration", "iter_time_s", "loss"]
@@ -229,6 +230,8 @@ def finalize(out: str) -> dict[str, Any]:
     if os.path.exists(control):  # the supervisor's restarts of Redis, controller and agents
         with open(control) as f:
             summary["reliability"]["restarts"] = dict(json.load(f).get("restarts") or {})
+    first = min((int(r[1]) for r in measured), default=0)  # rows: rank, iteration, ...
+    summary["mitigation"]["attempts"] = plans_by_attempt(events, first, *plan_shape(run))
     _add_device_figures(out, run, summary, events)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -596,6 +599,10 @@ def format_summary(s: dict[str, Any]) -> str:
             )
         for r in mit.get("restarts", []):
             lines.append(f"restarted at iteration {r['iteration']} after {r['downtime_s']} s down")
+        if len(mit.get("attempts") or []) > 1:  # the plan each attempt ran under
+            for a in mit["attempts"]:
+                plans = ", ".join(f"{p} from {it}" for it, p in a["plans"])
+                lines.append(f"attempt {a['attempt']} from iteration {a['from_iteration']}: plan {plans}")
         for w in mit.get("switches", []):
             vs = f", {w['shorter_than_disk']}x shorter than a disk checkpoint-restart ({w['disk_restart_s']} s)" \
                 if w.get("shorter_than_disk") else ""

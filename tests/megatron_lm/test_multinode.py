@@ -23,7 +23,7 @@ import pytest
 MLM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM core_v0.16.1 checkout)")
 
-from test_pretrain_gpt import LOSS_REL, TINY_GPT, events, pretrain_script  # noqa: E402
+from test_pretrain_gpt import LOSS_REL, TINY_GPT, assert_report_shows_restart, events, pretrain_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +106,6 @@ RESTART_ITERS = 110
 RESTART_JOB = [*TINY_GPT, "--global-batch-size", "32", "--train-iters", str(RESTART_ITERS), "--log-interval", "10"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(script: str) -> str:
-    """The restart tests' job without a fault or falconext, uninterrupted: one launcher with
-    the same 4 ranks (the same DP4 training as two nodes of two)."""
-    from test_pretrain_gpt import launch
-
-    return launch(script, [*RESTART_JOB], nproc=4)
-
-
 def assert_resumed_exactly(output: str, plain_output: str, resumed_at: int) -> None:
     """Every ``lm loss`` Megatron logged after the resume at step ``resumed_at`` (0-based;
     logged as iteration ``resumed_at + 1``) equals the uninterrupted run's (relative LOSS_REL),
@@ -155,7 +146,7 @@ def s4_job(script: str, tmp_path: Path, count: int, rdzv_id: str, *extra: str) -
 #: 2-core host (2026-11-28), more than the leg's share of CI's 30 minutes beside both Pythons;
 #: CI runs the two-node S2 job above, `bash .ci/run --long` this one too
 @pytest.mark.long
-def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted: str, tmp_path: Path) -> None:
+def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted_dp4: str, tmp_path: Path) -> None:
     """Three launchers for a 2-node job (--nnodes 2:3, node 2 a spare); a 3x compute fault on
     node 1 from iteration 40; S4 only. Node 1 leaves (its launcher exits 0 saying why, its
     drain hook runs), and the job resumes from Megatron's checkpoint on nodes 0 and 2."""
@@ -174,7 +165,8 @@ def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted: str, tmp_pa
     assert {e["world"] for e in joined} == {4}
     resumed = [e for e in evs if e["type"] == "restart_requested"][0]["resume_at"]
     assert (out / "checkpoint" / f"iter_{resumed:07d}").is_dir()
-    assert_resumed_exactly(output, uninterrupted, resumed)
+    assert_resumed_exactly(output, uninterrupted_dp4, resumed)
+    assert_report_shows_restart(out, resumed)
     # back to the healthy speed on the spare, within 1% (docs/multinode.md), on the
     # emulated devices' records: the wall clock's figure carries the bed's own load
     summary = json.loads((out / "summary.json").read_text())
@@ -186,7 +178,7 @@ def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted: str, tmp_pa
 
 
 @pytest.mark.long
-def test_without_a_spare_the_job_shrinks_with_its_global_batch(script: str, uninterrupted: str, tmp_path: Path) -> None:
+def test_without_a_spare_the_job_shrinks_with_its_global_batch(script: str, uninterrupted_dp4: str, tmp_path: Path) -> None:
     """The spare test's job with two launchers and no spare: node 1 leaves, and the job
     goes on on node 0 alone as DP2 (16 micro-batches per replica instead of 8), training
     what the uninterrupted DP4 run trains."""
@@ -196,7 +188,7 @@ def test_without_a_spare_the_job_shrinks_with_its_global_batch(script: str, unin
     joined = [e for e in evs if e["type"] == "node_joined"]
     assert [(e["host"], e["world"]) for e in joined if e["attempt"] == 1] == [("node0", 2)]
     resumed = [e for e in evs if e["type"] == "restart_requested"][0]["resume_at"]
-    assert_resumed_exactly(output, uninterrupted, resumed)
+    assert_resumed_exactly(output, uninterrupted_dp4, resumed)
     run = json.loads((out / "run-r1.json").read_text())
     assert run["topology"]["dp"] == 2 and run["args"]["global_batch_size"] == 32
 

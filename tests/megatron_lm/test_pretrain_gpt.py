@@ -230,6 +230,21 @@ def assert_continues(output: str, plain_output: str) -> None:
     assert grad_norms(output) == grad_norms(plain_output)
 
 
+def assert_report_shows_restart(out: Path, resume_at: int) -> None:
+    """The run's summary.json and report.html name the restart at ``resume_at`` and the
+    plan each attempt ran under, the restarted one from the even plan (issue 52: under
+    ``falconext launch`` they showed no restart, and plan.png kept the attempt before's)."""
+    summary = json.loads((out / "summary.json").read_text())
+    mitigation = summary["mitigation"]
+    assert [r["iteration"] for r in mitigation["restarts"]] == [resume_at], mitigation
+    attempts = mitigation["attempts"]
+    assert [(a["attempt"], a["from_iteration"]) for a in attempts[1:]] == [(1, resume_at)], attempts
+    first_plan = attempts[1]["plans"][0]
+    assert first_plan[0] == resume_at and len(set(first_plan[1])) == 1, attempts  # even again
+    page = (out / "report.html").read_text()
+    assert f"at iteration {resume_at} after" in page and f"<th>attempt 1</th><td>from iteration {resume_at}" in page
+
+
 def test_a_forced_s4_resumes_from_megatrons_checkpoint_and_continues_the_losses(
         script: str, uninterrupted: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -241,6 +256,7 @@ def test_a_forced_s4_resumes_from_megatrons_checkpoint_and_continues_the_losses(
     assert [e for e in events(out) if e["type"] == "restart_requested"][0]["resume_at"] == 16
     assert (out / "checkpoint" / "iter_0000016").is_dir()
     assert_continues(output, uninterrupted)
+    assert_report_shows_restart(out, 16)
 
 
 def test_s3_restarts_with_the_ranks_handed_to_the_processes_in_a_new_order(
@@ -263,3 +279,4 @@ def test_s3_restarts_with_the_ranks_handed_to_the_processes_in_a_new_order(
         assert factors == [1.0, 2.0], (attempt, factors)
     # the same ranks, so the same training: Megatron's checkpoint is by rank, not by GPU
     assert_continues(output, uninterrupted)
+    assert_report_shows_restart(out, 16)
