@@ -355,8 +355,7 @@ def _cmd_launch(argv: list[str]) -> int:
     from falconext.megatron_lm import launcher  # lazy: start-up time (numpy, redis)
 
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: falconext launch [torchrun options] SCRIPT [script arguments, --falcon, --falcon-*]\n")
-        print(launcher.__doc__)
+        print(launcher.launch_help(), end="")
         return 0
     try:
         return launcher.launch(argv)

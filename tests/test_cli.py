@@ -587,3 +587,45 @@ def test_period_log_with_one_call_is_one_line_exit_2(tmp_path: Path, capsys) -> 
     f = write(tmp_path / "calls.jsonl", _rec() + "\n")
     line = fails(capsys, "period", f)
     assert f in line and "rank 0 has 1 call(s)" in line and "at least 6" in line
+
+
+# --- falconext launch: what it takes and says before anything starts (issue 52) ---------------
+
+def test_launch_help_lists_the_falcon_flags_by_concern_and_what_the_launcher_adds(capsys) -> None:
+    from falconext.megatron_lm.launcher import ADDED
+
+    assert main(["launch", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "unchanged" not in text  # it adds and rewrites several of torchrun's options
+    for flag in ADDED:
+        assert flag in text, flag
+    for group in ("falconext (fail-slow detection and mitigation):", "falcon thresholds: detect",
+                  "falcon thresholds: mitigate", "falconext launch only:"):
+        assert group in text, group
+    for flag in ("--falcon-on-exclude", "--falcon-bocd-threshold", "--falcon-redis-url-file"):
+        assert flag in text, flag
+
+
+def test_launch_takes_a_redis_url_file_and_names_a_bad_one(tmp_path: Path, capsys) -> None:
+    """--falcon-redis-url-file is the launcher's (it was refused as an unknown flag); a file
+    that holds no URL is one line naming it, before anything starts."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    bad = tmp_path / "url"
+    bad.write_text("not a url\n")
+    assert main(["launch", "--nproc-per-node", "1", str(script), "--falcon", "--falcon-redis-url-file", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"falconext launch: error: --falcon-redis-url-file {bad}: expected a redis:// URL on its first line"]
+
+
+def test_forced_microbatches_with_sequence_packing_is_one_line(tmp_path: Path, capsys) -> None:
+    """S2 cannot be exact with --rl-use-sequence-packing: the launcher says so in one line
+    (the ranks ended in a traceback)."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    code = main(["launch", "--nproc-per-node", "2", str(script), "--calculate-per-token-loss",
+                 "--rl-use-sequence-packing", "--falcon", "--falcon-out", str(tmp_path / "out"),
+                 "--falcon-force-microbatches", "3,5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--falcon-force-microbatches: S2 does not compose with " \
+        "--rl-use-sequence-packing" in err[0], err

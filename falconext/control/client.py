@@ -42,6 +42,19 @@ CONTROLLER_KEY = "controller"
 STATUS_KEY = "status"
 
 
+def redis_url_from_file(path: str, flag: str = "--falcon-redis-url-file") -> str:
+    """The control-plane Redis URL on the first line of ``path`` (a file, so that its
+    password never shows on a command line); ValueError naming ``flag`` and the problem."""
+    try:
+        with open(path) as f:
+            url = f.readline().strip()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{flag} {path}: expected a redis:// URL on its first line")
+    return url
+
+
 def reply_key(command_id: str) -> str:
     """Where the controller leaves its CommandReply to the operator command ``command_id``."""
     return f"reply:{command_id}"

@@ -1,18 +1,33 @@
 """``falconext launch [torchrun options] SCRIPT [script args]``: Megatron-LM with falconext.
 
 Takes torchrun's own options (``--nproc-per-node``, ``--nnodes``, ``--node-rank``,
-``--master-addr``/``--master-port``, ``--rdzv-*``, ...) before the script, and passes them to
-torchrun unchanged. Each rank runs :mod:`falconext.megatron_lm.rank`, which runs the script
-as ``__main__`` with its own arguments, minus the ``--falcon*`` flags.
+``--master-addr``/``--master-port``, ``--rdzv-*``, ...) before the script, and runs torchrun
+with them. Each rank runs :mod:`falconext.megatron_lm.rank`, which runs the script as
+``__main__`` with its own arguments, minus the ``--falcon*`` flags.
 
 With ``--falcon`` among the script's arguments the launcher, before any rank starts:
 checks every ``--falcon*`` flag (an unknown one is a one-line error); decides which
 strategies the job can use (S2 only where it is exact: :func:`contract.s2_refusal`; S3 is
-not applied live inside Megatron-LM); adds ``--exit-signal-handler`` and a ``--save``
-directory so S4 can use Megatron's own exit and checkpoint path; starts the control plane
-(private Redis with a password, controller, one agent per node); and after an S4 request
-relaunches the job with ``--load`` from that checkpoint. Results go to ``--falcon-out``:
-``events.jsonl``, ``iterations.csv``, ``estimates.csv``, ``summary.json``.
+not applied live inside Megatron-LM); starts the control plane (private Redis with a
+password, or the one ``--falcon-redis-url-file`` names; the controller; one agent per
+node); and after an S4 request relaunches the job with ``--load`` from its checkpoint.
+Results go to ``--falcon-out``: ``events.jsonl``, ``iterations.csv``, ``estimates.csv``,
+``summary.json``, ``report.html``.
+
+What the launcher adds to what it was given (:data:`ADDED`):
+
+- to torchrun's options: a free ``--master-port`` when no endpoint is given; in a job of
+  several nodes, ``--nnodes FLOOR:MIN`` (the job trains on MIN nodes, more launchers are
+  spares, and it may go on with FLOOR after an exclusion; a static rendezvous keeps
+  ``MIN:MIN``), ``--max-restarts 3`` unless given, and on c10d ``--rdzv-conf is_host=``
+  and ``--local-addr`` (which node hosts the store, from which address);
+- to the script's arguments: ``--exit-signal-handler`` (S4 stops the workers through it),
+  ``--save DIR --save-interval 1000000000`` without a ``--save``, and
+  ``--ckpt-format torch`` without CUDA;
+- to the ``--falcon*`` flags: ``--falcon-mitigation-strategies`` (S2 where exact, S4),
+  ``--falcon-restart-floor-nodes`` (several nodes), and without CUDA the emulated device's
+  settings (``--falcon-device-gflops`` from this host's cores, unless given), or on CUDA
+  ``--falcon-gemm-size``.
 
 Without CUDA the ranks run in CPU mode (:mod:`falconext.megatron_lm.cpu`), with or without
 ``--falcon``.
@@ -29,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 
 from falconext.config import ConfigError, FalconConfig, config_from_args, parse_topology
-from falconext.control.client import JOB_ENV, REDIS_URL_ENV
+from falconext.control.client import JOB_ENV, REDIS_URL_ENV, redis_url_from_file
 from falconext.control.plane import start_plane
 from falconext.elastic import rendezvous
 from falconext.elastic.hosts import NODES_ON_HOST_ENV, node_name
@@ -41,6 +56,7 @@ from falconext.inputs import InputError, option, set_option
 from falconext.megatron_lm import contract
 from falconext.megatron_lm.hooks import (
     ATTEMPT_ENV,
+    add_falcon_flags,
     FLAGS_ENV,
     MULTI_NODE_ENV,
     ROLES_ENV,
@@ -71,6 +87,31 @@ _REFUSED = {"--no-python": "falconext launch runs a Python script (no --no-pytho
             "-m": "falconext launch runs a script file, not a module (-m)",
             "--module": "falconext launch runs a script file, not a module (--module)",
             "--run-path": "falconext launch runs a script file (no --run-path)"}
+
+#: what :func:`launch_help` lists as added by the launcher (the module's docstring says each)
+ADDED = ("--master-port", "--nnodes", "--max-restarts", "--rdzv-conf", "--local-addr", "--exit-signal-handler",
+         "--save", "--save-interval", "--ckpt-format", "--falcon-mitigation-strategies",
+         "--falcon-restart-floor-nodes", "--falcon-device-gflops", "--falcon-gemm-size")
+#: the flag only the launcher takes (never passed to the ranks)
+URL_FILE_HELP = ("an existing Redis for the control plane: a file whose first line is its URL "
+                 "(redis://:PASSWORD@HOST:PORT/0), so the password never shows on a command line")
+
+
+def launch_help() -> str:
+    """``falconext launch --help``: what the launcher does and adds, and every ``--falcon*``
+    flag it takes, grouped by concern."""
+    parser = argparse.ArgumentParser(
+        prog="falconext launch", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="falconext launch [torchrun options] SCRIPT [script arguments] --falcon [--falcon-* ...]",
+        description=__doc__.split("\n", 2)[2].replace("``", "").replace(":data:`ADDED`", "").replace(
+            ":mod:`falconext.megatron_lm.rank`", "falconext.megatron_lm.rank").replace(
+            ":func:`contract.s2_refusal`", "megatron_lm/contract.py").replace(
+            ":mod:`falconext.megatron_lm.cpu`", "falconext.megatron_lm.cpu").replace(" ()", ""))
+    add_falcon_flags(parser)
+    parser.add_argument_group("falconext launch only").add_argument(
+        "--falcon-redis-url-file", metavar="FILE", help=URL_FILE_HELP)
+    return parser.format_help()
+
 
 #: the ``--save-interval`` added with the ``--save`` directory S4 needs: saves only on exit
 NO_PERIODIC_SAVE = 10**9
@@ -176,6 +217,7 @@ def script_namespace(args: list[str]) -> argparse.Namespace:
         virtual_pipeline_model_parallel_size=option(args, "--num-layers-per-virtual-pipeline-stage")
         or option(args, "--num-virtual-stages-per-pipeline-rank"),
         hybrid_context_parallel="--hybrid-context-parallel" in has,
+        rl_use_sequence_packing="--rl-use-sequence-packing" in has,
     )
 
 
@@ -198,6 +240,13 @@ def launch(argv: list[str]) -> int:
             raise InputError(f"{plan.falcon_args[0]} needs --falcon")
         env[FLAGS_ENV] = "[]"
         return subprocess.run(_torchrun(plan), env=env).returncode
+    url_file = option(plan.falcon_args, "--falcon-redis-url-file")
+    if url_file is not None:  # an existing Redis for the plane, its password kept off command lines
+        try:
+            env[REDIS_URL_ENV] = redis_url_from_file(url_file)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        plan.falcon_args = _without(plan.falcon_args, ("--falcon-redis-url-file",))
     job = _prepare(plan, rdzv, node.hosts_plane)
     env[FLAGS_ENV] = json.dumps(job.flags)
     if rdzv.multi_node:

@@ -8,6 +8,7 @@ import math
 from urllib.parse import urlparse
 
 from falconext.config import ConfigError, add_config_arguments, parse_microbatches, parse_topology
+from falconext.control.client import redis_url_from_file
 from falconext.model.roles import check_roles
 from falconext.testbed.chaos import ChaosError, parse_chaos
 
@@ -79,14 +80,7 @@ def redis_url_from(args: argparse.Namespace) -> None:
                          "put the URL in $FALCON_REDIS_URL or a file given by --falcon-redis-url-file")
     path = getattr(args, "falcon_redis_url_file", None)
     if path:
-        try:
-            with open(path) as f:
-                url = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"--falcon-redis-url-file {path}: {exc.strerror or exc}") from None
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--falcon-redis-url-file {path}: expected a redis:// URL on its first line")
-        args.falcon_redis_url = url
+        args.falcon_redis_url = redis_url_from_file(path)
 
 
 def check_train_arguments(args: argparse.Namespace, world: int) -> None:
