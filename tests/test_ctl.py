@@ -369,6 +369,13 @@ def test_metrics_strategy_suspensions_and_reliability_counters():
     m.on_snapshot(_snapshot(planner=None, plan={"microbatches": [4, 4, 4, 4], "even": True, "roles": [0, 2, 1, 3]}))
     strategy = {s.labels["strategy"]: s.value for s in _scrape(m)["falconext_strategy_in_force"].samples}
     assert strategy["S3"] == 1.0 and "falconext_slowdown_removed" not in _scrape(m)
+    # after an S4 restart the restart is in force: its share served, the restarts counted
+    m.on_snapshot(_snapshot(planner={"current": "S4", "healthy_s": 0.25, "slow_s": 0.5, "slowdown_removed": 0.96,
+                                     "restarts": 1}, plan={"microbatches": [4, 4, 4, 4], "even": True}))
+    fams = _scrape(m)
+    strategy = {s.labels["strategy"]: s.value for s in fams["falconext_strategy_in_force"].samples}
+    assert strategy["S4"] == 1.0 and fams["falconext_slowdown_removed"].samples[0].value == 0.96
+    assert fams["falconext_restarts"].samples[0].value == 1.0
 
 
 def test_example_dashboard_uses_only_metrics_the_controller_serves():

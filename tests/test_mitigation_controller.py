@@ -361,6 +361,14 @@ def test_s2_not_enough_escalates_to_s4_only_after_s2_was_judged():
     assert end["reason"] == "restart"
     assert job.ctl.episode is None and job.ctl.state is State.TRACKING
     assert events(out, "controller_state")[-1]["new"] == "tracking"
+    # the restart is the mitigation in force now: the status (ctl status, the metrics) keeps
+    # serving its share of the slowdown (issue 52: it went blank with the episode), and counts it
+    healthy = job.ctl.snapshot(job.t).planner["healthy_s"]
+    job.iter_s = healthy  # the ranks back at the healthy speed after the restart
+    job.advance(3)
+    planner = job.ctl.snapshot(job.t).planner
+    assert planner["current"] == "S4" and planner["restarts"] == 1, planner
+    assert planner["slowdown_removed"] == pytest.approx(1.0, abs=1e-3), planner
 
 
 def test_s4_waits_for_the_impact_to_reach_the_restart_cost():

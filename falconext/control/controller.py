@@ -79,6 +79,11 @@ class Controller:
         self.spares = 0
         #: rendezvous rounds seen after the first, and the current one's id
         self.rounds = 0
+        #: the restarts (S4) applied so far, and the fail-slow the last one answered:
+        #: (healthy, slow) iteration times, whose share removed the status keeps serving
+        #: after the restart ends the episode (the restart is the mitigation in force then)
+        self.restarts = 0
+        self.restarted_from: tuple[float, float] | None = None
         self.round_id: str | None = None
 
     # --- what the collaborators hold, as the controller's public view -----------------
@@ -527,7 +532,12 @@ class Controller:
         out.append(applied)
         if mit is not None and again is not None:
             out += self._decide(mit, again, now)
+        if strategy == "S4":
+            self.restarts += 1
         if strategy == "S4" and ep is not None:  # the ranks restart: their detectors start over
+            levels = ep.slow_levels
+            if mit is not None and levels and mit.planner.state().healthy_s:
+                self.restarted_from = (float(mit.planner.state().healthy_s), float(sorted(levels)[len(levels) // 2]))
             self.episode = None
             out.append(event("episode_end", session=self.session, ranks=sorted(ep.ended), reason="restart"))
         elif mit is not None and mit.planner.finished:
@@ -587,4 +597,5 @@ class Controller:
         """The job as the controller sees it now (control/snapshot.py), its ranks' scores
         those of the latest rank_scores."""
         return snapshot(now, job, last_event, self.job.beats, self.job.world, self.state.value, self.session,
-                        self.muted, self.episode, self.cfg, self.stragglers.latest)
+                        self.muted, self.episode, self.cfg, self.stragglers.latest,
+                        restarts=self.restarts, restarted_from=self.restarted_from)

@@ -289,16 +289,22 @@ def format_status(s: StatusSnapshot) -> str:
         e = s.episode
         lines.append(f"episode: {e['trigger']} from iteration {e.get('onset')}, reported by ranks {e['reporters']}, "
                      f"localized {e['localized']}")
-    if s.planner is not None:
-        pl = s.planner
+    pl = s.planner or {}
+    restarts = f"; restarts so far {pl['restarts']}" if pl.get("restarts") else ""
+    if s.planner is not None and "root_cause" not in pl and pl.get("current") == "S4":  # after a restart
+        removed = pl.get("slowdown_removed")
+        lines.append(f"planner: the restart (S4) is in force against a fail-slow of {pl.get('slow_s')} s/iter "
+                     f"(healthy {pl.get('healthy_s')})"
+                     + (f"; slowdown removed {removed}" if removed is not None else "") + restarts)
+    elif s.planner is not None and "root_cause" in pl:
         removed = pl.get("slowdown_removed")
         lines.append(f"planner: {pl.get('root_cause')} fail-slow of GPUs {pl.get('gpus')} links {pl.get('links')}; "
                      f"in force {pl.get('current')}, slow impact so far {float(pl.get('impact_s') or 0):.2f} s, "
                      f"next {pl.get('next') or 'nothing'}"
                      + (f" (pending {pl['pending']})" if pl.get("pending") else "")
-                     + (f"; slowdown removed {removed}" if removed is not None else ""))
+                     + (f"; slowdown removed {removed}" if removed is not None else "") + restarts)
     else:
-        lines.append("planner: no fail-slow in hand (next: nothing)")
+        lines.append("planner: no fail-slow in hand (next: nothing)" + restarts)
     if s.config:
         lines.append("thresholds changed: " + ", ".join(f"{k}={v}" for k, v in sorted(s.config.items())))
     if s.last_event:

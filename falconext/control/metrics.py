@@ -19,7 +19,9 @@ the standard ``prometheus_client`` library and a registry of this job's own:
 - ``falconext_controller_state{state}``, ``falconext_muted``,
   ``falconext_strategy_in_force{strategy}`` (S1 none, S2 micro-batches, S3 roles, S4),
   ``falconext_planner_impact_seconds`` (slow time accumulated since the onset),
-  ``falconext_slowdown_removed`` (only while a mitigation is in force and it is known);
+  ``falconext_slowdown_removed`` (while a mitigation is in force and it is known: after
+  an S4 restart, the restart's, at the job's iteration time now), ``falconext_restarts_total``
+  (the restarts applied: a dashboard marks them);
 - ``falconext_suspension_pause_seconds`` (a summary of every suspension's longest pause);
 - reliability counters: ``falconext_messages_dropped_total``,
   ``falconext_controller_errors_total``, ``falconext_redis_disconnects_total``,
@@ -125,6 +127,8 @@ class JobMetrics(Collector):
             strat.add_metric([s], 1.0 if s == force else 0.0)
         yield strat
         planner = snap.planner or {}
+        yield CounterMetricFamily("falconext_restarts", "Restarts (S4) applied to the job",
+                                  value=max(int(planner.get("restarts") or 0), events.get("restart_requested", 0)))
         yield GaugeMetricFamily("falconext_planner_impact_seconds", "Slow time accumulated since the fail-slow's onset",
                                 value=float(planner.get("impact_s") or 0.0))
         removed = planner.get("slowdown_removed")

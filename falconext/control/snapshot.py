@@ -21,7 +21,8 @@ from falconext.mitigate.planner import slowdown_removed
 
 def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Mapping[int, Heartbeat],
              world: int | None, state: str, session: int, muted: bool, episode: Episode | None,
-             cfg: FalconConfig, scores: Mapping[int, Any] | None = None) -> StatusSnapshot:
+             cfg: FalconConfig, scores: Mapping[int, Any] | None = None, restarts: int = 0,
+             restarted_from: tuple[float, float] | None = None) -> StatusSnapshot:
     """The job now: per rank, its latest heartbeat (node, loop iteration and iteration
     time, the estimate from calls, replica, micro-batches, role) with its straggler score
     against its peers and the heartbeat's age; the plan in force, read from the
@@ -29,7 +30,11 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     ``session`` and mute; the open episode and its planner (with the share of the
     slowdown the strategies removed); the config where it differs from the defaults.
     ``scores``: the ranks' latest straggler scores (the controller's rank_scores), used
-    when they cover every scored rank; otherwise (or None) scored here from ``beats``."""
+    when they cover every scored rank; otherwise (or None) scored here from ``beats``.
+    ``restarts``: the restarts (S4) applied so far, in the planner part whenever there is
+    one; ``restarted_from``: the (healthy, slow) iteration times the last restart answered:
+    with no episode open since, the restart is the mitigation in force, and the planner
+    part says S4 and the share of that slowdown removed at the job's iteration time now."""
     # a quantity at a time over every rank (the table's columns), Heartbeats made only for
     # the ranks listed: at 131,072 ranks the status is built every few seconds
     rank_col, iters, iter_s, node, replica, mb_s, micro, role, tp_col, pp_col = columns(
@@ -62,6 +67,15 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     ep_view = planner = None
     if episode is not None:
         ep_view, planner = _episode_view(episode, beats, cfg.listed_ranks)
+    elif restarted_from is not None:
+        job_s = float(iter_s.max()) if len(iter_s) else 0.0
+        removed = slowdown_removed(restarted_from[0], restarted_from[1], job_s) if job_s > 0 else None
+        planner = {"current": "S4", "healthy_s": restarted_from[0], "slow_s": restarted_from[1],
+                   "slowdown_removed": None if removed is None else round(removed, 4)}
+    if planner is None and restarts:
+        planner = {}
+    if planner is not None:
+        planner["restarts"] = restarts
     defaults = FalconConfig().to_dict()
     config = {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
     return StatusSnapshot(
