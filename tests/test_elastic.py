@@ -540,3 +540,21 @@ def test_hosts_of_two_sizes_give_the_same_flags_digest(tmp_path: Path, monkeypat
         assert seen[0][0] != seen[1][0], seen
     assert seen[0][1] == seen[1][1], seen
     assert seen[2][1] != seen[1][1], seen  # a flag the user gave differently still shows
+
+
+def test_a_host_whose_name_maps_to_loopback_serves_the_job_from_its_cluster_address() -> None:
+    """Debian maps a host's own name to 127.0.1.1: the head node reached its own endpoint
+    from loopback, and bound the plane's Redis and torchrun's --local-addr there, where no
+    other node can reach (issue 52). Its default route's address is taken, saying so."""
+    addr, why = rendezvous.cluster_address("127.0.1.1", None, "10.1.2.3", ["10.1.2.3", "10.9.9.9"])
+    assert addr == "10.1.2.3" and why is not None and "127.0.1.1" in why and "10.1.2.3" in why
+    addr, _ = rendezvous.cluster_address("127.0.1.1", None, None, ["127.0.0.5", "10.9.9.9"])
+    assert addr == "10.9.9.9"  # no default route (a namespace): the first global address
+    assert rendezvous.cluster_address("127.0.1.1", "10.7.7.7", "10.1.2.3", []) == ("10.7.7.7", None)  # --local-addr
+    assert rendezvous.cluster_address("10.213.0.10", None, "10.1.2.3", []) == ("10.213.0.10", None)
+    addr, why = rendezvous.cluster_address("127.0.1.1", None, None, [])
+    assert addr == "127.0.1.1" and why is not None and "cannot reach" in why
+    # this machine: what the launcher reads to choose
+    assert all(not rendezvous.is_loopback(a) for a in rendezvous.global_addresses())
+    route = rendezvous.route_address()
+    assert route is None or not rendezvous.is_loopback(route)

@@ -74,3 +74,11 @@ def test_up_says_in_one_line_why_it_cannot_run() -> None:
         assert why is not None and "root" in why
     elif why is not None:
         assert "\n" not in why
+
+
+def test_each_node_resolves_its_own_name_to_127_0_1_1_as_debian_writes_it() -> None:
+    from falconext.testbed.slurm_bed import node_hosts_file
+
+    lines = node_hosts_file("node1", NODES).splitlines()
+    assert "127.0.1.1\tnode1" in lines and "10.213.7.10\tnode0" in lines and "10.213.7.12\tnode2" in lines
+    assert not any(line.endswith("\tnode1") and not line.startswith("127.") for line in lines)

@@ -17,7 +17,10 @@ address it reaches the endpoint from, which also orders the nodes' ranks by addr
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import socket
+import subprocess
 from dataclasses import dataclass
 
 from falconext.inputs import InputError, option as _opt
@@ -150,6 +153,56 @@ def address_toward(host: str, port: int | None) -> str | None:
         except OSError:
             continue
     return None
+
+
+#: where :func:`route_address` aims (TEST-NET-2: never sent to, only routed)
+ROUTE_PROBE = "198.51.100.1"
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` is a loopback address (127.0.0.0/8, ::1); False for a name."""
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def route_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), or None."""
+    return address_toward(ROUTE_PROBE, 9)
+
+
+def global_addresses(timeout_s: float = 5.0) -> list[str]:
+    """This machine's global IPv4 addresses (``ip -4 -o addr show scope global``), in the
+    order ip lists them; [] where that cannot be told."""
+    try:
+        text = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True,
+                              text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return re.findall(r"\binet (\d+\.\d+\.\d+\.\d+)/", text)
+
+
+def cluster_address(toward: str | None, given: str | None, route: str | None,
+                    others: list[str]) -> tuple[str | None, str | None]:
+    """The address this node serves the job from (the control plane's Redis, torchrun's
+    ``--local-addr``), and a line saying why when it is not the one it reaches the
+    endpoint from (pure). ``given``: the user's ``--local-addr``, which wins. Where the
+    endpoint resolves to loopback here (Debian maps the host's own name to 127.0.1.1) the
+    other nodes could not reach a loopback address: the address on the default route
+    (``route``) is taken, else the first of ``others`` (the host's global addresses)."""
+    if given:
+        return given, None
+    if toward is None or not is_loopback(toward):
+        return toward, None
+    pick = route if route and not is_loopback(route) else next((a for a in others if not is_loopback(a)), None)
+    if pick is None:
+        return toward, (f"this host reaches the rendezvous endpoint from {toward} (loopback) and has no other "
+                        "address: the other nodes cannot reach its control plane (give --local-addr ADDR)")
+    how = "on its default route" if pick == route else "its first global address"
+    return pick, (f"this host reaches the rendezvous endpoint from {toward} (loopback: Debian maps a host's own "
+                  f"name to 127.0.1.1); the control plane and torchrun's --local-addr use {pick}, this host's "
+                  f"address {how} (--local-addr ADDR picks another)")
 
 
 def hosts_plane(rdzv: Rendezvous, local: bool) -> bool:

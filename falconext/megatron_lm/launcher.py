@@ -293,7 +293,13 @@ class _NodeRole:
         if not rdzv.multi_node:
             return cls(True, None, [])
         local = bool(rdzv.endpoint_host) and rendezvous.is_local_address(rdzv.endpoint_host)
-        address = rendezvous.address_toward(rdzv.endpoint_host, rdzv.endpoint_port) if rdzv.endpoint_host else None
+        toward = rendezvous.address_toward(rdzv.endpoint_host, rdzv.endpoint_port) if rdzv.endpoint_host else None
+        address, why = toward, None
+        if toward is not None and rendezvous.is_loopback(toward):  # a host name mapped to 127.0.1.1
+            address, why = rendezvous.cluster_address(toward, option(opts, "--local-addr"), rendezvous.route_address(),
+                                                      rendezvous.global_addresses())
+        if why:
+            print(f"falconext: {why}", flush=True)
         return cls(rendezvous.hosts_plane(rdzv, local), address,
                    rendezvous.torchrun_additions(rdzv, opts, local, address))
 

@@ -8,7 +8,9 @@ the node's name as host name (``node0`` ...), so that ``sbatch`` and ``srun`` al
 nodes as they would real ones. ``munged`` is started when none runs. Nodes are declared
 with 64 CPUs and 8 GPUs each (a GPU count only: ranks run on the CPU), so that the
 example batch script's ``#SBATCH`` lines fit. The node names resolve to their addresses
-through lines added to ``/etc/hosts``.
+through lines added to ``/etc/hosts``; inside each node its own name resolves to 127.0.1.1,
+as Debian writes a host's ``/etc/hosts`` (``/etc/netns/<ns>/hosts``, which ``ip netns exec``
+mounts over it).
 
 What the bed stands in for reaches the job's tasks through the cluster's ``TaskProlog``
 (as a site's prolog sets a task's environment): the emulated hardware node
@@ -47,6 +49,8 @@ STATE_DIR = "/run/falconext-slurm-bed"
 LOG_DIR = "/var/log/falconext-slurm-bed"
 #: where Slurm's commands look for their configuration
 CONF_DIR = "/etc/slurm"
+#: where ``ip netns exec`` finds a namespace's own /etc files
+NETNS_ETC = "/etc/netns"
 #: the network's name family (not ``fx<pid>``: it outlives the command that made it)
 TAG = "fxslurm"
 #: the first line of every file the bed writes; ``down`` removes only files that carry it
@@ -174,6 +178,15 @@ def hosts_lines(nodes: Sequence[BedNode]) -> list[str]:
     return [f"{n.addr}\t{n.name}\t{HOSTS_MARK}" for n in nodes]
 
 
+def node_hosts_file(name: str, nodes: Sequence[BedNode]) -> str:
+    """Node ``name``'s own ``/etc/hosts`` (``ip netns exec`` mounts ``/etc/netns/<ns>/hosts``
+    over it): as Debian writes one, its own name on 127.0.1.1, and the other nodes at their
+    addresses (as a site's DNS would give them)."""
+    lines = [MARK, "127.0.0.1\tlocalhost", f"127.0.1.1\t{name}"]
+    lines += [f"{n.addr}\t{n.name}" for n in nodes if n.name != name]
+    return "\n".join(lines) + "\n"
+
+
 def without_bed_lines(text: str) -> str:
     """``/etc/hosts`` text without the lines the bed added."""
     return "".join(line for line in text.splitlines(keepends=True) if not line.rstrip().endswith(HOSTS_MARK))
@@ -245,8 +258,11 @@ def missing() -> str | None:
     return None if why is None else f"network namespaces are not available here ({why})"
 
 
+MUNGE_SOCKET = "/run/munge/munge.socket.2"
+
+
 def _munged_running() -> bool:
-    return _run(["pgrep", "-x", "munged"]).returncode == 0
+    return _run(["pgrep", "-x", "munged"]).returncode == 0 and os.path.exists(MUNGE_SOCKET)
 
 
 def up(count: int, rate: float) -> BedState:
@@ -290,9 +306,15 @@ def up(count: int, rate: float) -> BedState:
         with open("/etc/hosts") as f:
             hosts = without_bed_lines(f.read())
         _write("/etc/hosts", hosts + "".join(line + "\n" for line in hosts_lines(nodes)))
+        for k, name in enumerate(names):  # each node's own, as Debian writes it
+            os.makedirs(os.path.join(NETNS_ETC, layout.ns(k)), exist_ok=True)
+            _write(os.path.join(NETNS_ETC, layout.ns(k), "hosts"), node_hosts_file(name, nodes))
         if started_munged:
             os.makedirs("/run/munge", exist_ok=True)
             _check(_run(["munged", "--force"]), "starting munged")
+            deadline = time.monotonic() + STOP_GRACE_S
+            while time.monotonic() < deadline and not os.path.exists(MUNGE_SOCKET):
+                time.sleep(0.1)
         _check(_run(["slurmctld", "-c"]), "starting slurmctld")
         for k, name in enumerate(names):
             # slurmd forks into the background inside the node's namespaces, which it keeps
@@ -359,8 +381,13 @@ def down(quiet: bool = False) -> None:
         _stop_pidfile(os.path.join(STATE_DIR, f"slurmd-{node.name}.pid"))
     _stop_pidfile(os.path.join(STATE_DIR, "slurmctld.pid"))
     netns.remove_layout(state.layout)
+    for k in range(len(state.nodes)):
+        shutil.rmtree(os.path.join(NETNS_ETC, state.layout.ns(k)), ignore_errors=True)
     if state.started_munged:
         subprocess.run(["pkill", "-x", "munged"], timeout=10, check=False)
+        deadline = time.monotonic() + STOP_GRACE_S  # gone before a next 'up' looks for one
+        while time.monotonic() < deadline and _run(["pgrep", "-x", "munged"]).returncode == 0:
+            time.sleep(0.1)
     try:
         with open("/etc/hosts") as f:
             hosts = f.read()

@@ -98,6 +98,9 @@ def test_a_job_with_no_fault_completes_without_its_spare(cluster, tmp_path: Path
     fields, output, out = sbatch(tmp_path, [*RESTART_JOB[:-4], "--train-iters", "40", "--log-interval", "10"], [])
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), (fields, output[-4000:])
     assert "spare node node2: the job ended before it was needed" in output, output[-4000:]
+    # node0 names itself 127.0.1.1 (the bed's nodes resolve their own names as Debian does):
+    # the head serves the job from its cluster address, saying so
+    assert "the control plane and torchrun's --local-addr use 10.213." in output, output[-4000:]
     evs = events(out)
     assert {e["host"] for e in evs if e["type"] == "node_joined"} == {"node0", "node1"}
     assert not [e for e in evs if e["type"] in ("excluded", "restart_requested")]
