@@ -100,9 +100,11 @@ def test_two_nodes_one_job_detect_localize_and_rebalance(script: str, tmp_path: 
 
 
 #: the restart tests' job: RESTART_ITERS iterations of the tiny GPT on 2 nodes of 2 ranks
-#: (DP4), so that DP2 (one node) keeps the global batch (S4 came at 53-54 of a fault from
-#: 40, S2 at 75 of one from 60; at 150 iterations each test took 4 minutes, 2026-12-02)
-RESTART_ITERS = 110
+#: (DP4), so that DP2 (one node) keeps the global batch. A 3x fault from 40 with S4 only
+#: restarted at 53-54; under Slurm, a 2x fault from 40 with S2 then S4 restarted at 71 when
+#: S2 was judged not enough at once, and at 102 when it was first judged enough and then
+#: localized again (2026-12-02): 150 leaves logged iterations after either to compare
+RESTART_ITERS = 150
 RESTART_JOB = [*TINY_GPT, "--global-batch-size", "32", "--train-iters", str(RESTART_ITERS), "--log-interval", "10"]
 
 
