@@ -22,9 +22,11 @@ Prints one table; writes it, with the run's events and summary, under ``$OUT`` w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,6 +36,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,11 +88,13 @@ class Table:
 
 
 def prerequisites() -> list[str]:
-    """What this check needs and lacks: Python modules, programs."""
+    """What this check needs and lacks: Python modules, programs. Quiet: what the modules
+    say as they import (megatron-core's warnings without a GPU) is not printed."""
     missing = []
     for mod in ("torch", "falconext", "megatron.core", "cvxpy", "redis", "pynvml", "numpy", "scipy"):
         try:
-            importlib.import_module(mod)
+            with quiet():
+                importlib.import_module(mod)
         except Exception as exc:  # noqa: BLE001 (any import failure is a missing prerequisite)
             missing.append(f"{mod} ({type(exc).__name__})")
     for prog in ("redis-server",):
@@ -98,16 +103,62 @@ def prerequisites() -> list[str]:
     return missing
 
 
+@contextlib.contextmanager
+def quiet():
+    """Python's warnings, logging and both output streams (file descriptors 1 and 2, so a
+    C extension's prints too) silenced for the block."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.CRITICAL)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            os.dup2(null.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                for fd in saved:
+                    os.close(fd)
+                logging.disable(logging.NOTSET)
+
+
+#: the release each installed megatron-core series runs (falconext's hook points are checked on it)
+RELEASE_OF_SERIES = {"0.16": "core_v0.16.1", "0.19": "core_v0.19.0"}
+#: where the project's machines keep the Megatron-LM archives (beside the repository)
+SHARED_ARCHIVES = Path(__file__).resolve().parents[1].parent / "shared" / "megatron-lm"
+
+
+def default_archive(core_version: str, shared: Path = SHARED_ARCHIVES) -> Path | None:
+    """The archive in ``shared`` of the release that matches megatron-core ``core_version``
+    (``Megatron-LM-core_v0.16.1.tar.gz`` for 0.16.x), or None."""
+    release = RELEASE_OF_SERIES.get(".".join(core_version.split(".")[:2]))
+    path = shared / f"Megatron-LM-{release}.tar.gz" if release else None
+    return path if path is not None and path.is_file() else None
+
+
 def megatron_lm(scratch: Path) -> Path:
-    """A Megatron-LM core_v0.16.1 tree: ``MEGATRON_LM_PATH``, else the archive
-    ``MEGATRON_LM_ARCHIVE`` (a Megatron-LM release tarball) extracted into ``scratch``."""
+    """A Megatron-LM tree: ``MEGATRON_LM_PATH``, else the archive ``MEGATRON_LM_ARCHIVE`` (a
+    Megatron-LM release tarball), else the release of the installed megatron-core's series
+    in ``../shared/megatron-lm``, extracted into ``scratch``."""
     path = os.environ.get("MEGATRON_LM_PATH")
     if path:
         return Path(path)
     archive = Path(os.environ.get("MEGATRON_LM_ARCHIVE", ""))
     if not archive.is_file():
-        raise SystemExit(f"gpu_check: no Megatron-LM: set MEGATRON_LM_PATH (a core_v0.16.1 tree) or "
-                         f"MEGATRON_LM_ARCHIVE (its tarball); {str(archive) or 'neither'} is not a file")
+        from importlib.metadata import version as installed
+
+        found = default_archive(installed("megatron-core"))
+        if found is None:
+            raise SystemExit(f"gpu_check: no Megatron-LM: set MEGATRON_LM_PATH (a tree of the installed megatron-core's "
+                             f"release) or MEGATRON_LM_ARCHIVE (its tarball); {str(archive) or 'neither'} is set, and "
+                             f"{SHARED_ARCHIVES} has none")
+        archive = found
     dest = scratch / "megatron-lm"
     dest.mkdir()
     with tarfile.open(archive) as tar:
@@ -223,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds the job may take (default 420)")
     args = parser.parse_args(argv)
     missing = prerequisites()
-    import torch
+    with quiet():
+        import torch
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_rehearsal:
@@ -242,8 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir()
         rc, output, seconds = run_job(mlm, out, args.cpu_rehearsal, args.timeout)
         check(out, output, rc, args.cpu_rehearsal, table)
+        from falconext.megatron_lm.patching import megatron_version
+
         title = (f"falconext GPU check: {device}, torch {torch.__version__}, Python {sys.version.split()[0]}, "
-                 f"Megatron-LM core_v0.16.1, {datetime.date.today().isoformat()}, job {seconds:.0f} s")
+                 f"Megatron-LM {megatron_version(str(mlm))}, {datetime.date.today().isoformat()}, job {seconds:.0f} s")
         text = table.text(title)
         print(text)
         dest = os.environ.get("OUT")

@@ -78,3 +78,19 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0() -> None:
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1 and "no GPU" in lines[0], proc.stdout
     assert "prerequisites" in lines[0]
+    assert proc.stderr.strip() == ""  # megatron-core's import warnings without a GPU: not printed (issue 52)
+
+
+def test_gpu_check_finds_the_release_of_the_installed_megatron_core_in_the_shared_archives(tmp_path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "launch" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    for name in ("Megatron-LM-core_v0.16.1.tar.gz", "Megatron-LM-core_v0.19.0.tar.gz"):
+        (tmp_path / name).write_bytes(b"")
+    assert gpu_check.default_archive("0.16.1", tmp_path) == tmp_path / "Megatron-LM-core_v0.16.1.tar.gz"
+    assert gpu_check.default_archive("0.19.2", tmp_path) == tmp_path / "Megatron-LM-core_v0.19.0.tar.gz"
+    assert gpu_check.default_archive("0.17.0", tmp_path) is None
+    assert gpu_check.SHARED_ARCHIVES == ROOT.parent / "shared" / "megatron-lm"
