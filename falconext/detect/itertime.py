@@ -67,6 +67,7 @@ import numpy as np
 
 from falconext.config import DetectConfig, FalconConfig, detect_config
 from falconext.detect.period import (
+    P2P_OPS,
     SymbolTable,
     chance_match,
     coarse_symbol_of,
@@ -408,7 +409,7 @@ class IterationTracker:
             q = self._search_without_sizes(codes, self._ring_window(self._bits, self._window_from, seq + 1), times)
             if q is None:
                 return
-        q = self._without_insertions(self._window_from, codes, q)
+        q = self._without_insertions(self._window_from, codes, q, self._collective_codes(ring))
         needed = max(self.config.acf_min_repeats * q, MIN_LOCK_CALLS)
         if q == 1 and chance_match(codes) >= 1.0 - 1e-12:
             # one symbol: only long pauses show where an iteration ends; wait for enough
@@ -444,10 +445,18 @@ class IterationTracker:
             return None
         return q
 
-    def _without_insertions(self, first_seq: int, codes: np.ndarray, q: int) -> int:
+    def _collective_codes(self, ring: np.ndarray) -> np.ndarray:
+        """For each code of ``ring`` (the fine or the coarse codes), whether its calls are
+        collectives (not point-to-point: :data:`P2P_OPS`), indexed by code."""
+        table = self._coarse_symbols if ring is self._coarse else self._symbols
+        return np.array([sym[0] not in P2P_OPS for sym in table.symbols()], dtype=bool)
+
+    def _without_insertions(self, first_seq: int, codes: np.ndarray, q: int,
+                            collective: np.ndarray | None = None) -> int:
         """``q``, or the iteration inside it when one exact period of ``q`` calls is N
         iterations plus a few inserted calls (:func:`inner_period`). ``codes`` is the
-        window of calls from ``first_seq`` on."""
+        window of calls from ``first_seq`` on; ``collective``, indexed by code, whether
+        its calls are collectives."""
         if codes.size < 2 * q or self.config.max_inserted_calls <= 0:
             return q
         start, run = _longest_run(codes[q:] == codes[:-q])
@@ -461,7 +470,9 @@ class IterationTracker:
         rows = (run + q) // q
         idle = self._window_times(lo, lo + rows * q) - self._window_ready(lo - 1, lo + rows * q - 1)
         idle = np.median(idle.reshape(rows, q), axis=0)
-        inner = inner_period(codes[start : start + q], self.config.max_inserted_calls, idle=idle)
+        template = codes[start : start + q]
+        inner = inner_period(template, self.config.max_inserted_calls, idle=idle,
+                             collective=None if collective is None else collective[template])
         return q if inner is None else inner
 
     def _adopt(
@@ -530,7 +541,7 @@ class IterationTracker:
                 break
         else:
             return False
-        inner = self._without_insertions(lo, codes, longer)
+        inner = self._without_insertions(lo, codes, longer, self._collective_codes(self._codes))
         if inner == q:
             # this template N times plus a few calls inserted every N iterations: the
             # break was such an insertion (LOST resyncs)

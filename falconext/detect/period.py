@@ -373,8 +373,13 @@ def refine_by_gaps(
     return period
 
 
+#: the ops of point-to-point calls (a pipeline's activations and gradients between stages)
+P2P_OPS = frozenset({"send", "recv"})
+
+
 def inner_period(template: Sequence[int] | np.ndarray, max_insert: int,
-                 idle: Sequence[float] | np.ndarray | None = None) -> int | None:
+                 idle: Sequence[float] | np.ndarray | None = None,
+                 collective: Sequence[bool] | np.ndarray | None = None) -> int | None:
     """The iteration inside a super-period: the shortest ``q`` such that one period
     ``template`` (any rotation) is ``N >= 2`` exact repeats of a block of ``q`` calls with
     runs of inserted calls between blocks (:func:`blocks_with_insertions`: each run of
@@ -399,22 +404,31 @@ def inner_period(template: Sequence[int] | np.ndarray, max_insert: int,
     iterations they follow. A unit inside the iteration (a micro-batch) is not taken for
     it: the calls issued once per step make the remainder a large share of the unit,
     not a few calls, and they come at every iteration.
+
+    ``collective`` (optional, aligned with ``template``): whether each call is a collective
+    (not a point-to-point send or recv). A block of point-to-point calls alone with
+    collectives among the inserted calls is a pipeline stage's micro-batch, not an
+    iteration: an iteration ends with its step's collectives (gradient sync, gradient
+    norm, loss), which a micro-batch never holds. Without this, a stage of 8 or more
+    micro-batches of send/recv pairs and four step collectives read as a 2-call iteration.
     """
     t = np.asarray(template)
     if max_insert <= 0:
         return None
     for q in range(1, t.size // 2 + 1):
-        if blocks_with_insertions(t, q, max_insert, idle):
+        if blocks_with_insertions(t, q, max_insert, idle, collective):
             return q
     return None
 
 
 def blocks_with_insertions(template: Sequence[int] | np.ndarray, q: int, max_insert: int,
-                           idle: Sequence[float] | np.ndarray | None = None) -> bool:
+                           idle: Sequence[float] | np.ndarray | None = None,
+                           collective: Sequence[bool] | np.ndarray | None = None) -> bool:
     """True when ``template`` (one exact period, any rotation) reads as repeats of one
     block of ``q`` calls with runs of at most ``max_insert`` inserted calls between them
-    (:func:`inner_period`'s test for one ``q``; ``idle`` as there). An exact multiple of
-    the block (no insertion) is False: the period search chose it on purpose (gaps)."""
+    (:func:`inner_period`'s test for one ``q``; ``idle`` and ``collective`` as there). An
+    exact multiple of the block (no insertion) is False: the period search chose it on
+    purpose (gaps)."""
     t = np.asarray(template)
     n = t.size
     if not 1 <= q <= n // 2:
@@ -429,6 +443,13 @@ def blocks_with_insertions(template: Sequence[int] | np.ndarray, q: int, max_ins
     blocks = _parse_blocks(rot, q, max_insert)
     if blocks is None:
         return False
+    if collective is not None:  # point-to-point blocks between the step's collectives: micro-batches
+        kinds = np.roll(np.asarray(collective, dtype=bool), -start)
+        in_block = np.zeros(n, dtype=bool)
+        for b in blocks:
+            in_block[b : b + q] = True
+        if not kinds[in_block].any() and kinds[~in_block].any():
+            return False
     return idle is None or _every_block_pauses(np.roll(np.asarray(idle, dtype=float), -start), blocks, q)
 
 
