@@ -28,6 +28,7 @@ rest is the edge that runs daemons, always with deadlines.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import shutil
@@ -41,7 +42,9 @@ from typing import Sequence
 
 from falconext.elastic.hosts import NODES_ON_HOST_ENV
 from falconext.inputs import InputError
+from falconext.model.device import DEFAULT_INTER_BANDWIDTH
 from falconext.testbed import netns
+from falconext.testbed.nodes import mbps_to_bytes
 
 #: the bed's own files: state.json, logs, spool folders, the task prolog
 STATE_DIR = "/run/falconext-slurm-bed"
@@ -90,8 +93,6 @@ class BedState:
     @property
     def layout(self) -> netns.Layout:
         """The network's names and addresses."""
-        import ipaddress
-
         return netns.Layout(TAG, ipaddress.IPv4Network(self.subnet), len(self.nodes))
 
 
@@ -419,9 +420,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "up":
-            from falconext.testbed.nodes import mbps_to_bytes
-            from falconext.model.device import DEFAULT_INTER_BANDWIDTH
-
             rate = DEFAULT_INTER_BANDWIDTH if args.link_mbps is None else mbps_to_bytes(args.link_mbps)
             state = up(args.nodes, rate)
             print(f"slurm bed: up: {len(state.nodes)} nodes ("
