@@ -82,7 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(p)
 
     p = sub.add_parser("eval-detect", help="score the detection methods on labelled traces")
-    p.add_argument("traces", help="JSONL with id, iter_times and events [[onset, end, slowdown], ...]")
+    p.add_argument("traces", nargs="?", help="JSONL with id, iter_times and events [[onset, end, slowdown], ...]")
+    p.add_argument("--job-day", action="store_true",
+                   help="count false alarms per job-day instead: the rank side's whole detection (tracker, "
+                   "BOCD+V, the fast path) over generated healthy days of calls (sim/jobday.py)")
+    p.add_argument("--seed", type=int, default=1000, help="with --job-day: the first day's seed")
+    p.add_argument("--days", type=int, default=1, help="with --job-day: days, one seed each from --seed")
+    p.add_argument("--ranks", type=int, default=8, help="with --job-day: data-parallel ranks")
+    p.add_argument("--iterations", type=int, default=86_400, help="with --job-day: iterations per day (~1 s each)")
     p.add_argument("--method", type=_method, action="append", help="method(s) to score (default: all three)")
     p.add_argument("--tolerance", type=int, default=10, help="iterations a detected onset may precede the label")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -223,6 +230,10 @@ def _cmd_period(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.job_day:
+        return _job_day(args, cfg)
+    if args.traces is None:
+        raise InputError("eval-detect needs a JSONL file of labelled traces (or --job-day)")
     if args.tolerance < 0:
         raise InputError(f"--tolerance must be >= 0, got {args.tolerance}")
     data = read_series(args.traces)
@@ -252,6 +263,43 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(_table(report, len(data.series)))
+    return 0
+
+
+def _job_day(args: argparse.Namespace, cfg: FalconConfig) -> int:
+    """False alarms per job-day (detect/jobday.py): one healthy generated day per seed, a
+    row each, and the rate per day over all of them."""
+    from falconext.detect.jobday import DAY_S, run_day
+    from falconext.sim.jobday import JobDaySpec
+
+    if args.traces is not None:
+        raise InputError("--job-day generates its own days: give no traces file")
+    if args.days < 1 or args.iterations < 100:
+        raise InputError(f"--job-day needs --days >= 1 and --iterations >= 100 (got {args.days}, {args.iterations})")
+    try:
+        spec = JobDaySpec(ranks=args.ranks, iterations=args.iterations, restart_at=args.iterations // 2)
+    except ValueError as exc:
+        raise InputError(f"--job-day: {exc}") from None
+    results = [run_day(spec, args.seed + k, cfg, jobs=max(1, args.jobs)) for k in range(args.days)]
+    days = sum(r.seconds for r in results) / DAY_S
+    names = ("bocd+v", "fast")
+    totals = {n: sum(len(r.alarms[n]) for r in results) for n in names}
+    totals["whole"] = sum(len(r.whole) for r in results)
+    if args.json:
+        print(json.dumps({"ranks": spec.ranks, "iterations": spec.iterations, "days": round(days, 4),
+                          "seeds": [r.seed for r in results],
+                          "false_alarms": totals, "per_day": {n: round(v / days, 4) for n, v in totals.items()},
+                          "by_seed": [{"seed": r.seed, "days": round(r.seconds / DAY_S, 4),
+                                       **{n: len(r.alarms[n]) for n in names}, "whole": len(r.whole)}
+                                      for r in results]}))
+        return 0
+    print(f"false alarms on healthy job-days: {spec.ranks} data-parallel ranks, {spec.iterations} iterations a day, "
+          f"seeds {results[0].seed}-{results[-1].seed}")
+    print(f"{'seed':>6} {'days':>6} {'bocd+v':>7} {'fast':>5} {'whole':>6}")
+    for r in results:
+        print(f"{r.seed:>6} {r.seconds / DAY_S:>6.3f} {len(r.alarms['bocd+v']):>7} {len(r.alarms['fast']):>5} "
+              f"{len(r.whole):>6}")
+    print("per day: " + ", ".join(f"{n} {v / days:.3f}" for n, v in totals.items()))
     return 0
 
 

@@ -244,6 +244,19 @@ class ProfileConfig:
     #: validation's confirm line for a GPU's own compute rise; 0: off
     score_trigger_ratio: float = field(default=1.25, metadata=RUNTIME)
     score_trigger_readings: int = field(default=2, metadata=RUNTIME)
+    #: the fast path (detect/steps.py, control/stragglers.py): a rank whose compute per
+    #: iteration (from its own calls) reads at least fast_ratio x its own level (the median
+    #: of its latest fast_baseline iterations outside a run, judged from fast_warm on) in
+    #: fast_iterations iterations in a row, while its role peers' read under that, is
+    #: suspected a straggler and localized at once (the validation has the last word). A
+    #: data-loader stall or a checkpoint save lifts one rank for 1-3 iterations, a burst
+    #: lifts every rank: neither is a run on one rank of fast_iterations. A run of
+    #: fast_rebase iterations becomes the rank's level. 0: off
+    fast_ratio: float = 1.15
+    fast_iterations: int = field(default=4, metadata=RUNTIME)
+    fast_baseline: int = 16
+    fast_warm: int = 8
+    fast_rebase: int = 64
 
     def __post_init__(self) -> None:
         _check_finite(self)
@@ -254,6 +267,10 @@ class ProfileConfig:
         _check(self.score_trigger_ratio == 0.0 or self.score_trigger_ratio > 1.0,
                "score_trigger_ratio must be 0 (off) or > 1")
         _check(self.score_trigger_readings >= 1, "score_trigger_readings must be >= 1")
+        _check(self.fast_ratio == 0.0 or self.fast_ratio > 1.0, "fast_ratio must be 0 (off) or > 1")
+        _check(self.fast_iterations >= 1, "fast_iterations must be >= 1")
+        _check(1 <= self.fast_warm <= self.fast_baseline, "fast_warm must be in [1, fast_baseline]")
+        _check(self.fast_rebase > self.fast_iterations, "fast_rebase must exceed fast_iterations")
         _check(0.0 < self.wait_causer_share <= 1.0, "wait_causer_share must be in (0, 1]")
         _check(self.wait_causer_dominance >= 1.0, "wait_causer_dominance must be >= 1")
         _check(self.suspicious_factor > 1.0, "suspicious_factor must be > 1")

@@ -588,3 +588,55 @@ def test_after_the_last_try_the_verdict_is_given_with_what_came():
     (loc,) = events(outs, "localized")
     assert loc["gpus"] == [] and loc["evidence"]["missing"] == [0, 2, 3]
     assert not events(outs, "validation_incomplete")
+
+
+def _step_beats(ctl, it, t, runs: dict[int, tuple[int, float]], role=None):
+    """Every rank's heartbeat at loop iteration ``it`` with its fast-path reading: ``runs``
+    gives a rank's (run, ratio) up to iteration it - 1 (the others read level)."""
+    out = []
+    for r, n in NODES.items():
+        run, ratio = runs.get(r, (0, 1.0))
+        out += ctl.handle(Heartbeat(r, n, it, 0.3, t, replica=r, micro=8, role=r if role is None else role,
+                                    stage=0, tp=1, pp=1, step_iteration=it - 1, step_run=run, step_ratio=ratio), t)
+    return out + ctl.tick(t)
+
+
+def test_the_fast_path_names_a_rank_whose_compute_stepped_up_alone():
+    """Rank 2's compute reads 2x its own level from iteration 30 while its peers read level:
+    once its run is fast_iterations long the controller opens the episode itself (by the
+    fast path, onset where the run began, before any score is due); a burst that lifts every
+    rank, a run shorter than fast_iterations, or ranks without a known role open nothing;
+    one suspicion per run."""
+    n_fast = CFG.fast_iterations
+
+    def play(slow_runs, role=None, steps=20):
+        ctl, outs, t = Controller(CFG, world=4), [], 100.0
+        for it in range(20, 20 + steps):
+            t += 0.3
+            outs += _step_beats(ctl, it, t, slow_runs(it), role)
+        return ctl, outs
+
+    def one_slow(it):
+        return {2: (it - 30, 2.0)} if it > 30 else {}
+
+    ctl, outs = play(one_slow)
+    (sus,) = events(outs, "straggler_suspected")
+    assert sus["rank"] == 2 and sus["by"] == "fast" and sus["onset"] == 30 and sus["action"] == "localize"
+    assert sus["iteration"] == 30 + n_fast and ctl.state is State.PROFILING
+    assert not events(outs, "rank_scores")  # no score sample: the fast path alone
+    # a burst: every rank's compute stepped up alike
+    _, outs = play(lambda it: {r: (it - 30, 1.6) for r in NODES} if it > 30 else {})
+    assert not events(outs, "straggler_suspected")
+    # stalls of fast_iterations - 1 iterations, again and again
+    _, outs = play(lambda it: {2: ((it - 30) % n_fast, 3.0)} if it > 30 else {}, steps=30)
+    assert not events(outs, "straggler_suspected")
+    # no role known: no peers to tell a burst from
+    _, outs = play(one_slow, role=-1)
+    assert not events(outs, "straggler_suspected")
+    # the fast path off
+    ctl = Controller(FalconConfig(link_baseline_iteration=0, fast_ratio=0.0), world=4)
+    outs, t = [], 100.0
+    for it in range(20, 40):
+        t += 0.3
+        outs += _step_beats(ctl, it, t, one_slow(it))
+    assert not events(outs, "straggler_suspected")

@@ -229,19 +229,21 @@ class Controller:
             return []  # a localization runs (the ranks stand still at its suspension): due after it
         may_act = not self.muted and self.state is State.TRACKING
         out, s = self.stragglers.scores(self.job.beats, self.job.history, now, self.cfg, may_act)
+        if s is None and may_act:
+            s = self.stragglers.fast(self.job.beats, self.job.history, self.cfg)
         ep = self.episode
         if s is None:
             return out
         if ep is None:
             if s.baseline_s is None:
                 return out  # no reading before it: nothing to measure the fault against
-            self.stragglers.acted.add(s.rank)
+            self.stragglers.act(s)
             return out + [event("straggler_suspected", action="localize", **s.fields())] + self._start(
                 "fail_slow", now, now, s.episode(now))
         d = driver.suspect_rise(ep, s)
         if d is None or ep.mitigation is None:
             return out
-        self.stragglers.acted.add(s.rank)
+        self.stragglers.act(s)
         return out + [event("straggler_suspected", action="relocalize", **s.fields())] + self._decide(
             ep.mitigation, d, now, "scores")
 

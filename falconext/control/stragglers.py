@@ -1,6 +1,8 @@
 """The score trigger: every rank's straggler score from its latest heartbeat
 (detect/scores.py), once per ``score_interval_s``, and the straggler the scores show
-often enough to be localized without a report (:class:`StragglerWatch`)."""
+often enough to be localized without a report; and the fast path: a rank whose compute
+stepped up against its own level for ``fast_iterations`` iterations while its role peers'
+did not (detect/steps.py), localized at once (:class:`StragglerWatch`)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from falconext.control.beat_table import columns
 from falconext.control.episodes import Episode, Sighting
 from falconext.protocol.messages import Heartbeat
 from falconext.control.outputs import Output, event
+from falconext.detect.steps import stepped_alone
 from falconext.detect.scores import ScoreTable, compute_outliers, role_key, score_values, scores_of, slowest, slowest_listed
 
 
@@ -33,6 +36,8 @@ class Suspect:
     iteration: int
     level_s: float
     baseline_s: float | None
+    #: what named it: "scores" (the score trigger) or "fast" (the fast path)
+    by: str = "scores"
 
     def episode(self, now: float) -> Episode:
         """A fail-slow episode opened at ``now`` by this suspect, its sighting the fault's
@@ -43,7 +48,7 @@ class Suspect:
     def fields(self) -> dict[str, Any]:
         """The ``straggler_suspected`` event's fields."""
         return {"rank": self.rank, "compute_ratio": round(self.ratio, 4), "onset": self.onset,
-                "iteration": self.iteration}
+                "iteration": self.iteration, "by": self.by}
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class StragglerWatch:
         #: last counted), and those already acted on (until they read normal again)
         self.outliers: dict[int, tuple[int, int]] = {}
         self.acted: set[int] = set()
+        #: ranks the fast path acted on, until their run ends
+        self.fast_acted: set[int] = set()
         #: every scored rank's score at the latest rank_scores (None: none yet), which the
         #: status snapshot shows rather than scoring 100k ranks again every second
         self.latest: dict[int, Any] | None = None
@@ -96,7 +103,45 @@ class StragglerWatch:
         """Every process restarted: the outliers seen are of processes that are gone."""
         self.outliers.clear()
         self.acted.clear()
+        self.fast_acted.clear()
         self.latest = None
+
+    def act(self, s: Suspect) -> None:
+        """``s`` is being localized: neither path names its rank again until it reads normal."""
+        (self.fast_acted if s.by == "fast" else self.acted).add(s.rank)
+
+    def fast(self, beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[Heartbeat]],
+             cfg: FalconConfig) -> Suspect | None:
+        """The fast path's straggler, if any: of the ranks whose latest heartbeat shows a run
+        of at least ``fast_iterations`` iterations of compute stepped up against their own
+        level (detect/steps.py), the steepest not acted on whose role peers (same
+        :func:`~falconext.detect.scores.role_key`, at least one, with a reading) read a
+        median run ratio under ``fast_ratio``: a step on one rank that a job-wide burst,
+        which lifts every rank, cannot make. Ranks whose run ended are forgotten. Costs a
+        few column reads while no rank has such a run."""
+        if not cfg.fast_ratio:
+            return None
+        rank, run, ratio, step_it = columns(beats, "rank", "step_run", "step_ratio", "step_iteration")
+        if self.fast_acted:
+            running = set(rank[run > 0].astype(int).tolist())
+            self.fast_acted &= running
+        cand = np.flatnonzero(run >= cfg.fast_iterations)
+        if not len(cand):
+            return None
+        stage, role, tp = columns(beats, "stage", "role", "tp")
+        tpi = tp.astype(np.int64)
+        group = stage * (1 << 20) + np.where(tpi > 0, role.astype(np.int64) % np.maximum(tpi, 1), 0)  # role_key
+        known = (stage >= 0) & (role >= 0) & (step_it >= 0)
+        for i in stepped_alone(run, ratio, group, known, cfg.fast_iterations, cfg.fast_ratio):
+            r = int(rank[i])
+            if r in self.fast_acted or r in self.acted:
+                continue
+            beat = beats[r]
+            onset = int(step_it[i]) - int(run[i]) + 1
+            before = [b.iter_s for b in history.get(r, ()) if b.iteration < onset and b.iter_s > 0]
+            return Suspect(r, float(ratio[i]), onset, beat.iteration, beat.iter_s,
+                           statistics.median(before) if before else None, by="fast")
+        return None
 
     def scores(self, beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[Heartbeat]], now: float,
                cfg: FalconConfig, may_act: bool) -> tuple[list[Output], Suspect | None]:

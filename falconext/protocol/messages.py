@@ -87,6 +87,12 @@ class Heartbeat:
     #: unknown, e.g. no loop hooks): with it the controller knows when the rank's next
     #: iteration starts, not only which iteration it is in
     into_s: float = -1.0
+    #: the fast path's reading (detect/steps.py): the newest loop iteration it judged (-1:
+    #: none yet), how many iterations in a row up to it the rank's compute read stepped up
+    #: against its own level, and the run's compute over that level (1: no run)
+    step_iteration: int = -1
+    step_run: int = 0
+    step_ratio: float = 1.0
 
 
 @dataclass(frozen=True)

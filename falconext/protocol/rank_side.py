@@ -56,7 +56,8 @@ def beat_mb_s(readings: Iterable[float]) -> float:
 
 def beat_fields(*, replica: int, mb_s: float, micro: int, restart_s: float, switch_s: float,
                 role: Mapping[str, int], score_iteration: int | None = None, est_iter_s: float = 0.0,
-                compute_s: float = 0.0, wait_s: float = 0.0, into_s: float = -1.0) -> dict[str, Any]:
+                compute_s: float = 0.0, wait_s: float = 0.0, into_s: float = -1.0,
+                step: tuple[int, int, float] | None = None) -> dict[str, Any]:
     """A heartbeat's fields besides rank, node, iteration, iteration time and time (the
     keyword arguments of :class:`Heartbeat`): the rank's DP ``replica``, compute per
     micro-batch (:func:`beat_mb_s`), micro-batches per global batch, its S4 and S3 costs,
@@ -64,7 +65,9 @@ def beat_fields(*, replica: int, mb_s: float, micro: int, restart_s: float, swit
     empty: not known yet), seconds into its current iteration (-1: unknown), and the
     latest straggler sample (the loop iteration ``score_iteration`` it ends at, the
     iteration, compute and waiting seconds estimated from calls) where there is one
-    (``score_iteration`` None: none yet, the heartbeat's defaults stand)."""
+    (``score_iteration`` None: none yet, the heartbeat's defaults stand), and the fast
+    path's reading (``step``: the newest loop iteration judged, the run of iterations whose
+    compute stepped up to it, the run's ratio over the rank's level; None: none yet)."""
     fields: dict[str, Any] = {
         "into_s": into_s,
         "replica": replica,
@@ -76,6 +79,8 @@ def beat_fields(*, replica: int, mb_s: float, micro: int, restart_s: float, swit
     }
     if score_iteration is not None:
         fields.update(score_iteration=score_iteration, est_iter_s=est_iter_s, compute_s=compute_s, wait_s=wait_s)
+    if step is not None:
+        fields.update(step_iteration=step[0], step_run=step[1], step_ratio=step[2])
     return fields
 
 

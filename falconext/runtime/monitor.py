@@ -34,6 +34,7 @@ from falconext.protocol.eventlog import EventLog
 from falconext.protocol.rank_side import FAIL_SLOW_END, FAIL_SLOW_UPDATE, EventReports
 from falconext.detect.events import FailSlowEvent
 from falconext.detect.scores import BusyClock, RankSample, recent_sample, split_iteration
+from falconext.detect.steps import ComputeStep
 from falconext.detect.itertime import IterationTime
 from falconext.detect.tracking import RankTracking
 from falconext.profile.window import RecentCollectives
@@ -149,6 +150,14 @@ class RankMonitor:
         #: (newest loop iteration, medians over the last score_window iterations), replaced
         #: whole by the monitor thread so the control thread reads it without a lock
         self.score_sample: tuple[int, RankSample] | None = None
+        #: the fast path's rank side (detect/steps.py): this rank's compute against its own
+        #: level, one reading per loop iteration, and (newest loop iteration, run, run's
+        #: ratio), replaced whole so the control thread reads it without a lock
+        self._step = (ComputeStep(config.fast_ratio, config.fast_baseline, config.fast_warm, config.fast_rebase)
+                      if config.fast_ratio else None)
+        self._step_fed = -1
+        self._step_reset = False
+        self.step_sample: tuple[int, int, float] | None = None
         self._series_to_loop: dict[int, int] = {}
         self._keep = 8192
         self._calls = CallLog(call_log_path, int(config.call_log_max_mb * 2**20)) if call_log_path else None
@@ -307,6 +316,8 @@ class RankMonitor:
                 self.splits.clear()
                 self._recent_its.clear()
                 self.clock = None
+                self._step_reset = True
+                self.step_sample = None
             for k, it in update.iterations:
                 if self.loop_starts is None:
                     n = self._tracker_iteration(it, it.seq_end + seq_offset)
@@ -321,6 +332,7 @@ class RankMonitor:
                 split = split_iteration(it.duration, self._busy.busy(it.t_begin, it.t_end))
                 self.splits[n] = split
                 self._remember(n, (it.duration, *split))
+                self._feed_step(n, split[0])
                 sample = recent_sample([row[1:] for row in self._recent_its])
                 if sample is not None:
                     self.score_sample = (n, sample)
@@ -341,6 +353,25 @@ class RankMonitor:
             for ev in update.events:
                 if not below:
                     self._report(ev)
+
+    def restep(self) -> None:
+        """The rank's work per iteration changed (a new plan or role): its compute level is
+        learnt again from the next iteration (any thread; the monitor thread acts on it)."""
+        self._step_reset = True
+
+    def _feed_step(self, n: int, compute_s: float) -> None:
+        """Loop iteration ``n``'s compute to the fast path's step counter, once per
+        iteration, in order (a re-estimate of an iteration already fed is not fed again)."""
+        if self._step is None:
+            return
+        if self._step_reset:
+            self._step_reset = False
+            self._step.reset()
+        if n <= self._step_fed:
+            return
+        self._step_fed = n
+        run = self._step.feed(compute_s)
+        self.step_sample = (n, run, self._step.run_ratio())
 
     def _remember(self, n: int, row: tuple[float, float, float]) -> None:
         """Keep loop iteration ``n``'s estimate among the recent ones: in place of an earlier
@@ -380,6 +411,8 @@ class RankMonitor:
         self.splits.clear()
         self._recent_its.clear()
         self.score_sample = None
+        self._step_reset = True
+        self.step_sample = None
         return True
 
     def profile_snapshot(self, window_s: float, limit: int = 1500) -> dict[str, Any]:

@@ -170,6 +170,8 @@ class FalconRuntime:
         """The step ran ``micro_batches`` micro-batches whose forwards took ``forward_s``
         seconds each: the step's reading (:func:`step_forward_s`) is kept for the
         heartbeat's per-micro-batch time (what S2 balances on)."""
+        if micro_batches != self._micro and self._micro:
+            self.monitor.restep()  # another share of the batch: another compute per iteration
         self._micro = micro_batches
         reading = step_forward_s(forward_s) if micro_batches > 0 else None
         if reading is not None:
@@ -329,6 +331,7 @@ class FalconRuntime:
         self.replica = replica
         self.switch_s = round(pause_s, 3)
         self._mb_s.clear()  # the new role's compute is another stage's
+        self.monitor.restep()
         self.tracer.forget_groups()
         if self.control:
             self._new_groups()
@@ -359,7 +362,7 @@ class FalconRuntime:
         }
         return beat_fields(into_s=self.into_s(), replica=self.replica, mb_s=beat_mb_s(self._mb_s),
                            restart_s=self.restart_s, switch_s=self.switch_s, role=self.role, micro=self._micro,
-                           **score)
+                           step=self.monitor.step_sample, **score)
 
     def into_s(self) -> float:
         """Seconds the current loop iteration has been running (perf_counter, as the loop's

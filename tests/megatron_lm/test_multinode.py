@@ -144,22 +144,16 @@ def s4_job(script: str, tmp_path: Path, count: int, rdzv_id: str, *extra: str) -
 
 
 
-#: long: with the uninterrupted run it compares with, about 6 minutes of the 3.11 CI leg on a
-#: 2-core host (2026-11-28), more than the leg's share of CI's 30 minutes beside both Pythons;
-#: CI runs the two-node S2 job above, `bash .ci/run --long` this one too
 @pytest.mark.long
+@pytest.mark.slurm_covers
 def test_a_spare_node_replaces_a_bad_one(script: str, uninterrupted_dp4: str, tmp_path: Path) -> None:
     """Three launchers for a 2-node job (--nnodes 2:3, node 2 a spare); a 3x compute fault on
     node 1 from iteration 40; S4 only. Node 1 leaves (its launcher exits 0 saying why, its
     drain hook runs), and the job resumes from Megatron's checkpoint on nodes 0 and 2.
     Where the Slurm bed runs, tests/megatron_lm/test_slurm.py holds all of this on a real
     Slurm (the example batch script, S2 then S4, the spare, the drain, the same training):
-    this one is skipped there, saying so."""
-    from falconext.testbed import slurm_bed
-
-    if slurm_bed.missing() is None:
-        pytest.skip("the spare replaces a bad node in tests/megatron_lm/test_slurm.py, under a real Slurm, "
-                    "with these assertions and more")
+    this one is not collected there (conftest.py says so), which keeps about 5 minutes
+    out of CI's core_v0.16.1 leg."""
     output, out = s4_job(script, tmp_path, 3, "spare", "--falcon-on-exclude", "echo drained {host}")
     evs = events(out)
     assert "[node2] falconext: spare node node2 waits in the rendezvous" in output
