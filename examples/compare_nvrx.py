@@ -45,14 +45,15 @@ ONSET = 60
 SLOW_RANK = 2
 #: case -> the faults injected (falconext/model/faults.py)
 CASES: dict[str, list[dict]] = {
+    "compute-1.25x": [{"kind": "compute", "rank": SLOW_RANK, "factor": 1.25, "start": ONSET}],
     "compute-1.5x": [{"kind": "compute", "rank": SLOW_RANK, "factor": 1.5, "start": ONSET}],
     "compute-2x": [{"kind": "compute", "rank": SLOW_RANK, "factor": 2.0, "start": ONSET}],
     "compute-3x": [{"kind": "compute", "rank": SLOW_RANK, "factor": 3.0, "start": ONSET}],
     "link-8x": [{"kind": "link", "nodes": [0, 1], "factor": 8.0, "start": ONSET}],
     "healthy": [],
 }
-COLUMNS = ("case", "detector", "true_rank", "named_rank", "detected_after", "detected_after_s", "false_alarms",
-           "cost_ms_per_iteration")
+COLUMNS = ("case", "detector", "true_rank", "named_rank", "detected_after", "detected_after_s", "localized_at",
+           "false_alarms", "cost_ms_per_iteration")
 
 
 def truth(faults: list[dict]) -> tuple[int, str]:
@@ -73,7 +74,7 @@ def run_case(name: str, faults: list[dict], out: Path, args: argparse.Namespace)
     cmd = [sys.executable, "-m", "falconext.cli", "train", "--nproc", "4", "--out", str(run), "--device", "emulated",
            "--no-report", "--iters", str(args.iters), "--global-batch-size", "32", "--micro-batch-size", "1",
            "--device-gflops", str(args.device_gflops), "--falcon-mitigation", "false",
-           "--nvrx-report-s", str(args.nvrx_report_s), "--inject", str(inject)]
+           "--nvrx-report-s", ",".join(f"{x:g}" for x in args.nvrx_report_s), "--inject", str(inject)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
@@ -94,30 +95,43 @@ def _seconds(run: Path, first: int, last: int) -> float:
 
 
 def falconext_row(run: Path, faults: list[dict]) -> dict:
-    """falconext's verdicts: each ``localized`` naming something, at its suspension's iteration."""
+    """falconext's verdicts: its first event naming a rank (``straggler_suspected``, at the
+    iteration of the heartbeat that showed it) and each ``localized`` naming something, at
+    its suspension's iteration; ``localized_at``: the first localization naming the truth."""
     events = _lines(run / "events.jsonl")
     at = {e["session"]: e["iteration"] for e in events if e["type"] == "suspended"}
-    verdicts = []
+    verdicts, located = [], []
     for e in events:
+        if e["type"] == "straggler_suspected":
+            verdicts.append((e["iteration"], [f"gpu {e['rank']}"]))
         if e["type"] == "localized" and (e["gpus"] or e["links"]):
             names = [f"gpu {g}" for g in e["gpus"]] + [f"link {a}-{b}" for a, b in e["links"]]
             verdicts.append((at.get(e["evidence"].get("session"), -1), names))
+            located.append(verdicts[-1])
+    verdicts.sort(key=lambda v: v[0])
     summary = json.loads((run / "summary.json").read_text())
     total = (summary.get("overhead") or {}).get("per_iteration_s", {}).get("total", {}).get("mean")
-    return _row(run, faults, verdicts, None if total is None else 1e3 * total)
+    row = _row(run, faults, verdicts, None if total is None else 1e3 * total)
+    what = truth(faults)[1]
+    row["localized_at"] = next((it for it, names in located if it >= ONSET and names == [what]), "") if faults else ""
+    return row
 
 
-def nvrx_row(run: Path, faults: list[dict]) -> dict:
-    """NVRx's verdicts: each report naming ranks by a relative score (GPU, else section)."""
+def nvrx_row(run: Path, faults: list[dict], report_s: float, several: bool) -> dict:
+    """NVRx's verdicts (its detector reporting every ``report_s``): each report naming ranks
+    by a relative score (GPU, else section)."""
     verdicts = []
     for rep in _lines(run / "nvrx.jsonl"):
+        if rep.get("report_s", report_s) != report_s:
+            continue
         s = rep["stragglers"]
         ranks = s["gpu_relative"] or s["section_relative"]
         if ranks:
             verdicts.append((rep["iteration"], [f"gpu {r}" for r in ranks]))
-    costs = [json.loads(p.read_text())["per_step_ms"] for p in sorted((run / "ranks").glob("nvrx-rank*.json"))]
+    name = f"nvrx-{report_s:g}s" if several else "nvrx"
+    costs = [json.loads(p.read_text())["per_step_ms"] for p in sorted((run / "ranks").glob(f"{name}-rank*.json"))]
     costs = [c for c in costs if c is not None]
-    return _row(run, faults, verdicts, statistics.mean(costs) if costs else None)
+    return {**_row(run, faults, verdicts, statistics.mean(costs) if costs else None), "localized_at": ""}
 
 
 def _row(run: Path, faults: list[dict], verdicts: list[tuple[int, list[str]]], cost_ms: float | None) -> dict:
@@ -142,24 +156,36 @@ def _row(run: Path, faults: list[dict], verdicts: list[tuple[int, list[str]]], c
 
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
-    head = "| case | detector | slow | named | after (iterations) | after (s) | false alarms | cost ms/iteration |"
-    out = [head, "|" + "---|" * 8]
+    head = ("| case | detector | slow | named | after (iterations) | after (s) | localized at | false alarms "
+            "| cost ms/iteration |")
+    out = [head, "|" + "---|" * 9]
     for r in rows:
         out.append(f"| {r['case']} | {r['detector']} | {r['true_rank']} | {r['named_rank']} | "
                    f"{r['detected_after'] if r['detected_after'] != '' else 'never'} | {r['detected_after_s']} | "
-                   f"{r['false_alarms']} | {r['cost_ms_per_iteration']} |")
+                   f"{r['localized_at']} | {r['false_alarms']} | {r['cost_ms_per_iteration']} |")
     return "\n".join(out)
+
+
+def _intervals(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, comma-separated, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"intervals must be > 0, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for the runs and comparison.csv")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
-    p.add_argument("--iters", type=int, default=150)
+    p.add_argument("--iters", type=int, default=170,
+                   help="iterations per job (170: NVRx at its default 60 s reports at 86 and 156)")
     p.add_argument("--device-gflops", type=float, default=1.0)
-    p.add_argument("--nvrx-report-s", type=float, default=5.0,
-                   help="NVRx's report interval in seconds (its Detector's default is 60; 5 gives it a report "
-                   "every ~10 iterations on these ~0.5 s iterations)")
+    p.add_argument("--nvrx-report-s", type=_intervals, default=(60.0, 5.0),
+                   help="NVRx's report intervals in seconds, one detector each, comma-separated (default 60,5: its "
+                   "Detector's default, and a report every ~6 iterations of these ~0.85 s iterations)")
     p.add_argument("--timeout", type=int, default=900)
     args = p.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -188,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in cases:
         run = run_case(name, CASES[name], out, args)
         rows.append({"case": name, "detector": "falconext", **falconext_row(run, CASES[name])})
-        rows.append({"case": name, "detector": "nvrx", **nvrx_row(run, CASES[name])})
+        several = len(args.nvrx_report_s) > 1
+        for report_s in args.nvrx_report_s:
+            rows.append({"case": name, "detector": f"nvrx-{report_s:g}s",
+                         **nvrx_row(run, CASES[name], report_s, several)})
         print(f"{name}: done", file=sys.stderr)
     with open(out / "comparison.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -60,3 +60,19 @@ def test_readings_that_are_not_finite_or_negative_are_ignored():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ComputeStep(**kwargs)
+
+
+def test_the_summary_counts_suspicions_by_path_and_those_validation_did_not_confirm():
+    """summary.json's detection side: each ``straggler_suspected`` by the path that named it,
+    and the ones whose localization named someone else or nothing (a suspension each)."""
+    from falconext.report.summary import suspicion_figures
+
+    events = [
+        {"type": "straggler_suspected", "rank": 2, "by": "fast"},
+        {"type": "localized", "gpus": [], "links": []},  # cleared: a stall, not a GPU
+        {"type": "straggler_suspected", "rank": 2, "by": "fast"},
+        {"type": "localized", "gpus": [2], "links": []},
+        {"type": "straggler_suspected", "rank": 1},  # the score trigger, no verdict after it
+    ]
+    assert suspicion_figures(events) == {"count": 3, "by": {"fast": 2, "scores": 1}, "not_confirmed": 2}
+    assert suspicion_figures([]) == {"count": 0, "by": {}, "not_confirmed": 0}

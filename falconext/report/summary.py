@@ -319,6 +319,7 @@ def summarize(measured: list[list[str]], estimated: list[list[str]], events: lis
         },
         "detection": detection_figures(fail_slows, faults,
                                        [e for e in events if e.get("type") == "straggler_suspected"]),
+        "suspicions": suspicion_figures(events),
         "localization": localization_figures(events),
         "reliability": reliability_figures(events),
     }
@@ -515,6 +516,23 @@ def _in_fault(e: dict, start: int, end: int | None) -> bool:
     return e.get("onset") is not None and start - 5 <= e["onset"] and (end is None or e["onset"] < end)
 
 
+def suspicion_figures(events: Sequence[dict]) -> dict[str, Any]:
+    """The controller's own suspicions (``straggler_suspected``), by the path that named the
+    rank (``fast``, ``scores``), and how many the localization after them did not confirm
+    (its ``localized`` did not name the suspect, or none came): each of those cost the job
+    a suspension and nothing else."""
+    by: dict[str, int] = {}
+    unconfirmed = 0
+    for k, e in enumerate(events):
+        if e.get("type") != "straggler_suspected":
+            continue
+        by[e.get("by", "scores")] = by.get(e.get("by", "scores"), 0) + 1
+        verdict = next((v for v in events[k + 1:] if v.get("type") == "localized"), None)
+        if verdict is None or e.get("rank") not in (verdict.get("gpus") or []):
+            unconfirmed += 1
+    return {"count": sum(by.values()), "by": by, "not_confirmed": unconfirmed}
+
+
 def detection_figures(fail_slows: list[dict], faults: list[dict], suspicions: Sequence[dict] = ()) -> dict[str, Any]:
     """Events per fault (detected by the ranks' detectors, the delay from the fault's
     start) and events outside faults. The controller's score trigger is a second detector
@@ -577,8 +595,13 @@ def format_summary(s: dict[str, Any]) -> str:
                 f"  {f['kind']} fault x{f['factor']} on {what} from iteration {f['start']}: "
                 + (f"detected after {pf['first_detection_delay']} iterations on ranks {pf['ranks']}" if pf["detected"] else "NOT detected")
                 + ("" if pf.get("suspected_after") is None
-                   else f" (the controller's scores suspected it after {pf['suspected_after']})")
+                   else f" (the controller suspected it after {pf['suspected_after']})")
             )
+        sus = s.get("suspicions") or {}
+        if sus.get("count"):
+            by = ", ".join(f"{n} by {path}" for path, n in sorted(sus["by"].items()))
+            lines.append(f"suspicions: {sus['count']} ({by}), {sus['not_confirmed']} not confirmed by validation "
+                         "(a suspension each)")
         loc = s.get("localization") or {}
         for e in loc.get("localized", []):
             lines.append(

@@ -19,8 +19,9 @@ calls unchanged:
 - NVRx's ``ReportGenerator.generate_report`` (its collectives on the job's own group) and
   ``Report.identify_stragglers`` with its default thresholds (0.75) decide.
 
-Rank 0 writes each report to ``nvrx.jsonl``; every rank writes what NVRx cost it to
-``ranks/nvrx-rank<r>.json``.
+Rank 0 writes each report to ``nvrx.jsonl`` (with its ``report_s``); every rank writes what
+NVRx cost it to ``ranks/nvrx-rank<r>.json`` (``ranks/nvrx-<S>s-rank<r>.json`` per interval
+where the job runs several, one detector each).
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ def check_available() -> None:
 class NvrxBeside:
     """NVRx's straggler detection in one rank of a test-bed job (module docstring)."""
 
-    def __init__(self, out: str, rank: int, node: int, report_s: float) -> None:
+    def __init__(self, out: str, rank: int, node: int, report_s: float, several: bool = False) -> None:
         """``report_s``: the report interval, checked > 0 with the job's arguments
-        (testbed/options.py)."""
+        (testbed/options.py); ``several``: other intervals run beside it (its cost file
+        names its interval)."""
         generator, self._stat = _nvrx()
-        self.out, self.rank, self.report_s = out, rank, report_s
+        self.out, self.rank, self.report_s, self.several = out, rank, report_s, several
         self._gen = generator(scores_to_compute=list(SCORES), gather_on_rank0=True, node_name=f"node{node}")
         self._steps_ms: list[float] = []
         self._kernels_ms: dict[str, list[float]] = {}
@@ -116,7 +118,7 @@ class NvrxBeside:
             return sorted({s.rank for s in ids})
 
         line = {
-            "iteration": iteration, "time": time.time(),
+            "iteration": iteration, "time": time.time(), "report_s": self.report_s,
             "gpu_relative": {str(r): round(v, 4) for r, v in sorted(report.gpu_relative_perf_scores.items())},
             "gpu_individual": {str(r): round(v, 4) for r, v in sorted(report.gpu_individual_perf_scores.items())},
             "section_relative": {sec: {str(r): round(v, 4) for r, v in sorted(sc.items())}
@@ -136,7 +138,8 @@ class NvrxBeside:
 
     def close(self, suffix: str = "") -> None:
         """Write this rank's cost: steps seen, reports made, seconds spent in NVRx."""
-        with open(os.path.join(self.out, "ranks", f"nvrx{suffix}-rank{self.rank}.json"), "w") as f:
+        name = f"nvrx-{self.report_s:g}s" if self.several else "nvrx"
+        with open(os.path.join(self.out, "ranks", f"{name}{suffix}-rank{self.rank}.json"), "w") as f:
             json.dump({"steps": self._count, "reports": self.reports, "interval_steps": self.interval,
                        "cost_s": round(self.cost_s, 6),
                        "per_step_ms": round(1e3 * self.cost_s / self._count, 4) if self._count else None}, f)

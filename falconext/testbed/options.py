@@ -13,6 +13,18 @@ from falconext.model.roles import check_roles
 from falconext.testbed.chaos import ChaosError, parse_chaos
 
 
+
+def _report_intervals(text: str) -> tuple[float, ...]:
+    """``--nvrx-report-s``: one interval in seconds or several, comma-separated (each
+    checked finite and > 0 with the job's other arguments)."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, or several comma-separated, got {text!r}") from None
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"an interval is given twice in {text!r}")
+    return values
+
 def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     """Add the test bed's training arguments (parallel sizes, batch, model shape, device,
     faults, chaos, falconext's ``--falcon*`` flags) to ``p``; ``launcher`` adds the
@@ -65,9 +77,10 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     p.add_argument("--attempt", type=int, default=0, help="restart count of this job (set by the launcher)")
     p.add_argument("--bench-falcon-toggle", type=int, default=None, metavar="N",
                    help="benchmark: falconext off for N iterations, on for N, and so on (examples/bench_overhead.py)")
-    p.add_argument("--nvrx-report-s", type=float, default=None, metavar="S",
+    p.add_argument("--nvrx-report-s", type=_report_intervals, default=None, metavar="S[,S...]",
                    help="benchmark: run NVIDIA nvidia-resiliency-ext's straggler detection beside falconext, a report "
-                   "every S seconds, written to nvrx.jsonl (the nvrx extra; examples/compare_nvrx.py)")
+                   "every S seconds (several: one detector per interval), written to nvrx.jsonl with its interval "
+                   "(the nvrx extra; examples/compare_nvrx.py)")
     add_config_arguments(p)
 
 
@@ -123,9 +136,9 @@ def check_train_arguments(args: argparse.Namespace, world: int) -> None:
 
         roles = check_roles(topo[1], world, "--falcon-force-topology roles")
         check_tp_in_nodes(roles, args.tp, args.ranks_per_node, "--falcon-force-topology")
-    nvrx = getattr(args, "nvrx_report_s", None)
-    if nvrx is not None and not (math.isfinite(nvrx) and nvrx > 0):
-        raise ValueError(f"--nvrx-report-s must be a finite number > 0, got {nvrx!r}")
+    for nvrx in getattr(args, "nvrx_report_s", None) or ():
+        if not (math.isfinite(nvrx) and nvrx > 0):
+            raise ValueError(f"--nvrx-report-s must be a finite number > 0, got {nvrx!r}")
     for name in ("device_gflops", "link_bandwidth"):
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and value > 0):

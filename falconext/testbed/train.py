@@ -104,8 +104,9 @@ class _Job:
     estimates_file: Any = None
     chaos: Any = None
     loop_starts: list[float] = field(default_factory=list)
-    #: NVRx's straggler detection beside falconext (--nvrx-report-s; testbed/nvrx.py)
-    nvrx: Any = None
+    #: NVRx's straggler detection beside falconext, one per report interval
+    #: (--nvrx-report-s; testbed/nvrx.py)
+    nvrx: list = field(default_factory=list)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,10 +164,11 @@ def _start(args: argparse.Namespace, world: int, cfg: Any) -> _Job:
         _write_run_info(job, topology)
     job.estimates_file = report.EstimatesFile(args.out, rank, job.suffix)
     job.chaos = parse_chaos(args.chaos)  # checked by the launcher
-    if args.nvrx_report_s is not None:
-        job.nvrx = NvrxBeside(args.out, rank, rank // args.ranks_per_node, args.nvrx_report_s)
+    if args.nvrx_report_s:
+        job.nvrx = [NvrxBeside(args.out, rank, rank // args.ranks_per_node, s, several=len(args.nvrx_report_s) > 1)
+                    for s in args.nvrx_report_s]
         if rig.device is not None:
-            rig.device.on_window = job.nvrx.window
+            rig.device.on_window = lambda kind, seconds: [n.window(kind, seconds) for n in job.nvrx]
     if args.falcon:
         job.runtime = _start_runtime(job, BusChaos(job.chaos, rank, events.emit) if job.chaos.bus else None)
         _tell_role(job.runtime, trainer, opts)
@@ -292,8 +294,9 @@ def _train(job: _Job) -> tuple[list[tuple[int, float, float | None]], "restart.R
                 host.change_topology(TopologyChange([], probe=True), it)
             t_step = time.perf_counter()
             loss = job.trainer.step(it)
-            if job.nvrx is not None:
-                job.nvrx.step(it, time.perf_counter() - t_step)
+            step_s = time.perf_counter() - t_step
+            for nvrx in job.nvrx:
+                nvrx.step(it, step_s)
             if runtime is not None:
                 runtime.after_step(job.trainer.plan[job.trainer.replica], job.trainer.forward_times())
             now = time.perf_counter()
@@ -342,8 +345,8 @@ def _tear_down(job: _Job) -> None:
     rig = job.rig
     if job.runtime is not None:
         job.runtime.close()
-    if job.nvrx is not None:
-        job.nvrx.close(job.suffix)
+    for nvrx in job.nvrx:
+        nvrx.close(job.suffix)
     if rig.injector is not None:
         rig.injector.uninstall()
     if rig.shaper is not None:

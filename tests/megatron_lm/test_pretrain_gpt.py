@@ -170,6 +170,40 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
     assert not [e for e in evs if e["type"] in ("fail_slow", "straggler_suspected") and (e.get("onset") or 0) < 55]
 
 
+#: issue 53's job: 16 micro-batches per replica on DP2, --log-interval 10, rank 1 2x from 60,
+#: long enough for the localization (at most 69) and a few iterations after it
+NAMING_ITERS = 74
+
+
+def test_the_fast_path_names_a_slow_gpu_in_four_iterations_and_validation_confirms_it_by_69(
+        script: str, tmp_path: Path) -> None:
+    """The fast path (detect/steps.py, control/stragglers.py) inside pretrain_gpt.py: rank 1's
+    compute, read from its own calls, steps up 2x at iteration 60 while rank 0's stays level;
+    the controller names rank 1 by iteration 64 (``straggler_suspected`` by the fast path,
+    at the iteration of the heartbeat that showed it), and the localization that names GPU
+    [1] suspended the ranks at iteration 69 or before (its session's move into validating
+    carries the iteration). Nothing is named before the fault."""
+    faults = tmp_path / "fault.json"
+    faults.write_text(json.dumps([{"kind": "compute", "rank": 1, "factor": 2.0, "start": 60}]))
+    out = tmp_path / "out"
+    launch(script, [*TINY_GPT, "--global-batch-size", "32", "--train-iters", str(NAMING_ITERS), "--log-interval", "10",
+                    "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
+                    "--falcon-device-gflops", device_gflops()])
+    evs = events(out)
+    named = [e for e in evs if e["type"] == "straggler_suspected"]
+    assert named and named[0]["rank"] == 1 and named[0]["by"] == "fast", named
+    assert 60 < named[0]["iteration"] <= 64 and named[0]["onset"] >= 58, named
+    localized = [e for e in evs if e["type"] == "localized" and e["gpus"] == [1]]
+    assert localized, [e for e in evs if e["type"] in ("localized", "controller_state", "straggler_suspected")]
+    session = localized[0]["evidence"]["session"]
+    validating = [e for e in evs if e["type"] == "controller_state" and e["new"] == "validating"
+                  and e["session"] == session]
+    assert validating and validating[0]["iteration"] <= 69, validating
+    print(f"named at {named[0]['iteration']}, localized in the suspension at {validating[0]['iteration']}")
+    assert not [e for e in evs if e["type"] in ("fail_slow", "straggler_suspected", "localized")
+                and (e.get("onset") or e.get("iteration") or 60) < 58]
+
+
 #: what a healthy one-node job must not raise: tests/jobs.py's QUIET, and no suspension
 #: (one node: no link baseline either)
 QUIET = (*JOBS_QUIET, "suspended")
