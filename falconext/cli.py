@@ -269,8 +269,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _job_day(args: argparse.Namespace, cfg: FalconConfig) -> int:
     """False alarms per job-day (detect/jobday.py): one healthy generated day per seed, a
     row each, and the rate per day over all of them."""
+    # lazy: start-up time (scipy for BOCD+V; no other command needs them)
     from falconext.detect.jobday import DAY_S, run_day
-    from falconext.sim.jobday import JobDaySpec
+    from falconext.sim.jobday import JobDaySpec  # lazy: start-up time
 
     if args.traces is not None:
         raise InputError("--job-day generates its own days: give no traces file")

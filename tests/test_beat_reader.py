@@ -138,7 +138,7 @@ def test_frames_carry_blocks_and_notes_and_refuse_what_is_not_one():
     bad_rank[0, 0], nan[1, 3] = -1.0, np.nan
     cases = [
         (b"XXXX" + frame(block, 0)[4:], "bad magic"),
-        (frame(block, 0)[:-8], "8 of 4032 bytes missing"),
+        (frame(block, 0)[:-8], f"8 of {block.size * 8} bytes missing"),
         (frame(block, 0)[:16], "cut off"),
         (frame(block, 0)[:10], "missing"),
         (MAGIC + (9).to_bytes(4, "little") + bytes(8), "unknown kind"),

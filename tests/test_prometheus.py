@@ -69,13 +69,17 @@ def test_the_slowest_rank_by_score_is_the_faulty_one_and_the_mitigation_is_count
     window = FalconConfig().score_window
     (s2,) = events(out, "mitigation")
     (job_it,) = prom.query_range(f'falconext_job_iteration{{job="{JOB}"}}', start, end)
-    during = {float(t) for t, it in job_it["values"] if S2_FAULT_START + window <= float(it) < s2["iteration"]}
+    # while the scores' window (medians of `window` iterations) holds more slow, unmitigated
+    # iterations than not: from half a window after the onset to half a window after S2
+    # (the fast path names the GPU a few iterations in, and S2 follows at once)
+    during = {float(t) for t, it in job_it["values"]
+              if S2_FAULT_START + window // 2 < float(it) <= s2["iteration"] + window // 2}
     top: dict[float, int] = {}
     for s in prom.query_range(f'topk(1, falconext_rank_score{{job="{JOB}"}})', start, end):
         for t, _ in s["values"]:
             if float(t) in during:
                 top[float(t)] = int(s["metric"]["rank"])
-    assert len(top) >= 3 and sum(r == SLOW_RANK for r in top.values()) >= 0.8 * len(top), (sorted(during), top)
+    assert len(top) >= 2 and sum(r == SLOW_RANK for r in top.values()) >= 0.8 * len(top), (sorted(during), top)
     counted = prom.query_range(f'falconext_events_total{{job="{JOB}",type="mitigation"}}', start, end)
     assert counted and max(float(v) for _, v in counted[0]["values"]) == len(events(out, "mitigation")), counted
 

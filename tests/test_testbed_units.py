@@ -218,14 +218,16 @@ def test_a_heartbeats_medians_span_the_configured_windows():
                                                 cfg=FalconConfig(beat_iter_window=12))) == 1.0
     import collections
     mb = collections.deque(maxlen=cfg.beat_compute_window)
-    fake = SimpleNamespace(_mb_s=mb, _micro=0)
+    resteps: list[int] = []  # the monitor told to learn the rank's compute level again
+    fake = SimpleNamespace(_mb_s=mb, _micro=0, monitor=SimpleNamespace(restep=lambda: resteps.append(1)))
     for f in [0.1] * 6 + [0.2] * 2:
         FalconRuntime.after_step(fake, 4, [f, f + 0.05, f, f + 0.3])  # host stalls only add
     assert beat_mb_s(mb) == 0.2  # the upper median: 2 of the latest 4 are slow
     assert list(mb) == [0.1, 0.1, 0.2, 0.2]  # each step read at its fastest forward
     FalconRuntime.after_step(fake, 4, [0.1, float("nan")])  # no reading from a broken timer
+    assert resteps == []  # 4 micro-batches a step from the first: no change of plan
     FalconRuntime.after_step(fake, 0, [])
-    assert list(mb) == [0.1, 0.1, 0.2, 0.2]
+    assert list(mb) == [0.1, 0.1, 0.2, 0.2] and resteps == [1]
 
 
 def test_a_forked_rank_waits_until_its_node_has_all_its_ranks(tmp_path):

@@ -65,8 +65,10 @@ SLOW = [{0, 1}, {0, 2}]  # one rank per node: node pairs are process pairs
 
 def test_congested_links_end_up_on_pipeline_traffic(runs):
     out = runs["s3"]
-    (loc,) = [e for e in events(out, "localized") if e["evidence"]["trigger"] == "fail_slow"]
-    assert loc["gpus"] == [] and loc["links"] == [[0, 1], [0, 2]], loc["evidence"]
+    # the fault's localization (and, where the fast path suspected a rank first, that
+    # suspicion's: tests/test_train.py: test_fault_is_localized_in_job) names both links
+    locs = [e for e in events(out, "localized") if e["evidence"]["trigger"] == "fail_slow"]
+    assert locs and all(e["gpus"] == [] and e["links"] == [[0, 1], [0, 2]] for e in locs), locs
     applied = [e for e in events(out, "mitigation") if e["strategy"] in ("S2", "S3", "S4")]
     assert [e["strategy"] for e in applied] == ["S3"], applied
     # the x3 link stays on pipeline traffic (1.1x healthy): a re-localization, when host

@@ -5,7 +5,8 @@ torch's c10d rendezvous, as ``srun`` would start them on a cluster.
 Skipped unless ``MEGATRON_LM_PATH`` names a core_v0.16.1 checkout and this machine can make
 network namespaces (root). What is asserted is issue 30's first acceptance item: a 2x
 compute fault on node 1's local rank 0 from iteration 60; one controller for the job;
-``fail_slow`` with onset within 5 of 60 and detected within 15; localized to global rank 2;
+found from the calls (``fail_slow``, or the fast path's suspicion) with onset within 5 of 60,
+within 15; localized to global rank 2;
 S2 applied on both nodes, removing on the emulated devices' records between 0.8 of the
 best plan's share and that share.
 """
@@ -23,7 +24,8 @@ import pytest
 MLM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM core_v0.16.1 checkout)")
 
-from test_pretrain_gpt import LOSS_REL, TINY_GPT, assert_report_shows_restart, events, pretrain_script  # noqa: E402
+from test_pretrain_gpt import (LOSS_REL, TINY_GPT, assert_report_shows_restart, events, first_naming,  # noqa: E402
+                               pretrain_script)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +69,9 @@ def test_two_nodes_one_job_detect_localize_and_rebalance(script: str, tmp_path: 
     assert not (out / "nodes" / "node1" / "controller.log").exists()
     # the device speed was picked for 4 ranks on this host and said once per node
     assert output.count("falconext: emulated device at") == 2, output[-3000:]
-    first = min((e for e in evs if e["type"] == "fail_slow"), key=lambda e: e["detected_at"])
+    first = first_naming(evs)  # from the calls alone: the ranks' detector or the fast path
     assert abs(first["onset"] - 60) <= 5, first
-    assert first["detected_at"] - 60 <= 15, first
+    assert first["at"] - 60 <= 15, first
     localized = [e for e in evs if e["type"] == "localized"]
     assert localized and localized[0]["gpus"] == [2], localized
     applied = [e for e in evs if e["type"] == "plan_applied"]
@@ -207,7 +209,7 @@ def test_an_exclusion_the_job_cannot_absorb_is_refused_and_training_goes_on(scri
     out = tmp_path / "out"
     tiny = [a for a in TINY_GPT]
     tiny[tiny.index("--micro-batch-size") + 1] = "8"  # Megatron's default global batch: 8 x DP4 = 32
-    job = [*tiny, "--train-iters", "100", "--log-interval", "10"]
+    job = [*tiny, "--train-iters", "70", "--log-interval", "10"]  # S4 is refused by about 40
     nodes(2, ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "{head}:29400",
               "--rdzv-id", "stuck", script, *job, "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
               "--falcon-mitigation-strategies", "S4"], tmp_path / "bed", timeout=900)
@@ -216,7 +218,13 @@ def test_an_exclusion_the_job_cannot_absorb_is_refused_and_training_goes_on(scri
     assert failed and "no spare node waits and the job cannot shrink below 2" in failed[0]["reason"], \
         [e for e in evs if e["type"].startswith("mitigation")]
     assert not [e for e in evs if e["type"] in ("restart_requested", "excluded")]
-    assert json.loads((out / "summary.json").read_text())["iterations"] == 100
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 70
+
+
+#: the lost-node test's job: the new round starts again from iteration 0 (no checkpoint yet)
+#: and its fault from 60 is named by about 64 and rebalanced by about 70 (the fast path)
+LOST_ITERS = 100
+LOST_JOB = [*TINY_GPT, "--global-batch-size", "32", "--train-iters", str(LOST_ITERS), "--log-interval", "10"]
 
 
 @pytest.mark.long
@@ -237,7 +245,7 @@ def test_a_node_lost_outright_is_replaced_and_a_later_fault_still_handled(script
     cmd = [sys.executable, "-m", "falconext.cli", "nodes", "--count", "3", "--out", str(bed), "--",
            sys.executable, "-m", "falconext.cli", "launch", "--nnodes", "2:3", "--node-rank", "{node}",
            "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "{head}:29400", "--rdzv-id", "lost",
-           script, *RESTART_JOB, "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
+           script, *LOST_JOB, "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults),
            "--falcon-mitigation-strategies", "S2"]
     log = tmp_path / "bed.out"
     with open(log, "w") as sink:  # a pipe nobody reads would stall the bed once full
@@ -273,7 +281,7 @@ def test_a_node_lost_outright_is_replaced_and_a_later_fault_still_handled(script
     localized = [e for e in after if e["type"] == "localized"]
     assert localized and localized[0]["gpus"] == [1], [e["type"] for e in after]
     assert any(e["type"] == "plan_applied" for e in after)
-    assert json.loads((out / "summary.json").read_text())["iterations"] >= RESTART_ITERS
+    assert json.loads((out / "summary.json").read_text())["iterations"] >= LOST_ITERS
 
 
 #: the S3 test's job: a pipeline of two stages on two nodes of two ranks (TP1 x DP2 x PP2),
@@ -296,7 +304,7 @@ def test_s3_across_nodes_puts_each_pipeline_inside_a_node(script: str, tmp_path:
     tiny = list(TINY_GPT)
     for flag, value in S3_JOB:
         tiny[tiny.index(flag) + 1] = value
-    job = [*tiny, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32", "--train-iters", "120",
+    job = [*tiny, "--pipeline-model-parallel-size", "2", "--global-batch-size", "32", "--train-iters", "100",
            "--log-interval", "10"]
     faults = tmp_path / "fault.json"
     faults.write_text(json.dumps([{"kind": "link", "nodes": [0, 1], "factor": 30.0, "start": 45}]))

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.long,
               pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM core_v0.16.1 checkout)")]
 
 from test_multinode import RESTART_JOB, assert_resumed_exactly  # noqa: E402
-from test_pretrain_gpt import assert_report_shows_restart, events, pretrain_script  # noqa: E402
+from test_pretrain_gpt import assert_report_shows_restart, events, first_naming, pretrain_script  # noqa: E402
 
 SBATCH = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "falconext.sbatch"
 #: the edit block's first and last lines
@@ -117,8 +117,8 @@ def test_a_slow_node_is_drained_and_replaced_by_the_spare(cluster, uninterrupted
         subprocess.run(["scontrol", "update", "nodename=node1", "state=resume"], capture_output=True, timeout=30)
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), (fields, output[-4000:])
     evs = events(out)
-    first = min((e for e in evs if e["type"] == "fail_slow"), key=lambda e: e["detected_at"])
-    assert abs(first["onset"] - 40) <= 5, first
+    first = first_naming(evs)  # from the calls alone: the ranks' detector or the fast path
+    assert abs(first["onset"] - 40) <= 5 and first["at"] - 40 <= 15, first
     localized = [e for e in evs if e["type"] == "localized"]
     assert localized and localized[0]["gpus"] == [2], localized  # node 1's local rank 0
     strategies = [e["strategy"] for e in evs if e["type"] == "mitigation"]
