@@ -165,6 +165,11 @@ class IterationTracker:
         self._rank: int | None = None
         self._queue: deque[int] = deque()
         self._out: list[IterationTime] = []
+        #: iterations that held an insertion (a timer all-gather, an evaluation's calls): left
+        #: out of the estimates, kept here for readers of the rank's compute (take_inserted)
+        self._inserted: list[IterationTime] = []
+        #: (time, seq) of the last anchor before a break, until the resync that follows it
+        self._broken: tuple[float, int] | None = None
 
         self._state = TrackerState.SEARCHING
         self._window_from = 0  # first seq of the SEARCHING or LOST buffer
@@ -346,6 +351,7 @@ class IterationTracker:
         if self._shaky >= SHAKY_BREAKS:
             self._fall_back(max(self._shaky_from, seq + 1 - self._history(seq)), seq)
             return
+        self._broken = self._last_anchor  # the span from it to the resync held the insertion
         if self._recheck(seq):
             # a new, longer template: look for it among the latest calls
             self._window_from = seq + 1 - min(len(self._template), self._history(seq))
@@ -361,6 +367,7 @@ class IterationTracker:
     def _fall_back(self, window_from: int, seq: int) -> None:
         """The pattern changed for good: search again on the calls since ``window_from``."""
         self.fallbacks += 1
+        self._broken = None
         self._match(self._fine)  # a new pattern: sizes count again
         self._origin = None  # where the new pattern's iterations begin is not known
         self._state = TrackerState.SEARCHING
@@ -385,6 +392,7 @@ class IterationTracker:
             self._state = TrackerState.LOCKED
             self._last_anchor = (self._ready_buf[start % self._cap], start)
             self._phase = self._anchor
+            self._note_inserted(start)
 
     def _step_searching(self, seq: int) -> None:
         held = seq - self._window_from + 1
@@ -581,6 +589,30 @@ class IterationTracker:
         m = self._marker_per_period
         markers = int(np.count_nonzero(self._window_codes(known_seq + 1, seq + 1) == self._marker))
         return known_n + max(1, (markers + (m - 1) // 2) // m)
+
+    def _note_inserted(self, start: int) -> None:
+        """A resync at ``start`` after a break: when the break's last anchor and ``start``
+        are one iteration apart by the marker calls between them (an iteration that held an
+        insertion, not an evaluation of several), keep that span for take_inserted."""
+        broken, self._broken = self._broken, None
+        if broken is None or self._known is None or start - broken[1] > self._history(start):
+            return
+        t_begin, seq0 = broken
+        t_end = float(self._ready_buf[start % self._cap])
+        m = self._marker_per_period
+        markers = int(np.count_nonzero(self._window_codes(seq0 + 1, start + 1) == self._marker))
+        if (markers + (m - 1) // 2) // m != 1 or not t_end > t_begin:
+            return
+        n = self._known[1] + 1 if self._known[0] == seq0 else -1
+        self._inserted.append(IterationTime(index=-1, t_begin=t_begin, t_end=t_end, duration=t_end - t_begin,
+                                            period=len(self._template), seq_end=start, iteration=n))
+
+    def take_inserted(self) -> list[IterationTime]:
+        """The iterations that held an insertion since the last call, oldest first (their
+        spans run anchor to anchor, the insertion within): never estimates, since the
+        insertion's time is in them, but each still one iteration of the rank's work."""
+        out, self._inserted = self._inserted, []
+        return out
 
     def _emit(self, t_begin: float, t_end: float, seq: int) -> None:
         n = self._iteration_at(seq)

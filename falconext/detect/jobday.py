@@ -80,6 +80,11 @@ def rank_pass(spec: JobDaySpec, seed: int, rank: int, cfg: FalconConfig) -> Rank
         update = tracking.feed(rec)
         if update.retract:
             step.reset()
+        for it in update.inserted:  # one iteration of work, though not an estimate
+            compute, _ = split_iteration(it.duration, busy.busy(it.t_begin, it.t_end))
+            run.append(step.feed(compute))
+            ratio.append(step.run_ratio())
+            t_end.append(it.t_end)
         for _, it in update.iterations:
             compute, _ = split_iteration(it.duration, busy.busy(it.t_begin, it.t_end))
             run.append(step.feed(compute))

@@ -48,6 +48,9 @@ class TrackingUpdate:
     events: Sequence[FailSlowEvent]
     restarted: bool = False
     retract: bool = False
+    #: iterations that held an insertion, completed by this call (IterationTracker.take_inserted):
+    #: not estimates, but each one iteration of the rank's work (the fast path reads its compute)
+    inserted: Sequence[IterationTime] = ()
 
 
 #: the update of a call that completed no iteration (shared: allocating one per call
@@ -72,6 +75,8 @@ class RankTracking:
         confirmed, raised or ended (:data:`NO_CHANGE` when none)."""
         its = self.tracker.feed(record)
         if not its:
+            if self.tracker._inserted:
+                return TrackingUpdate((), (), inserted=self.tracker.take_inserted())
             return NO_CHANGE
         out_its: list[tuple[int, IterationTime]] = []
         events: list[FailSlowEvent] = []
@@ -94,7 +99,7 @@ class RankTracking:
             out_its.append((self.series, it))
             events.extend(self.detector.feed(it.duration))
             self.series += 1
-        return TrackingUpdate(out_its, events, restarted, retract)
+        return TrackingUpdate(out_its, events, restarted, retract, self.tracker.take_inserted())
 
     @property
     def period(self) -> int | None:

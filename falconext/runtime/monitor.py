@@ -318,6 +318,15 @@ class RankMonitor:
                 self.clock = None
                 self._step_reset = True
                 self.step_sample = None
+            for it in update.inserted:  # not an estimate: the fast path's compute reading only
+                if self.loop_starts is None:
+                    n = self.first_iteration + it.iteration if it.iteration >= 0 and self.clock else None
+                elif self._below_loop == (it.period, False):  # spans of this period are iterations
+                    n = self._loop_iteration(it.t_begin, it.t_end)
+                else:
+                    n = None
+                if n is not None and n > self.tracked:
+                    self._feed_step(n, split_iteration(it.duration, self._busy.busy(it.t_begin, it.t_end))[0])
             for k, it in update.iterations:
                 if self.loop_starts is None:
                     n = self._tracker_iteration(it, it.seq_end + seq_offset)
