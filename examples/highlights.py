@@ -164,10 +164,15 @@ def megatron_row(version: str, path: str, python: str, scratch: str) -> Row:
     run(cmd, timeout=900)
     events = [json.loads(x) for x in Path(out, "events.jsonl").read_text().splitlines() if x.strip()]
     s = json.loads(Path(out, "summary.json").read_text())
-    alarms = sorted((e for e in events if e["type"] == "fail_slow"), key=lambda e: e["detected_at"])
+    # the first naming from the calls: the ranks' detector (fail_slow) or the fast path's suspicion
+    alarms = sorted([(e["detected_at"], e["onset"], "the ranks' detector") for e in events if e["type"] == "fail_slow"]
+                    + [(e["iteration"], e["onset"], f"the {e.get('by', 'scores')} path") for e in events
+                       if e["type"] == "straggler_suspected"])
+    at = {e["session"]: e["iteration"] for e in events if e["type"] == "controller_state" and e["new"] == "validating"}
     loc = [e for e in events if e["type"] == "localized"]
-    parts = [f"onset {alarms[0]['onset']} reported at iteration {alarms[0]['detected_at']}" if alarms else "NOT detected",
-             f"localized {loc[0]['gpus']}" if loc else "not localized", *mitigation_parts(s)]
+    parts = [f"onset {alarms[0][1]} named at iteration {alarms[0][0]} by {alarms[0][2]}" if alarms else "NOT detected",
+             (f"localized {loc[0]['gpus']} in the suspension at {at.get(loc[0]['evidence'].get('session'), '?')}"
+              if loc else "not localized"), *mitigation_parts(s)]
     py = run([python, "-c", "import platform; print(platform.python_version())"], 60)[0].strip()
     command = shown(cmd).replace(path, "$MEGATRON_LM_PATH")
     if python != sys.executable:  # another interpreter: named by its version, not its path
