@@ -5,29 +5,33 @@ Each case is one emulated-device DP4 job (``falconext train``, two nodes of two 
 mitigation off so that nothing changes under NVRx's feet, and NVRx beside it
 (``--nvrx-report-s``, falconext/testbed/nvrx.py: NVRx's own scoring, the train step as
 its detection section, the emulated device's compute windows as the kernels CUPTI would
-time on a GPU). Cases: a compute fault on rank 2 of 1.5x, 2x and 3x from iteration 60,
-the link between the two nodes 8x slower from 60 (4x made these 0.85 s iterations only
-10% slower, 0.850 -> 0.936 s: at falconext's 10% line, which neither detector reported),
-and a healthy job.
+time on a GPU), once per report interval (default: its Detector's 60 s, and 5 s), each a
+detector of its own in the same job. Cases: a compute fault on rank 2 of 1.25x, 1.5x, 2x
+and 3x from iteration 60, the link between the two nodes 8x slower from 60 (4x made these
+0.85 s iterations only 10% slower, 0.850 -> 0.936 s: at falconext's 10% line, which
+neither detector reported), and a healthy job.
 
 Per case and detector, ``DIR/comparison.csv`` holds: what was slow (``true_rank``, -1
 for a link or nothing), whom it named (``named_rank``: -1 for none; a link as
 ``link 0-1``; several ranks joined by ``;``), how many iterations after the onset
-(``detected_after``; empty if never) and roughly how many seconds, its false alarms
+(``detected_after``; empty if never) and roughly how many seconds, the iteration of the
+validated localization naming it (``localized_at``, falconext only), its false alarms
 (verdicts naming something else, or anything before the onset or in the healthy job),
 and what it cost each rank per iteration (falconext: its threads' and hooks' CPU from
 summary.json; NVRx: the time spent in its step hook, reports included). A Markdown table
 is printed for docs/detection-accuracy.md.
 
-falconext names a rank or a link when its controller localizes (the ``localized``
-event; the iteration is that of the validation's suspension). NVRx names the ranks of
-its first report whose relative scores (GPU, then section) fall under its default
-threshold; its individual scores (each rank against its own best) name every rank of a
-job that slowed as a whole, so they are reported but not taken as naming a straggler.
+falconext names a rank with its first event that does: the controller's suspicion
+(``straggler_suspected``, at the iteration of the heartbeat that showed it: the fast path
+or the score trigger) or a ``localized`` verdict (at its suspension's iteration; the only
+way it names a link). NVRx names the ranks of its first report whose relative scores
+(GPU, then section) fall under its default threshold; its individual scores (each rank
+against its own best) name every rank of a job that slowed as a whole, so they are
+reported but not taken as naming a straggler.
 
 Needs the ``nvrx`` extra (``pip install -e '.[nvrx]'``); without it, one line says so.
 
-    python3 examples/compare_nvrx.py --out runs/nvrx
+    python3 examples/compare_nvrx.py --out runs/nvrx   (about 17 minutes on 2 cores)
 """
 
 from __future__ import annotations
