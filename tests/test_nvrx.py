@@ -79,3 +79,15 @@ def test_nvrx_scoring_names_the_rank_whose_kernels_are_slower(tmp_path):
     assert reports[-1]["stragglers"]["gpu_individual"] == [0]
     cost = json.loads((tmp_path / "ranks" / "nvrx-rank0.json").read_text())
     assert cost["steps"] == ESTIMATION_STEPS + 20 and cost["reports"] == len(reports) and cost["per_step_ms"] > 0
+
+
+def test_several_report_intervals_reach_every_rank_as_given():
+    """``--nvrx-report-s 60,5`` (one NVRx detector per interval): the launcher hands the
+    ranks the list as the user wrote it (a tuple's repr once made every rank refuse it)."""
+    from falconext.cli import build_parser
+    from falconext.testbed.launch import rank_argv
+
+    args = build_parser().parse_args(["train", "--nproc", "2", "--nvrx-report-s", "60,5"])
+    argv = rank_argv(args)
+    assert argv[argv.index("--nvrx-report-s") + 1] == "60,5"
+    assert args.nvrx_report_s == (60.0, 5.0)

@@ -64,6 +64,8 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if key in ("falcon", "report"):  # --X / --no-X switches
             out.append(flag if value else "--no-" + key)
+        elif isinstance(value, tuple):  # a comma-separated list (--nvrx-report-s S,S)
+            out += [flag, ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)]
         else:
             out += [flag, str(value)]
     return out
