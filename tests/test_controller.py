@@ -640,3 +640,25 @@ def test_the_fast_path_names_a_rank_whose_compute_stepped_up_alone():
         t += 0.3
         outs += _step_beats(ctl, it, t, one_slow(it))
     assert not events(outs, "straggler_suspected")
+
+
+def test_a_rank_the_fast_path_named_is_not_named_again_by_the_score_trigger():
+    """One suspicion per slow rank: the score trigger leaves alone a rank the fast path is
+    already localizing (mitigation off, compare_nvrx's 2x case had a second suspension
+    seven iterations later), and names it when the fast path has not."""
+    from falconext.control.stragglers import StragglerWatch
+
+    def beats(it):
+        return {r: Heartbeat(r, n, it, 0.45, 100.0 + it, replica=r, mb_s=0.025 * (2.0 if r == 1 else 1.0), micro=8,
+                             role=r, stage=0, tp=1, pp=1, score_iteration=it - 1, est_iter_s=0.45,
+                             compute_s=0.4 if r == 1 else 0.2, wait_s=0.05 if r == 1 else 0.25)
+                for r, n in NODES.items()}
+
+    for fast_named, expect in ((True, None), (False, 1)):
+        watch, got = StragglerWatch(), None
+        if fast_named:
+            watch.fast_acted.add(1)
+        for it in range(30, 30 + 2 * CFG.score_trigger_readings):
+            _, s = watch.scores(beats(it), {}, 100.0 + it * CFG.score_interval_s, CFG, True)
+            got = got or s
+        assert (got.rank if got else None) == expect

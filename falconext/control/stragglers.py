@@ -183,7 +183,7 @@ class StragglerWatch:
             n, last = self.outliers.get(r, (0, -1))
             it = beats[r].iteration
             self.outliers[r] = (n + 1, it) if it > last else (n, last)
-            if self.outliers[r][0] >= cfg.score_trigger_readings and r not in self.acted:
+            if self.outliers[r][0] >= cfg.score_trigger_readings and r not in self.acted and r not in self.fast_acted:
                 ready.append((ratio, r))
         if not ready or not may_act:
             return out, None
