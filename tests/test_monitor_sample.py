@@ -17,23 +17,27 @@ PATTERN = [("all_reduce", 4096), ("all_gather", 8192), ("all_reduce", 4096), ("r
            ("all_reduce", 1 << 20), ("all_reduce", 4)]
 
 
-def _job(iterations: int, merged: set[int]) -> tuple[list[CallRecord], list[float]]:
-    """A rank's calls and loop starts: each iteration computes, then calls; iterations
-    slow down by 3% each (so a window one iteration off has another median). The loop
-    starts of ``merged`` iterations are left out: the loop iteration before each then holds
-    two iterations of calls (a loop that runs an extra pass, as a switch's does)."""
+def _calls(computes: list[float], merged: set[int] = frozenset()) -> tuple[list[CallRecord], list[float]]:
+    """A rank's calls and loop starts: iteration ``i`` computes ``computes[i]`` seconds, then
+    calls. The loop starts of ``merged`` iterations are left out: the loop iteration before
+    each then holds two iterations of calls (a loop that runs an extra pass, as a switch's does)."""
     recs, starts = [], []
     t, seq = 1.0, 0
-    for it in range(iterations):
+    for it, compute in enumerate(computes):
         if it not in merged:
             starts.append(t)
-        t += 0.2 * 1.03 ** it
+        t += compute
         for op, nbytes in PATTERN:
             recs.append(CallRecord(0, op, "dp:0,1", nbytes, t, None, t + 0.004, seq))
             seq += 1
             t += 0.01
     starts.append(t)
     return recs, starts
+
+
+def _job(iterations: int, merged: set[int]) -> tuple[list[CallRecord], list[float]]:
+    """Iterations that slow down by 3% each (so a window one iteration off has another median)."""
+    return _calls([0.2 * 1.03 ** it for it in range(iterations)], merged)
 
 
 def test_the_heartbeat_sample_is_the_median_of_the_newest_window_of_estimates(tmp_path: Path) -> None:
@@ -56,19 +60,8 @@ def test_the_heartbeat_sample_is_the_median_of_the_newest_window_of_estimates(tm
 
 
 def _stepped_job(iterations: int, onset: int, factor: float) -> tuple[list[CallRecord], list[float]]:
-    """A rank's calls and loop starts: 0.2 s of compute then the calls each iteration, the
-    compute ``factor`` x from iteration ``onset`` on."""
-    recs, starts = [], []
-    t, seq = 1.0, 0
-    for it in range(iterations):
-        starts.append(t)
-        t += 0.2 * (factor if it >= onset else 1.0)
-        for op, nbytes in PATTERN:
-            recs.append(CallRecord(0, op, "dp:0,1", nbytes, t, None, t + 0.004, seq))
-            seq += 1
-            t += 0.01
-    starts.append(t)
-    return recs, starts
+    """0.2 s of compute an iteration, ``factor`` x from iteration ``onset`` on."""
+    return _calls([0.2 * (factor if it >= onset else 1.0) for it in range(iterations)])
 
 
 def test_the_heartbeat_carries_the_run_of_iterations_whose_compute_stepped_up(tmp_path: Path) -> None:
