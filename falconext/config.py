@@ -251,8 +251,12 @@ class ProfileConfig:
     #: suspected a straggler and localized at once (the validation has the last word). A
     #: data-loader stall or a checkpoint save lifts one rank for 1-3 iterations, a burst
     #: lifts every rank: neither is a run on one rank of fast_iterations. A run of
-    #: fast_rebase iterations becomes the rank's level. 0: off
+    #: fast_rebase iterations becomes the rank's level. 0: off. Where the rank's compute is
+    #: noisy, the line is the level plus fast_noise robust standard deviations of it when
+    #: that is higher (the test bed's 16 ranks on two cores: about 9% apart from one
+    #: iteration to the next, so 1.27x; a GPU's compute: about 1%, so fast_ratio)
     fast_ratio: float = 1.15
+    fast_noise: float = 3.0
     fast_iterations: int = field(default=4, metadata=RUNTIME)
     fast_baseline: int = 16
     fast_warm: int = 8
@@ -269,6 +273,7 @@ class ProfileConfig:
         _check(self.score_trigger_readings >= 1, "score_trigger_readings must be >= 1")
         _check(self.fast_ratio == 0.0 or self.fast_ratio > 1.0, "fast_ratio must be 0 (off) or > 1")
         _check(self.fast_iterations >= 1, "fast_iterations must be >= 1")
+        _check(self.fast_noise >= 0.0, "fast_noise must be >= 0")
         _check(1 <= self.fast_warm <= self.fast_baseline, "fast_warm must be in [1, fast_baseline]")
         _check(self.fast_rebase > self.fast_iterations, "fast_rebase must exceed fast_iterations")
         _check(0.0 < self.wait_causer_share <= 1.0, "wait_causer_share must be in (0, 1]")

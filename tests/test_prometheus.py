@@ -68,12 +68,15 @@ def test_the_slowest_rank_by_score_is_the_faulty_one_and_the_mitigation_is_count
     out, prom, (start, end) = scraped
     window = FalconConfig().score_window
     (s2,) = events(out, "mitigation")
-    (job_it,) = prom.query_range(f'falconext_job_iteration{{job="{JOB}"}}', start, end)
     # while the scores' window (medians of `window` iterations) holds more slow, unmitigated
-    # iterations than not: from half a window after the onset to half a window after S2
-    # (the fast path names the GPU a few iterations in, and S2 follows at once)
-    during = {float(t) for t, it in job_it["values"]
-              if S2_FAULT_START + window // 2 < float(it) <= s2["iteration"] + window // 2}
+    # iterations than not, on every rank: each rank's score is served with the iteration its
+    # window ends at (falconext_rank_estimate_iteration), which lags the job's iteration by up
+    # to a heartbeat; from half a window after the onset to half a window after S2 (the fast
+    # path names the GPU a few iterations in, and S2 follows at once)
+    its = by_rank(prom.query_range(f'falconext_rank_estimate_iteration{{job="{JOB}"}}', start, end))
+    times = set.intersection(*(set(series) for series in its.values()))
+    during = {t for t in times
+              if all(S2_FAULT_START + window // 2 < its[r][t] <= s2["iteration"] + window // 2 for r in its)}
     top: dict[float, int] = {}
     for s in prom.query_range(f'topk(1, falconext_rank_score{{job="{JOB}"}})', start, end):
         for t, _ in s["values"]:

@@ -49,6 +49,29 @@ def test_a_run_that_lasts_becomes_the_level_and_a_reset_relearns_it():
     assert step.level() is None and runs(step, [3.0] * 8) == [0] * 8 and step.level() == 3.0
 
 
+def test_on_a_noisy_rank_a_step_must_clear_the_noise_not_just_the_ratio():
+    """A rank whose compute reads about 9% apart from one iteration to the next (the test
+    bed's 16 ranks on two cores): four readings at 1.2x its level are no run (its line is
+    three robust standard deviations up, about 1.31x); on a rank reading 1% apart they are,
+    and a 1.4x step clears both."""
+    noisy = [1.0, 1.1, 0.9, 1.05, 0.95, 1.12, 0.88, 1.0, 1.08, 0.92, 1.03, 0.97, 1.1, 0.9, 1.0, 1.06]
+    quiet = [1.0 + (x - 1.0) / 9 for x in noisy]
+    step = ComputeStep(1.15, baseline=16, warm=8)
+    runs(step, noisy)
+    assert step.line() == pytest.approx(1.0 + 3 * 1.4826 * 0.07, rel=0.01)
+    assert runs(step, [1.2] * 4) == [0] * 4
+    step = ComputeStep(1.15, baseline=16, warm=8)
+    runs(step, noisy)
+    assert runs(step, [1.4] * 4) == [1, 2, 3, 4]
+    step = ComputeStep(1.15, baseline=16, warm=8)
+    runs(step, quiet)
+    assert step.line() == pytest.approx(1.15, rel=0.01)
+    assert runs(step, [1.2] * 4) == [1, 2, 3, 4]
+    step = ComputeStep(1.15, baseline=16, warm=8, noise=0.0)
+    runs(step, noisy)
+    assert runs(step, [1.2] * 4) == [1, 2, 3, 4]
+
+
 def test_readings_that_are_not_finite_or_negative_are_ignored():
     step = ComputeStep(1.15, baseline=16, warm=8)
     runs(step, [1.0] * 8)
@@ -56,7 +79,8 @@ def test_readings_that_are_not_finite_or_negative_are_ignored():
 
 
 @pytest.mark.parametrize("kwargs", [dict(ratio=1.0), dict(ratio=1.2, warm=0), dict(ratio=1.2, warm=20, baseline=16),
-                                    dict(ratio=1.2, rebase=0)])
+                                    dict(ratio=1.2, rebase=0), dict(ratio=1.2, noise=-1.0),
+                                    dict(ratio=1.2, noise=math.nan)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ComputeStep(**kwargs)

@@ -7,7 +7,11 @@ job-wide burst lifts every rank's alike. :class:`ComputeStep` counts, per rank, 
 of its latest iterations in a row read at least ``ratio`` x its own level before them
 (the *run*); the controller compares runs across peers (control/stragglers.py), so that
 a run on one rank while its peers read level names a straggler, and a run on all of them
-names none. Pure: no clock, no I/O; O(baseline) per iteration.
+names none. Where a rank's compute is itself noisy (a host shared by many processes: the
+test bed's 16 ranks on two cores read about 9% apart from one iteration to the next), a
+step is only a step beyond that noise: the line is ``noise`` robust standard deviations of
+the level over it when that is above ``ratio``. Pure: no clock, no I/O; O(baseline) per
+iteration.
 """
 
 from __future__ import annotations
@@ -23,17 +27,21 @@ class ComputeStep:
     """One rank's run of iterations whose compute stepped up against its own level.
 
     The level is the median of the latest ``baseline`` readings outside any run, judged
-    from ``warm`` readings on (no run before). A reading at or over ``ratio`` x the level
-    extends the run; one under it ends it, and the run's readings are dropped (a short
+    from ``warm`` readings on (no run before). A reading at or over the line (:meth:`line`:
+    ``ratio`` x the level, or the level plus ``noise`` x its readings' robust standard
+    deviation, 1.4826 x their median absolute deviation, whichever is higher) extends the run; one under it ends it, and the run's readings are dropped (a short
     stall must not raise the level). A run that lasts ``rebase`` readings is the new
     level (the rank has been slow so long that it is how it runs now; the controller has
     had it for ``rebase`` iterations). Readings that are not finite and non-negative are
     ignored.
     """
 
-    def __init__(self, ratio: float, baseline: int = 16, warm: int = 8, rebase: int = 64) -> None:
+    def __init__(self, ratio: float, baseline: int = 16, warm: int = 8, rebase: int = 64,
+                 noise: float = 3.0) -> None:
         if not ratio > 1.0:
             raise ValueError(f"ratio must be > 1, got {ratio}")
+        if not (math.isfinite(noise) and noise >= 0.0):
+            raise ValueError(f"noise must be a finite number >= 0, got {noise}")
         if not 1 <= warm <= baseline:
             raise ValueError(f"need 1 <= warm <= baseline, got warm {warm}, baseline {baseline}")
         if rebase < 1:
@@ -41,6 +49,7 @@ class ComputeStep:
         self.ratio = ratio
         self.warm = warm
         self.rebase = rebase
+        self.noise = noise
         self._level: deque[float] = deque(maxlen=baseline)
         self._run: list[float] = []
 
@@ -53,15 +62,25 @@ class ComputeStep:
         """The rank's level (median compute outside runs); None while warming up."""
         return median(self._level) if len(self._level) >= self.warm else None
 
+    def line(self) -> float | None:
+        """The compute a reading must reach to extend a run: the higher of ``ratio`` x the
+        level and the level plus ``noise`` robust standard deviations of its readings; None
+        while warming up."""
+        level = self.level()
+        if level is None:
+            return None
+        spread = 1.4826 * median(abs(x - level) for x in self._level) if self.noise else 0.0
+        return max(self.ratio * level, level + self.noise * spread)
+
     def feed(self, compute_s: float) -> int:
         """Add the compute seconds of the rank's next iteration; the run's length after it."""
         if not (math.isfinite(compute_s) and compute_s >= 0.0):
             return len(self._run)
-        level = self.level()
-        if level is None:
+        line = self.line()
+        if line is None:
             self._level.append(compute_s)
             return 0
-        if compute_s >= self.ratio * level and level > 0.0:
+        if compute_s >= line and line > 0.0:
             self._run.append(compute_s)
             if len(self._run) >= self.rebase:
                 self._level.extend(self._run)
