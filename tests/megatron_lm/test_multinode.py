@@ -61,7 +61,7 @@ def test_two_nodes_one_job_detect_localize_and_rebalance(script: str, tmp_path: 
     out = tmp_path / "out"
     output = nodes(2, ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                        "--rdzv-endpoint", "{head}:29400", "--rdzv-id", "t1", script, *TINY_GPT,
-                       "--global-batch-size", "32", "--train-iters", "150", "--log-interval", "10",
+                       "--global-batch-size", "32", "--train-iters", "110", "--log-interval", "10",
                        "--falcon", "--falcon-out", str(out), "--falcon-inject", str(faults)], tmp_path / "bed")
     evs = events(out)
     # one control plane: one controller, and only the node hosting the rendezvous started one
@@ -103,33 +103,47 @@ def test_two_nodes_one_job_detect_localize_and_rebalance(script: str, tmp_path: 
 
 #: the restart tests' job: RESTART_ITERS iterations of the tiny GPT on 2 nodes of 2 ranks
 #: (DP4), so that DP2 (one node) keeps the global batch. A 3x fault from 40 with S4 only
-#: restarted at 53-54; under Slurm, a 2x fault from 40 with S2 then S4 restarted at 71 and
-#: 102 (2026-12-02), and at 129 once the fast path named the GPU at 44 and S2 took the best
-#: plan's 0.75 at 47: the ski rental then buys S4 (13.5 s) only when the rest of the
-#: slowdown (0.145 s an iteration) has cost as much (2026-12-03). 180 leaves iterations on
-#: the spare to measure and compare
-RESTART_ITERS = 180
-RESTART_JOB = [*TINY_GPT, "--global-batch-size", "32", "--train-iters", str(RESTART_ITERS), "--log-interval", "10"]
+#: restarted at 53-54. Under Slurm (a 2x fault from 40, S2 then S4) the ski rental buys S4
+#: once the slowdown has cost as much as a restart (about 16 s): at the bed's default
+#: device speed S2's best plan left 8-15% by the wall clock (the host's own work does not
+#: slow), so S4 came at 129 on one run and not by 180 on the next (2026-12-03); the
+#: Slurm test runs its device at half that speed (tests/megatron_lm/test_slurm.py), and S4
+#: came at 56, resumed at 60 (2026-12-03). 110 leaves iterations on the spare to measure
+#: and compare
+RESTART_ITERS = 110
 
 
-def assert_resumed_exactly(output: str, plain_output: str, resumed_at: int) -> None:
+def restart_job(iters: int) -> list[str]:
+    """The restart tests' job trained for ``iters`` iterations (the uninterrupted run's
+    first ``iters``)."""
+    return [*TINY_GPT, "--global-batch-size", "32", "--train-iters", str(iters), "--log-interval", "10"]
+
+
+RESTART_JOB = restart_job(RESTART_ITERS)
+
+
+def assert_resumed_exactly(output: str, plain_output: str, resumed_at: int, until: int | None = None) -> None:
     """Every ``lm loss`` Megatron logged after the resume at step ``resumed_at`` (0-based;
     logged as iteration ``resumed_at + 1``) equals the uninterrupted run's (relative LOSS_REL),
     but the line that averages the resumed first iteration: Megatron logs that iteration
     without resetting its accumulators (training_log's should_reset), so the next log line
     after it averages it with the iterations since. Every ``grad norm`` logged from the
-    resumed first iteration on (one iteration's, never averaged) is equal."""
+    resumed first iteration on (one iteration's, never averaged) is equal. A restarted job
+    shorter than the uninterrupted one (``until``: its ``--train-iters``, which it must have
+    logged) is compared up to its end."""
     from test_pretrain_gpt import grad_norms, losses
 
     plain, restarted = losses(plain_output), losses(output)
+    last = max(plain) if until is None else until
+    assert until is None or until in restarted, (sorted(restarted), until)
     first = resumed_at + 1
     averaged = min(it for it in plain if it > first)
-    after = [it for it in plain if it > averaged]
+    after = [it for it in plain if averaged < it <= last]
     assert after and all(it in restarted for it in after), (sorted(restarted), after)
     for it in after:
         assert restarted[it] == pytest.approx(plain[it], rel=LOSS_REL), it
     ours, theirs = grad_norms(output), grad_norms(plain_output)
-    logged = [it for it in theirs if it >= first]
+    logged = [it for it in theirs if first <= it <= last]
     assert all(ours.get(it) == theirs[it] for it in logged), [(it, ours.get(it), theirs[it]) for it in logged]
 
 
@@ -196,7 +210,7 @@ def test_without_a_spare_the_job_shrinks_with_its_global_batch(script: str, unin
     joined = [e for e in evs if e["type"] == "node_joined"]
     assert [(e["host"], e["world"]) for e in joined if e["attempt"] == 1] == [("node0", 2)]
     resumed = [e for e in evs if e["type"] == "restart_requested"][0]["resume_at"]
-    assert_resumed_exactly(output, uninterrupted_dp4, resumed)
+    assert_resumed_exactly(output, uninterrupted_dp4, resumed, until=RESTART_ITERS)
     run = json.loads((out / "run-r1.json").read_text())
     assert run["topology"]["dp"] == 2 and run["args"]["global_batch_size"] == 32
 

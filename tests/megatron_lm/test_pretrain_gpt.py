@@ -50,9 +50,10 @@ TINY_GPT = (
 #: (tests/jobs.py: LOSS_DIGIT)
 LOSS_REL = 1e-6
 
-#: the slow-GPU and healthy jobs' length: the fault from 60, reported by about 72, S2
-#: by 78, an S4 by about 90, and enough iterations after each to measure them
-LONG_ITERS = 150
+#: the slow-GPU and healthy jobs' length: the fault from 60, named by about 64 (the fast
+#: path), S2 by about 67, and enough iterations after it to measure it (150 until
+#: 2026-12-03, when the detectors' BOCD+V reported at 72)
+LONG_ITERS = 110
 #: their global batch: 8 micro-batches per replica on DP2 (16 took twice the time a job,
 #: 32 minutes of CI's legs, for nothing the tests read)
 JOB_SHAPE = "16"
@@ -151,9 +152,11 @@ def test_a_slow_gpu_is_detected_localized_and_mitigated_inside_pretrain_gpt(scri
                     "--falcon-device-gflops", device_gflops()])
     evs = events(out)
     # the tracker first follows the micro-batch (12 calls on core_v0.16.1, 8 on core_v0.19.0),
-    # then the iteration: 8 micro-batches plus the step's own calls (105, 73)
+    # then the iteration: 8 micro-batches plus the step's own calls (105, 73); after S2 rank
+    # 0's iteration holds its plan's micro-batches (10: 129 calls), and after an S4 near the
+    # job's end a restarted rank may end on the micro-batch again
     periods = [e["period"] for e in evs if e["type"] == "period" and e["rank"] == 0]
-    assert len(periods) >= 2 and 8 * periods[0] < periods[-1] < 10 * periods[0], periods
+    assert len(periods) >= 2 and 8 * periods[0] < periods[1] < 10 * periods[0], periods
     # found from the calls alone (the ranks' detector or the fast path, not the score trigger)
     first = first_naming(evs)
     assert abs(first["onset"] - 60) <= 5, first
