@@ -65,7 +65,7 @@ def rank_pass(spec: JobDaySpec, seed: int, rank: int, cfg: FalconConfig) -> Rank
     counter, each started over where the rank's process is (as a restarted rank's are)."""
     day = generate_day(spec, seed)
     tracking, busy = RankTracking(cfg), BusyClock()
-    step = ComputeStep(cfg.fast_ratio or 1.15, cfg.fast_baseline, cfg.fast_warm, cfg.fast_rebase, cfg.fast_noise)
+    step = ComputeStep.from_config(cfg, ratio=cfg.fast_ratio or 1.15)
     t_end: list[float] = []
     run: list[int] = []
     ratio: list[float] = []

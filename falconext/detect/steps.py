@@ -19,8 +19,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from statistics import median
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from falconext.config import FalconConfig, ProfileConfig
 
 
 class ComputeStep:
@@ -29,8 +33,9 @@ class ComputeStep:
     The level is the median of the latest ``baseline`` readings outside any run, judged
     from ``warm`` readings on (no run before). A reading at or over the line (:meth:`line`:
     ``ratio`` x the level, or the level plus ``noise`` x its readings' robust standard
-    deviation, 1.4826 x their median absolute deviation, whichever is higher) extends the run; one under it ends it, and the run's readings are dropped (a short
-    stall must not raise the level). A run that lasts ``rebase`` readings is the new
+    deviation, 1.4826 x their median absolute deviation, whichever is higher) extends the
+    run; one under it ends it, and the run's readings are dropped (a short stall must not
+    raise the level). A run that lasts ``rebase`` readings is the new
     level (the rank has been slow so long that it is how it runs now; the controller has
     had it for ``rebase`` iterations). Readings that are not finite and non-negative are
     ignored.
@@ -52,6 +57,12 @@ class ComputeStep:
         self.noise = noise
         self._level: deque[float] = deque(maxlen=baseline)
         self._run: list[float] = []
+
+    @classmethod
+    def from_config(cls, cfg: "FalconConfig | ProfileConfig", ratio: float | None = None) -> "ComputeStep":
+        """A counter with the fast path's settings (``fast_*``), at ``ratio`` if given, else
+        at ``fast_ratio``."""
+        return cls(ratio or cfg.fast_ratio, cfg.fast_baseline, cfg.fast_warm, cfg.fast_rebase, cfg.fast_noise)
 
     def reset(self) -> None:
         """Forget the level and the run (the rank's work changed: a new plan, a new role)."""

@@ -153,9 +153,7 @@ class RankMonitor:
         #: the fast path's rank side (detect/steps.py): this rank's compute against its own
         #: level, one reading per loop iteration, and (newest loop iteration, run, run's
         #: ratio), replaced whole so the control thread reads it without a lock
-        self._step = (ComputeStep(config.fast_ratio, config.fast_baseline, config.fast_warm, config.fast_rebase,
-                                  config.fast_noise)
-                      if config.fast_ratio else None)
+        self._step = ComputeStep.from_config(config) if config.fast_ratio else None
         self._step_fed = -1
         self._step_reset = False
         self.step_sample: tuple[int, int, float] | None = None
