@@ -57,7 +57,8 @@ def rounds(seed: int, nodes: int = 4, per_node: int = 3, n: int = 30) -> list[li
                                    replica=r % 2, mb_s=round(rng.uniform(0.0, 0.1), 6) if rng.random() > 0.1 else 0.0,
                                    micro=8, role=role[r], stage=r % 2, tp=1, pp=2, grad_bytes=50_000_000,
                                    score_iteration=it[r] - 1, est_iter_s=0.4, compute_s=0.3, wait_s=0.1,
-                                   into_s=round(rng.uniform(-1.0, 0.3), 3)))
+                                   into_s=round(rng.uniform(-1.0, 0.3), 3), step_iteration=it[r] - rng.choice((1, 1, 2)),
+                                   step_run=rng.randint(0, 6), step_ratio=round(rng.uniform(0.9, 2.0), 4)))
         out.append(beats)
     return out
 
@@ -111,6 +112,26 @@ def test_every_rank_s_compute_before_the_onset_is_the_plain_function_s(seed):
         only = {r: v for r, v in plain.items() if r in some}
         assert healthy_mb_s({r: list(k) for r, k in ref.history.items()}, onset, lookback, some) == only
         assert job.history.healthy_mb_s(onset, lookback, some) == only
+
+
+@pytest.mark.parametrize("seed", [9, 10])
+def test_every_rank_s_step_ratio_as_of_an_iteration_is_the_plain_reading_s(seed):
+    """The fast path's aligned reading (control/stragglers.py: step_ratios): from the table
+    at once, exactly what each rank's kept heartbeats give, found or not."""
+    from falconext.control.stragglers import step_ratios
+
+    ref, job = Plain(), JobView(world=None, keep=KEEP)
+    for beats in rounds(seed, n=12):
+        for b in beats:
+            ref.record(b)
+            job.record(b, clean=False)
+    plain_beats = {r: job.beats[r] for r in job.beats}  # the table's order, as plain heartbeats
+    its = sorted({b.step_iteration for kept in ref.history.values() for b in kept})
+    for at in range(its[0] - 1, its[-1] + 2):
+        got, found = step_ratios(job.beats, job.history, at)
+        want, want_found = step_ratios(plain_beats, {r: list(k) for r, k in ref.history.items()}, at)
+        assert found.tolist() == want_found.tolist() and got[found].tolist() == want[want_found].tolist()
+    assert not step_ratios(job.beats, job.history, its[-1] + 1)[1].any()
 
 
 def test_a_rank_s_heartbeat_is_made_once_until_its_next():

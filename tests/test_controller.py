@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from falconext.config import FalconConfig
@@ -605,7 +606,8 @@ def test_the_fast_path_names_a_rank_whose_compute_stepped_up_alone():
     """Rank 2's compute reads 2x its own level from iteration 30 while its peers read level:
     once its run is fast_iterations long the controller opens the episode itself (by the
     fast path, onset where the run began, before any score is due); a burst that lifts every
-    rank, a run shorter than fast_iterations, or ranks without a known role open nothing;
+    rank (evenly or not), a run shorter than fast_iterations, or ranks without a known role
+    open nothing;
     one suspicion per run."""
     n_fast = CFG.fast_iterations
 
@@ -627,6 +629,10 @@ def test_the_fast_path_names_a_rank_whose_compute_stepped_up_alone():
     # a burst: every rank's compute stepped up alike
     _, outs = play(lambda it: {r: (it - 30, 1.6) for r in NODES} if it > 30 else {})
     assert not events(outs, "straggler_suspected")
+    # a burst that lifts the ranks unevenly: rank 2's run holds, the others' break (run 0)
+    # but their recent compute reads 1.2x too
+    _, outs = play(lambda it: {r: ((it - 30, 1.35) if r == 2 else (0, 1.2)) for r in NODES} if it > 30 else {})
+    assert not events(outs, "straggler_suspected")
     # stalls of fast_iterations - 1 iterations, again and again
     _, outs = play(lambda it: {2: ((it - 30) % n_fast, 3.0)} if it > 30 else {}, steps=30)
     assert not events(outs, "straggler_suspected")
@@ -640,6 +646,36 @@ def test_the_fast_path_names_a_rank_whose_compute_stepped_up_alone():
         t += 0.3
         outs += _step_beats(ctl, it, t, one_slow(it))
     assert not events(outs, "straggler_suspected")
+
+
+def test_the_fast_path_compares_a_rank_with_the_others_at_the_same_iteration():
+    """Heartbeats arrive out of step: rank 2's reading is one iteration newer than the
+    others'. A burst reaches rank 2 at iteration 30 and the rest at 31: when rank 2's run is
+    four long (iteration 33) the others' latest readings (32) show only half their lift,
+    which a comparison of latest readings misreads as a step on rank 2 alone; read at
+    iteration 33 they share it, and nothing is named. A slow GPU on rank 2 alone is named
+    once the others' readings reach its fourth iteration."""
+    n_fast = CFG.fast_iterations
+
+    def reading(r, s, start):
+        lifted = [1.6 if x >= start.get(r, 10**9) else 1.0 for x in range(s - n_fast + 1, s + 1)]
+        return max(0, s - start.get(r, 10**9) + 1), float(np.median(lifted))
+
+    def play(start):
+        ctl, outs, t = Controller(CFG, world=4), [], 100.0
+        for it in range(20, 45):
+            t += 0.3
+            for r, n in NODES.items():
+                s = it - 1 if r == 2 else it - 2
+                run, ratio = reading(r, s, start)
+                outs += ctl.handle(Heartbeat(r, n, it, 0.3, t, replica=r, micro=8, role=r, stage=0, tp=1, pp=1,
+                                             step_iteration=s, step_run=run, step_ratio=ratio), t)
+            outs += ctl.tick(t)
+        return outs
+
+    assert not events(play({2: 30, 0: 31, 1: 31, 3: 31}), "straggler_suspected")
+    (sus,) = events(play({2: 30}), "straggler_suspected")
+    assert sus["rank"] == 2 and sus["onset"] == 30 and sus["compute_ratio"] == pytest.approx(1.6)
 
 
 def test_a_rank_the_fast_path_named_is_not_named_again_by_the_score_trigger():

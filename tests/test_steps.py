@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from falconext.detect.steps import ComputeStep
+import numpy as np
+
+from falconext.detect.steps import ComputeStep, judged_at, stepped_alone
 
 
 def runs(step: ComputeStep, readings: list[float]) -> list[int]:
@@ -72,6 +74,52 @@ def test_on_a_noisy_rank_a_step_must_clear_the_noise_not_just_the_ratio():
     assert runs(step, [1.2] * 4) == [1, 2, 3, 4]
 
 
+def test_the_recent_ratio_shows_a_lift_that_broke_its_run():
+    """A rank lifted unevenly by a burst (1.25x, 1.1x, 1.3x, 1.2x: its run breaks at the
+    second) reads no run but a recent ratio of about 1.22; a rank at level reads 1.0, and
+    one in a 2x run reads 2."""
+    step = ComputeStep(1.15, baseline=16, warm=8, recent=4)
+    assert step.recent_ratio() == 1.0
+    runs(step, [1.0] * 8)
+    assert step.recent_ratio() == 1.0
+    assert runs(step, [1.25, 1.1, 1.3, 1.2]) == [1, 0, 1, 2]
+    assert step.recent_ratio() == pytest.approx(1.225, rel=0.01)
+    runs(step, [2.0] * 4)
+    assert step.run == 6 and step.recent_ratio() == pytest.approx(2.0 / step.level(), rel=0.01)
+    step.reset()
+    assert step.recent_ratio() == 1.0
+
+
+def test_stepped_alone_names_a_rank_whose_step_the_rest_of_the_job_does_not_share():
+    """Rank 2 in a run at 1.3x while the others read level: named. The same run during a
+    burst that lifts the others unevenly (their runs broken, recent ratios 1.15-1.25): not
+    named, though two of them read under the line. A 2x GPU during that burst: named. A
+    run too short, a rank alone, a rank without a reading: none."""
+    known = np.ones(4, dtype=bool)
+    run = np.array([0, 0, 4, 0])
+    assert stepped_alone(run, np.array([1.0, 1.02, 1.3, 0.99]), known, 4, 1.15) == [2]
+    burst = np.array([1.15, 1.25, 1.3, 1.18])
+    assert stepped_alone(run, burst, known, 4, 1.15) == []
+    assert stepped_alone(run, np.array([1.15, 1.25, 2.0, 1.18]), known, 4, 1.15) == [2]
+    assert stepped_alone(np.array([0, 0, 3, 0]), np.array([1.0, 1.0, 1.3, 1.0]), known, 4, 1.15) == []
+    assert stepped_alone(run[2:3], np.array([1.3]), known[2:3], 4, 1.15) == []
+    assert stepped_alone(run, np.array([1.0, 1.3, 1.3, 1.3]), np.array([True, False, True, False]), 4, 1.15) == [2]
+    # two in runs, the steeper first; the median of the rest is taken without the rank itself
+    assert stepped_alone(np.array([4, 0, 4, 0, 0]), np.array([1.4, 1.0, 2.0, 1.0, 1.0]),
+                         np.ones(5, dtype=bool), 4, 1.15) == [2, 0]
+
+
+def test_a_run_is_judged_where_half_the_others_readings_reached():
+    """A run that became four long at iteration 33 (latest 35) is judged at 35 when half
+    the others read that far, at 34 when half read only that far, and not yet while half
+    have not reached 33; with no others, never."""
+    assert judged_at(35, 6, 4, np.array([35, 36, 34])) == 35
+    assert judged_at(35, 6, 4, np.array([34, 34, 36, 33])) == 34
+    assert judged_at(35, 6, 4, np.array([32, 36, 32])) is None
+    assert judged_at(33, 4, 4, np.array([33])) == 33
+    assert judged_at(33, 4, 4, np.array([], dtype=np.int64)) is None
+
+
 def test_readings_that_are_not_finite_or_negative_are_ignored():
     step = ComputeStep(1.15, baseline=16, warm=8)
     runs(step, [1.0] * 8)
@@ -80,7 +128,7 @@ def test_readings_that_are_not_finite_or_negative_are_ignored():
 
 @pytest.mark.parametrize("kwargs", [dict(ratio=1.0), dict(ratio=1.2, warm=0), dict(ratio=1.2, warm=20, baseline=16),
                                     dict(ratio=1.2, rebase=0), dict(ratio=1.2, noise=-1.0),
-                                    dict(ratio=1.2, noise=math.nan)])
+                                    dict(ratio=1.2, noise=math.nan), dict(ratio=1.2, recent=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ComputeStep(**kwargs)

@@ -21,6 +21,7 @@ from falconext.protocol.messages import HEARTBEAT_FIELDS, HEARTBEAT_INTS, Heartb
 
 RANK, NODE, ITERATION, ITER_S = (HEARTBEAT_FIELDS.index(f) for f in ("rank", "node", "iteration", "iter_s"))
 ROLE, MB_S = HEARTBEAT_FIELDS.index("role"), HEARTBEAT_FIELDS.index("mb_s")
+STEP_IT, STEP_RATIO = HEARTBEAT_FIELDS.index("step_iteration"), HEARTBEAT_FIELDS.index("step_ratio")
 _WIDTH = len(HEARTBEAT_FIELDS)
 _INT_AT = [j for j, is_int in enumerate(HEARTBEAT_INTS) if is_int]
 
@@ -75,6 +76,8 @@ class BeatTable:
         self._role = np.zeros((0, self.keep), dtype=np.int64)
         self._mb = np.zeros((0, self.keep))
         self._iter_s = np.zeros((0, self.keep))
+        self._step_it = np.zeros((0, self.keep), dtype=np.int64)  # the fast path's reading of each
+        self._step_ratio = np.zeros((0, self.keep))
         self._head = np.zeros(0, dtype=np.int64)  # where the slot's next reading goes
         self._n = np.zeros(0, dtype=np.int64)  # readings the slot keeps
 
@@ -117,6 +120,8 @@ class BeatTable:
         self._role[slots, at] = role
         self._mb[slots, at] = block[:, MB_S]
         self._iter_s[slots, at] = block[:, ITER_S]
+        self._step_it[slots, at] = block[:, STEP_IT].astype(np.int64)
+        self._step_ratio[slots, at] = block[:, STEP_RATIO]
         grow = slots[~same]
         self._head[grow] = (self._head[grow] + 1) % self.keep
         self._n[grow] = np.minimum(self._n[grow] + 1, self.keep)
@@ -136,6 +141,7 @@ class BeatTable:
         self._version = _grown(self._version, cap)
         self._it, self._role = _grown(self._it, cap), _grown(self._role, cap)
         self._mb, self._iter_s = _grown(self._mb, cap), _grown(self._iter_s, cap)
+        self._step_it, self._step_ratio = _grown(self._step_it, cap), _grown(self._step_ratio, cap)
         self._head, self._n = _grown(self._head, cap), _grown(self._n, cap)
 
     def beat(self, rank: int) -> Heartbeat:
@@ -177,6 +183,22 @@ class BeatTable:
                          self._mb[slot, order].tolist(), self._iter_s[slot, order].tolist()))
         self._kept[slot] = (version, made)
         return made
+
+    def step_ratios(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's fast-path ratio (``step_ratio``) as of ``iteration``: from its kept
+        reading with the lowest ``step_iteration`` at or after it (the newest of equals), in
+        the order first heard;
+        and whether the rank has one (False: its readings have not reached ``iteration``,
+        or have none). O(ranks x keep), vectorized."""
+        used = len(self._ranks)
+        n, head = self._n[:used, None], self._head[:used, None]
+        age = (np.arange(self.keep)[None, :] - (head - n)) % self.keep  # 0: the oldest kept
+        step_it = self._step_it[:used]
+        never = np.iinfo(np.int64).max
+        key = np.where((age < n) & (step_it >= iteration), step_it * (self.keep + 1) + (self.keep - age), never)
+        pick = key.argmin(axis=1)
+        rows = np.arange(used)
+        return self._step_ratio[rows, pick], key[rows, pick] < never
 
     def healthy_mb_s(self, onset: int, lookback: int = 0, ranks: Iterable[int] | None = None) -> dict[int, float]:
         """:func:`~falconext.mitigate.mitigation.healthy_mb_s` over every rank's kept
@@ -284,3 +306,8 @@ class KeptReadings(_TableView, Mapping[int, tuple[Reading, ...]]):
         """Every rank's (``ranks``': only theirs) compute before ``onset``
         (:meth:`BeatTable.healthy_mb_s`)."""
         return self._table.healthy_mb_s(onset, lookback, ranks)
+
+    def step_ratios(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's fast-path ratio as of ``iteration``, and whether it has one
+        (:meth:`BeatTable.step_ratios`)."""
+        return self._table.step_ratios(iteration)

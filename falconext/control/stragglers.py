@@ -1,8 +1,9 @@
 """The score trigger: every rank's straggler score from its latest heartbeat
 (detect/scores.py), once per ``score_interval_s``, and the straggler the scores show
 often enough to be localized without a report; and the fast path: a rank whose compute
-stepped up against its own level for ``fast_iterations`` iterations while its role peers'
-did not (detect/steps.py), localized at once (:class:`StragglerWatch`)."""
+stepped up against its own level for ``fast_iterations`` iterations while the rest of the
+job's, read at the same iteration, did not (detect/steps.py), localized at once
+(:class:`StragglerWatch`)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,31 @@ from falconext.control.beat_table import columns
 from falconext.control.episodes import Episode, Sighting
 from falconext.protocol.messages import Heartbeat
 from falconext.control.outputs import Output, event
-from falconext.detect.steps import stepped_alone
+from falconext.detect.steps import judged_at, stands_out
 from falconext.detect.scores import ScoreTable, compute_outliers, role_key, score_values, scores_of, slowest, slowest_listed
+
+
+#: ranks in a run the fast path judges against the rest of the job per call, steepest
+#: first (each an O(ranks x heartbeat_history) read of the kept readings)
+FAST_CHECKED = 8
+
+
+def step_ratios(beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[Any]],
+                iteration: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's fast-path ratio as of step iteration ``iteration`` (from its kept
+    reading with the lowest step iteration at or after it, the newest of equals), in the
+    order of ``beats``, and
+    whether it has one: read from the table at once where ``history`` is the controller's
+    (KeptReadings), else from each rank's kept heartbeats."""
+    if hasattr(history, "step_ratios"):
+        return history.step_ratios(iteration)
+    ratio, found = np.ones(len(beats)), np.zeros(len(beats), dtype=bool)
+    for k, r in enumerate(beats):
+        kept = [(b.step_iteration, -j, b.step_ratio) for j, b in enumerate(history.get(r, ()))
+                if getattr(b, "step_iteration", -1) >= iteration]
+        if kept:
+            ratio[k], found[k] = min(kept)[2], True
+    return ratio, found
 
 
 @dataclass(frozen=True)
@@ -114,11 +138,14 @@ class StragglerWatch:
              cfg: FalconConfig) -> Suspect | None:
         """The fast path's straggler, if any: of the ranks whose latest heartbeat shows a run
         of at least ``fast_iterations`` iterations of compute stepped up against their own
-        level (detect/steps.py), the steepest not acted on whose role peers (same
-        :func:`~falconext.detect.scores.role_key`, at least one, with a reading) read a
-        median run ratio under ``fast_ratio``: a step on one rank that a job-wide burst,
-        which lifts every rank, cannot make. Ranks whose run ended are forgotten. Costs a
-        few column reads while no rank has such a run."""
+        level (detect/steps.py), the steepest not acted on whose recent ratio, at an
+        iteration the others' readings have reached (:func:`~falconext.detect.steps.judged_at`),
+        :func:`~falconext.detect.steps.stands_out` of theirs (ranks with a known role, at
+        least half of them with a reading that far): a step on one rank that a job-wide
+        burst, which lifts every rank, cannot make. No rank while more than half the job is
+        in such a run (a burst), and at most ``FAST_CHECKED`` ranks judged a call. Ranks
+        whose run ended are forgotten. Costs a few column reads while no rank has such a
+        run."""
         if not cfg.fast_ratio:
             return None
         rank, run, ratio, step_it = columns(beats, "rank", "step_run", "step_ratio", "step_iteration")
@@ -128,18 +155,34 @@ class StragglerWatch:
         cand = np.flatnonzero(run >= cfg.fast_iterations)
         if not len(cand):
             return None
-        stage, role, tp = columns(beats, "stage", "role", "tp")
-        tpi = tp.astype(np.int64)
-        group = stage * (1 << 20) + np.where(tpi > 0, role.astype(np.int64) % np.maximum(tpi, 1), 0)  # role_key
+        stage, role = columns(beats, "stage", "role")
         known = (stage >= 0) & (role >= 0) & (step_it >= 0)
-        for i in stepped_alone(run, ratio, group, known, cfg.fast_iterations, cfg.fast_ratio):
+        cand = cand[known[cand]]
+        if 2 * len(cand) > int(known.sum()):
+            return None
+        checked = 0
+        for i in sorted(cand.tolist(), key=lambda k: (-ratio[k], k)):
             r = int(rank[i])
             if r in self.fast_acted or r in self.acted:
+                continue
+            if checked == FAST_CHECKED:
+                break
+            checked += 1
+            others = known.copy()
+            others[i] = False
+            at = judged_at(int(step_it[i]), int(run[i]), cfg.fast_iterations, step_it[others])
+            if at is None:
+                continue
+            then, found = step_ratios(beats, history, at)
+            peers = others & found
+            if not found[i] or 2 * int(peers.sum()) < int(others.sum()):
+                continue
+            if not stands_out(float(then[i]), then[peers], cfg.fast_ratio):
                 continue
             beat = beats[r]
             onset = int(step_it[i]) - int(run[i]) + 1
             before = [b.iter_s for b in history.get(r, ()) if b.iteration < onset and b.iter_s > 0]
-            return Suspect(r, float(ratio[i]), onset, beat.iteration, beat.iter_s,
+            return Suspect(r, float(then[i]), onset, beat.iteration, beat.iter_s,
                            statistics.median(before) if before else None, by="fast")
         return None
 

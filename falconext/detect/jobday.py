@@ -83,12 +83,12 @@ def rank_pass(spec: JobDaySpec, seed: int, rank: int, cfg: FalconConfig) -> Rank
         for it in update.inserted:  # one iteration of work, though not an estimate
             compute, _ = split_iteration(it.duration, busy.busy(it.t_begin, it.t_end))
             run.append(step.feed(compute))
-            ratio.append(step.run_ratio())
+            ratio.append(step.recent_ratio())
             t_end.append(it.t_end)
         for _, it in update.iterations:
             compute, _ = split_iteration(it.duration, busy.busy(it.t_begin, it.t_end))
             run.append(step.feed(compute))
-            ratio.append(step.run_ratio())
+            ratio.append(step.recent_ratio())
             t_end.append(it.t_end)
         for ev in update.events:
             if (tracking.restarts, ev.id) not in seen:  # a first sighting: the alarm
@@ -99,11 +99,10 @@ def rank_pass(spec: JobDaySpec, seed: int, rank: int, cfg: FalconConfig) -> Rank
 
 def fast_alarms(day_starts: np.ndarray, passes: list[RankPass], cfg: FalconConfig) -> list[float]:
     """The fast path's alarms over the ranks' passes: at each iteration's start, every
-    rank's latest reading (a heartbeat's), judged by :func:`stepped_alone` (one role: a
-    data-parallel job); a rank named once until its run ends."""
+    rank's latest reading (a heartbeat's), judged by :func:`stepped_alone`; a rank named
+    once until its run ends."""
     if not cfg.fast_ratio:
         return []
-    ranks = len(passes)
     at = np.stack([np.searchsorted(p.t_end, day_starts, side="right") - 1 for p in passes], axis=1)
     runs = np.zeros(at.shape, dtype=np.int64)
     ratios = np.ones(at.shape)
@@ -111,7 +110,6 @@ def fast_alarms(day_starts: np.ndarray, passes: list[RankPass], cfg: FalconConfi
         ok = at[:, k] >= 0
         runs[ok, k] = p.run[at[ok, k]]
         ratios[ok, k] = p.ratio[at[ok, k]]
-    group = np.zeros(ranks, dtype=np.int64)
     acted: set[int] = set()
     out: list[float] = []
     for i in np.flatnonzero(runs.max(axis=1) >= cfg.fast_iterations).tolist() + [None]:
@@ -119,7 +117,7 @@ def fast_alarms(day_starts: np.ndarray, passes: list[RankPass], cfg: FalconConfi
             break
         acted = {r for r in acted if runs[i, r] > 0}
         known = at[i] >= 0
-        for r in stepped_alone(runs[i], ratios[i], group, known, cfg.fast_iterations, cfg.fast_ratio):
+        for r in stepped_alone(runs[i], ratios[i], known, cfg.fast_iterations, cfg.fast_ratio):
             if r not in acted:
                 acted.add(r)
                 out.append(float(day_starts[i]))

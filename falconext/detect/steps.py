@@ -3,11 +3,13 @@
 A rank's compute (its iteration's time outside collective calls, from its own calls:
 detect/scores.py) is flat while its GPU is healthy. A slow GPU steps it up at once and
 for good; a data-loader stall or a checkpoint save lifts it for an iteration or three; a
-job-wide burst lifts every rank's alike. :class:`ComputeStep` counts, per rank, how many
-of its latest iterations in a row read at least ``ratio`` x its own level before them
-(the *run*); the controller compares runs across peers (control/stragglers.py), so that
-a run on one rank while its peers read level names a straggler, and a run on all of them
-names none. Where a rank's compute is itself noisy (a host shared by many processes: the
+job-wide burst (a loaded host, a shared filesystem's hiccup) lifts every rank's alike.
+:class:`ComputeStep` counts, per rank, how many of its latest iterations in a row read at
+least ``ratio`` x its own level before them (the *run*), and what its latest few read over
+that level (:meth:`ComputeStep.recent_ratio`, run or not); the controller compares the
+ranks' recent ratios (control/stragglers.py, :func:`stepped_alone`), so that a run on one
+rank while the rest of the job reads level names a straggler, and a burst that lifts every
+rank names none, even where it lifts them unevenly and breaks their runs. Where a rank's compute is itself noisy (a host shared by many processes: the
 test bed's 16 ranks on two cores read about 9% apart from one iteration to the next), a
 step is only a step beyond that noise: the line is ``noise`` robust standard deviations of
 the level over it when that is above ``ratio``. Pure: no clock, no I/O; O(baseline) per
@@ -38,11 +40,12 @@ class ComputeStep:
     raise the level). A run that lasts ``rebase`` readings is the new
     level (the rank has been slow so long that it is how it runs now; the controller has
     had it for ``rebase`` iterations). Readings that are not finite and non-negative are
-    ignored.
+    ignored. The latest ``recent`` readings, in a run or not, are kept for
+    :meth:`recent_ratio`.
     """
 
     def __init__(self, ratio: float, baseline: int = 16, warm: int = 8, rebase: int = 64,
-                 noise: float = 3.0) -> None:
+                 noise: float = 3.0, recent: int = 4) -> None:
         if not ratio > 1.0:
             raise ValueError(f"ratio must be > 1, got {ratio}")
         if not (math.isfinite(noise) and noise >= 0.0):
@@ -51,23 +54,28 @@ class ComputeStep:
             raise ValueError(f"need 1 <= warm <= baseline, got warm {warm}, baseline {baseline}")
         if rebase < 1:
             raise ValueError(f"rebase must be >= 1, got {rebase}")
+        if recent < 1:
+            raise ValueError(f"recent must be >= 1, got {recent}")
         self.ratio = ratio
         self.warm = warm
         self.rebase = rebase
         self.noise = noise
         self._level: deque[float] = deque(maxlen=baseline)
         self._run: list[float] = []
+        self._recent: deque[float] = deque(maxlen=recent)
 
     @classmethod
     def from_config(cls, cfg: "FalconConfig | ProfileConfig", ratio: float | None = None) -> "ComputeStep":
         """A counter with the fast path's settings (``fast_*``), at ``ratio`` if given, else
-        at ``fast_ratio``."""
-        return cls(ratio or cfg.fast_ratio, cfg.fast_baseline, cfg.fast_warm, cfg.fast_rebase, cfg.fast_noise)
+        at ``fast_ratio``; its recent readings are the latest ``fast_iterations``."""
+        return cls(ratio or cfg.fast_ratio, cfg.fast_baseline, cfg.fast_warm, cfg.fast_rebase, cfg.fast_noise,
+                   cfg.fast_iterations)
 
     def reset(self) -> None:
         """Forget the level and the run (the rank's work changed: a new plan, a new role)."""
         self._level.clear()
         self._run.clear()
+        self._recent.clear()
 
     def level(self) -> float | None:
         """The rank's level (median compute outside runs); None while warming up."""
@@ -87,6 +95,7 @@ class ComputeStep:
         """Add the compute seconds of the rank's next iteration; the run's length after it."""
         if not (math.isfinite(compute_s) and compute_s >= 0.0):
             return len(self._run)
+        self._recent.append(compute_s)
         line = self.line()
         if line is None:
             self._level.append(compute_s)
@@ -113,21 +122,66 @@ class ComputeStep:
             return 1.0
         return median(self._run) / level
 
+    def recent_ratio(self) -> float:
+        """The median of the latest ``recent`` readings (in a run or not) over the level; 1.0
+        while warming up. What a peer compares with: a burst that lifts a rank unevenly
+        breaks its run but still shows here."""
+        level = self.level()
+        if not self._recent or not level:
+            return 1.0
+        return median(self._recent) / level
 
-def stepped_alone(run: np.ndarray, ratio: np.ndarray, group: np.ndarray, known: np.ndarray, iterations: int,
+
+def _median_without(ordered: np.ndarray, value: float) -> float:
+    """The median of sorted ``ordered`` with one element equal to ``value`` left out (at
+    least two elements)."""
+    j = int(np.searchsorted(ordered, value))
+    m = len(ordered) - 1
+
+    def at(k: int) -> float:
+        return float(ordered[k] if k < j else ordered[k + 1])
+
+    return 0.5 * (at((m - 1) // 2) + at(m // 2))
+
+
+def stands_out(ratio: float, others: np.ndarray, line: float) -> bool:
+    """Whether a rank's recent ratio is at least ``line`` x the median of the rest of the
+    job's (``others``, readings of the same iterations, at least one): a step that a burst
+    lifting every rank cannot make. Ratios are over each rank's own level, so ranks of any
+    role compare."""
+    return len(others) > 0 and ratio >= line * float(np.median(others))
+
+
+def stepped_alone(run: np.ndarray, ratio: np.ndarray, known: np.ndarray, iterations: int,
                   line: float) -> list[int]:
-    """The positions of the ranks the fast path names, steepest first (ties by position):
-    those whose ``run`` is at least ``iterations`` long and whose peers (the other ``known``
-    positions of the same ``group``, at least one) read a median ``ratio`` under ``line`` (a
-    burst lifts every rank of a group: it names none). All arrays are per rank, in one order."""
+    """The positions of the ranks the fast path names from readings of one common
+    iteration, steepest first (ties by position): those whose ``run`` is at least
+    ``iterations`` long and whose ``ratio`` :func:`stands_out` of the other ``known``
+    positions'. All arrays are per rank, in one order; O(n log n)."""
     cand = np.flatnonzero((run >= iterations) & known)
+    if not len(cand) or int(known.sum()) < 2:
+        return []
+    ordered = np.sort(ratio[known])
     named: list[tuple[float, int]] = []
     for i in cand.tolist():
-        peers = known & (group == group[i])
-        peers[i] = False
-        if peers.any() and float(np.median(ratio[peers])) < line:
+        if float(ratio[i]) >= line * _median_without(ordered, float(ratio[i])):
             named.append((-float(ratio[i]), i))
     return [i for _, i in sorted(named)]
 
 
-__all__ = ["ComputeStep", "stepped_alone"]
+def judged_at(step_iteration: int, run: int, iterations: int, others_latest: np.ndarray) -> int | None:
+    """The step iteration at which to compare a rank in a run with the rest of the job:
+    its latest (``step_iteration``) if at least half the others' latest readings
+    (``others_latest``, their step iterations) reached it, else the latest that half
+    reached; None while that is before the run was ``iterations`` long (wait for the
+    others' next readings: comparing a rank's newest with the others' older readings
+    misreads a burst that reached them later)."""
+    first = step_iteration - run + iterations
+    if not len(others_latest):
+        return None
+    half = np.sort(others_latest)[::-1][(len(others_latest) + 1) // 2 - 1]
+    at = min(step_iteration, int(half))
+    return at if at >= first else None
+
+
+__all__ = ["ComputeStep", "judged_at", "stands_out", "stepped_alone"]

@@ -89,7 +89,8 @@ class Heartbeat:
     into_s: float = -1.0
     #: the fast path's reading (detect/steps.py): the newest loop iteration it judged (-1:
     #: none yet), how many iterations in a row up to it the rank's compute read stepped up
-    #: against its own level, and the run's compute over that level (1: no run)
+    #: against its own level, and its latest fast_iterations iterations' median compute over
+    #: that level, in a run or not (1: warming up)
     step_iteration: int = -1
     step_run: int = 0
     step_ratio: float = 1.0

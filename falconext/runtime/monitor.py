@@ -379,7 +379,7 @@ class RankMonitor:
             return
         self._step_fed = n
         run = self._step.feed(compute_s)
-        self.step_sample = (n, run, self._step.run_ratio())
+        self.step_sample = (n, run, self._step.recent_ratio())
 
     def _remember(self, n: int, row: tuple[float, float, float]) -> None:
         """Keep loop iteration ``n``'s estimate among the recent ones: in place of an earlier
