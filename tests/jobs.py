@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import promserver
+from falconext.config import FalconConfig
 from falconext.model.device import BACKWARD_PER_FORWARD, DEFAULT_GFLOPS, gpt_forward_flops
 from falconext.ports import free_port
 from falconext.testbed.zygote import ZYGOTE_ENV
@@ -207,19 +209,79 @@ def assert_live(out: Path, min_coverage: float = MIN_COVERAGE) -> None:
     assert "rank_scores" in kinds, "the controller never scored the ranks (it did not answer)"
 
 
+#: the iterations before a fail-slow's onset its rise is measured against
+RISE_BEFORE = 20
+
+
+def job_rise(out: Path, onset: int, until: int) -> float:
+    """The job's iteration time over iterations ``onset``..``until`` against the
+    :data:`RISE_BEFORE` before: medians of the slowest rank's time per iteration, as the
+    training loop's own timer measured it (iterations.csv), not falconext's estimates."""
+    job: dict[int, float] = {}
+    with open(out / "iterations.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            it = int(row["iteration"])
+            job[it] = max(job.get(it, 0.0), float(row["iter_time_s"]))
+    before = [job[i] for i in range(onset - RISE_BEFORE, onset) if i in job]
+    during = [job[i] for i in range(onset, until + 1) if i in job]
+    if not before or not during:
+        return 1.0
+    return statistics.median(during) / statistics.median(before)
+
+
+def unexplained(out: Path, quiet: tuple[str, ...] = QUIET) -> list[dict]:
+    """The events of ``quiet`` a fault-free run raised that its own timings do not explain.
+
+    A ``fail_slow`` is explained where the whole job did slow down: its :func:`job_rise`
+    from onset to detection reads at least 1 + ``min_slowdown`` (the paper's 10% jitter
+    line; this 2-core host slows every rank by 15-25% for tens of iterations now and then,
+    and a detector that missed it would be wrong). Then so is what validating it raised,
+    where validation found nothing to blame (``localized`` naming no GPU and no link, its
+    session's ``episode_end`` and suspension). Nothing else is: a suspicion of one rank
+    (the fast path, the score trigger), a GPU or a link named, a mitigation. Prints each
+    explained fail-slow."""
+    evs = [e for e in events(out) if e["type"] in quiet]
+    slows = [e for e in evs if e["type"] == "fail_slow" and e.get("end") is None]
+    rises = {(e["rank"], e["event_id"]): job_rise(out, int(e["onset"]), int(e["detected_at"])) for e in slows}
+    line = 1.0 + FalconConfig().min_slowdown
+    if not slows or min(rises.values()) < line:
+        return evs
+    print(f"{out.name}: the job slowed by {max(rises.values()):.2f}x, detected as fail_slow: "
+          + ", ".join(f"rank {r} onset {e['onset']} at {e['detected_at']}" for (r, _), e in zip(rises, slows)))
+    cleared = {e["evidence"]["session"] for e in evs
+               if e["type"] == "localized" and not e["gpus"] and not e["links"] and "session" in e.get("evidence", {})}
+    return [e for e in evs if not (e["type"] == "fail_slow" or e.get("session") in cleared
+                                   or (e["type"] == "localized" and e.get("evidence", {}).get("session") in cleared))]
+
+
+def before_the_fault(out: Path, start: int, margin: int = 5) -> list[dict]:
+    """What run ``out`` reported before its fault (``start``; onsets more than ``margin``
+    iterations earlier) that its own timings do not explain: a ``fail_slow`` whose onset
+    the whole job's slowing explains (:func:`job_rise` from it to the fault at least 1 +
+    ``min_slowdown``: the host slowed every rank, and the detector merged that with the
+    fault) passes; a suspicion of one rank never does."""
+    line = 1.0 + FalconConfig().min_slowdown
+    early = [e for e in events(out) if e["type"] in ("fail_slow", "straggler_suspected")
+             and (e.get("onset") or 0) < start - margin]
+    return [e for e in early if e["type"] != "fail_slow" or job_rise(out, int(e["onset"]), start - 1) < line]
+
+
 def assert_quiet(out: Path) -> None:
-    """A fault-free run raised nothing of :data:`QUIET`, its only suspensions were the
-    link baseline's of a multi-node job (named by their session), and falconext was alive
-    all along (:func:`assert_live`); prints the worst rank's overrun of its device time (a
-    host too loaded for the device's speed)."""
+    """A fault-free run raised nothing of :data:`QUIET` that the job's own timings do not
+    explain (:func:`unexplained`), its only suspensions were the link baseline's of a
+    multi-node job and those of a job-wide slowdown's validation (named by their session),
+    and falconext was alive all along (:func:`assert_live`); prints the worst rank's
+    overrun of its device time (a host too loaded for the device's speed)."""
     device = json.loads((out / "summary.json").read_text())["device"]
     print(f"{out.name}: worst rank's overrun share {device['worst_rank_overrun_share']:.1%}")
     assert_live(out)
-    raised = [e for e in events(out) if e["type"] in QUIET]
+    raised = unexplained(out)
     assert raised == [], raised
-    baseline = {e["session"] for e in events(out, "link_baseline")}
+    allowed = {e["session"] for e in events(out, "link_baseline")} | {
+        e["evidence"]["session"] for e in events(out, "localized")
+        if not e["gpus"] and not e["links"] and "session" in e.get("evidence", {})}
     held = {e["session"] for e in events(out, "suspension")} | {e["session"] for e in events(out, "suspended")}
-    assert held <= baseline, (held, baseline)
+    assert held <= allowed, (held, allowed)
 
 
 #: iterations.csv holds losses to 6 decimals: two runs that learn the same agree to the last

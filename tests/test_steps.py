@@ -93,14 +93,18 @@ def test_the_recent_ratio_shows_a_lift_that_broke_its_run():
 def test_stepped_alone_names_a_rank_whose_step_the_rest_of_the_job_does_not_share():
     """Rank 2 in a run at 1.3x while the others read level: named. The same run during a
     burst that lifts the others unevenly (their runs broken, recent ratios 1.15-1.25): not
-    named, though two of them read under the line. A 2x GPU during that burst: named. A
-    run too short, a rank alone, a rank without a reading: none."""
+    named, though two of them read under the line. Nor is a 2x GPU during that burst (the
+    others are lifted: nothing stands out until they read level again). Two ranks of a
+    loaded host read 1.37x and 1.18x: none. A run too short, a rank alone, a rank without
+    a reading: none."""
     known = np.ones(4, dtype=bool)
     run = np.array([0, 0, 4, 0])
     assert stepped_alone(run, np.array([1.0, 1.02, 1.3, 0.99]), known, 4, 1.15) == [2]
     burst = np.array([1.15, 1.25, 1.3, 1.18])
     assert stepped_alone(run, burst, known, 4, 1.15) == []
-    assert stepped_alone(run, np.array([1.15, 1.25, 2.0, 1.18]), known, 4, 1.15) == [2]
+    assert stepped_alone(run, np.array([1.15, 1.25, 2.0, 1.18]), known, 4, 1.15) == []
+    assert stepped_alone(run, np.array([1.03, 1.05, 2.0, 0.98]), known, 4, 1.15) == [2]
+    assert stepped_alone(np.array([4, 0]), np.array([1.37, 1.18]), np.ones(2, dtype=bool), 4, 1.15) == []
     assert stepped_alone(np.array([0, 0, 3, 0]), np.array([1.0, 1.0, 1.3, 1.0]), known, 4, 1.15) == []
     assert stepped_alone(run[2:3], np.array([1.3]), known[2:3], 4, 1.15) == []
     assert stepped_alone(run, np.array([1.0, 1.3, 1.3, 1.3]), np.array([True, False, True, False]), 4, 1.15) == [2]

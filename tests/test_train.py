@@ -22,6 +22,7 @@ from falconext.detect.scores import BusyClock, rank_scores, recent_sample, split
 from falconext.detect.tracking import RankTracking
 from falconext.trace.logfile import read_call_log
 from jobs import (
+    QUIET,
     S2_FAULT_START,
     S3_LINK_FAULT_START,
     TP2_PP2_REFERENCE_ITERS,
@@ -31,6 +32,8 @@ from jobs import (
     s2_job,
     s3_link_job,
     tp2_pp2_reference,
+    before_the_fault,
+    unexplained,
 )
 
 FAULT_START = S2_FAULT_START
@@ -338,3 +341,43 @@ def test_a_quiet_run_is_told_from_a_dead_one(runs, tmp_path):
     for why, run in broken.items():
         with pytest.raises(AssertionError, match=why):
             assert_quiet(run)
+
+
+def test_a_fail_slow_is_explained_only_where_the_job_s_own_timer_shows_it(tmp_path):
+    """unexplained() lets a healthy run's fail_slow (and its validation that blamed
+    nothing) pass only where the loop's own iteration times rose job-wide by at least
+    min_slowdown over the fail-slow's window: at 1.15x it passes, at 1.05x it does not;
+    a suspicion of one rank, or a localization that named a GPU, never passes."""
+    def run(name: str, rise: float, extra: list[dict] = ()) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        lines = ["rank,iteration,iter_time_s,loss"]
+        for it in range(100):
+            for r in range(2):
+                lines.append(f"{r},{it},{0.4 * (rise if 60 <= it < 90 else 1.0) + 0.001 * r:.6f},")
+        (out / "iterations.csv").write_text("\n".join(lines) + "\n")
+        evs = [{"type": "fail_slow", "rank": r, "event_id": 0, "onset": 60, "detected_at": 80, "end": None,
+                "slowdown": rise} for r in range(2)]
+        evs += [{"type": "localized", "gpus": [], "links": [], "evidence": {"session": 7, "trigger": "fail_slow"}},
+                {"type": "episode_end", "session": 7, "ranks": []}, {"type": "suspended", "session": 7}]
+        (out / "events.jsonl").write_text("\n".join(json.dumps(e) for e in [*evs, *extra]) + "\n")
+        return out
+
+    quiet = (*QUIET, "suspended")
+    assert unexplained(run("host", 1.15), quiet) == []
+    assert [e["type"] for e in unexplained(run("jitter", 1.05), quiet)] == \
+        ["fail_slow", "fail_slow", "localized", "episode_end", "suspended"]
+    suspect = {"type": "straggler_suspected", "rank": 1, "by": "fast"}
+    assert unexplained(run("suspect", 1.15, [suspect]), quiet) == [suspect]
+    named = {"type": "localized", "gpus": [1], "links": [], "evidence": {"session": 8, "trigger": "fail_slow"}}
+    assert unexplained(run("named", 1.15, [named]), quiet) == [named]
+    # before a fault at 60 (a run slowed 1.15x over 60-89): a fail-slow from 50 is the job's
+    # own slowing only where the loop's timer shows it from 50 on; a suspicion never is
+    early = [{"type": "fail_slow", "rank": 0, "event_id": 1, "onset": 50, "detected_at": 65, "end": None},
+             {"type": "straggler_suspected", "rank": 0, "onset": 50, "by": "fast"}]
+    out = run("early", 1.15, early)
+    assert before_the_fault(out, 60) == early
+    lines = (out / "iterations.csv").read_text().splitlines()
+    (out / "iterations.csv").write_text("\n".join(
+        [lines[0]] + [f"{r},{it},{0.4 * (1.15 if 50 <= it < 90 else 1.0):.6f}," for it in range(100) for r in range(2)]) + "\n")
+    assert before_the_fault(out, 60) == early[1:]

@@ -145,11 +145,16 @@ def _median_without(ordered: np.ndarray, value: float) -> float:
 
 
 def stands_out(ratio: float, others: np.ndarray, line: float) -> bool:
-    """Whether a rank's recent ratio is at least ``line`` x the median of the rest of the
-    job's (``others``, readings of the same iterations, at least one): a step that a burst
-    lifting every rank cannot make. Ratios are over each rank's own level, so ranks of any
-    role compare."""
-    return len(others) > 0 and ratio >= line * float(np.median(others))
+    """Whether a rank's recent ratio stands out of the rest of the job's (``others``,
+    readings of the same iterations, at least one): the others read level (their median
+    under halfway from 1 to ``line``) and the rank reads at least ``line`` x their median.
+    A burst lifts every rank, though not alike (two ranks sharing a loaded host's cores
+    read 1.37x and 1.18x): while the others are lifted nothing stands out. Ratios are
+    over each rank's own level, so ranks of any role compare."""
+    if not len(others):
+        return False
+    theirs = float(np.median(others))
+    return theirs < 1.0 + 0.5 * (line - 1.0) and ratio >= line * theirs
 
 
 def stepped_alone(run: np.ndarray, ratio: np.ndarray, known: np.ndarray, iterations: int,
@@ -164,7 +169,7 @@ def stepped_alone(run: np.ndarray, ratio: np.ndarray, known: np.ndarray, iterati
     ordered = np.sort(ratio[known])
     named: list[tuple[float, int]] = []
     for i in cand.tolist():
-        if float(ratio[i]) >= line * _median_without(ordered, float(ratio[i])):
+        if stands_out(float(ratio[i]), np.array([_median_without(ordered, float(ratio[i]))]), line):
             named.append((-float(ratio[i]), i))
     return [i for _, i in sorted(named)]
 
