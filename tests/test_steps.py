@@ -33,6 +33,20 @@ def test_stalls_of_one_to_three_iterations_end_their_run_and_leave_the_level_alo
         assert step.level() == 1.0 and step.run == 0 and step.run_ratio() == 1.0
 
 
+def test_a_drifting_rank_s_level_follows_it():
+    """A job's first iterations drifting up 40% (rank 0's compute on core_v0.19.0,
+    2026-12-03): readings that cross the line now and then join the level when their run
+    breaks, so the level follows (1.15 at the end, the drift's own level) and later
+    readings are no run; dropped, they left the level at 1.04 and runs of up to 6."""
+    drift = [0.914, 0.942, 0.889, 0.94, 0.881, 0.93, 0.937, 0.999, 1.139, 1.092, 1.058, 1.394, 1.146, 1.334, 1.288,
+             1.336, 3.043, 1.063, 1.163, 1.106, 1.197, 1.084, 1.198, 1.068, 1.31, 1.178, 1.029, 1.085, 1.128, 0.988,
+             1.243]
+    step = ComputeStep(1.15, baseline=16, warm=8)
+    got = runs(step, drift)
+    assert max(got) == 4 and got[17:] == [0] * (len(drift) - 17)
+    assert step.level() == pytest.approx(1.145, abs=0.01) and step.recent_ratio() < 1.0
+
+
 def test_nothing_is_judged_while_warming_up_and_a_mild_rise_is_no_run():
     step = ComputeStep(1.15, baseline=16, warm=8)
     assert runs(step, [1.0] * 7 + [5.0]) == [0] * 8  # the eighth reading still warms up

@@ -36,8 +36,12 @@ class ComputeStep:
     from ``warm`` readings on (no run before). A reading at or over the line (:meth:`line`:
     ``ratio`` x the level, or the level plus ``noise`` x its readings' robust standard
     deviation, 1.4826 x their median absolute deviation, whichever is higher) extends the
-    run; one under it ends it, and the run's readings are dropped (a short stall must not
-    raise the level). A run that lasts ``rebase`` readings is the new
+    run; one under it ends it, and the run's readings join the level's (a stall's few
+    readings barely move a median of ``baseline``; a job drifting up, whose readings cross
+    the line now and then, moves it, so the level follows the drift: dropped, they left a
+    drifting rank's level behind, its ratio 1.38 on core_v0.19.0's first 30 iterations
+    while its peer's, whose readings stayed under its line, read level). A run that lasts
+    ``rebase`` readings is the new
     level (the rank has been slow so long that it is how it runs now; the controller has
     had it for ``rebase`` iterations). Readings that are not finite and non-negative are
     ignored. The latest ``recent`` readings, in a run or not, are kept for
@@ -106,6 +110,7 @@ class ComputeStep:
                 self._level.extend(self._run)
                 self._run.clear()
             return len(self._run)
+        self._level.extend(self._run)
         self._run.clear()
         self._level.append(compute_s)
         return 0
@@ -147,14 +152,16 @@ def _median_without(ordered: np.ndarray, value: float) -> float:
 def stands_out(ratio: float, others: np.ndarray, line: float) -> bool:
     """Whether a rank's recent ratio stands out of the rest of the job's (``others``,
     readings of the same iterations, at least one): the others read level (their median
-    under halfway from 1 to ``line``) and the rank reads at least ``line`` x their median.
-    A burst lifts every rank, though not alike (two ranks sharing a loaded host's cores
-    read 1.37x and 1.18x): while the others are lifted nothing stands out. Ratios are
-    over each rank's own level, so ranks of any role compare."""
+    under a third of the way from 1 to ``line``: beside a slow GPU they read 1.000-1.011 in
+    every compare_nvrx case of 2026-12-03) and the rank reads at least ``line`` x their
+    median. A burst lifts every rank, though not alike (two ranks sharing a loaded host's
+    cores read 1.37x and 1.18x; 1.42x and 1.15x as a job's first iterations drifted up):
+    while the others are lifted nothing stands out. Ratios are over each rank's own level,
+    so ranks of any role compare."""
     if not len(others):
         return False
     theirs = float(np.median(others))
-    return theirs < 1.0 + 0.5 * (line - 1.0) and ratio >= line * theirs
+    return theirs < 1.0 + (line - 1.0) / 3.0 and ratio >= line * theirs
 
 
 def stepped_alone(run: np.ndarray, ratio: np.ndarray, known: np.ndarray, iterations: int,
