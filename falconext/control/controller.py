@@ -596,8 +596,8 @@ class Controller:
         return out
 
     def snapshot(self, now: float, job: str = "", last_event: dict[str, Any] | None = None) -> StatusSnapshot:
-        """The job as the controller sees it now (control/snapshot.py), its ranks' scores
-        those of the latest rank_scores."""
+        """The job as the controller sees it now (control/snapshot.py), a large job's ranks'
+        scores those of the latest rank_scores."""
         return snapshot(now, job, last_event, self.job.beats, self.job.world, self.state.value, self.session,
                         self.muted, self.episode, self.cfg, self.stragglers.latest,
                         restarts=self.restarts, restarted_from=self.restarted_from)

@@ -30,7 +30,9 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
     ``session`` and mute; the open episode and its planner (with the share of the
     slowdown the strategies removed); the config where it differs from the defaults.
     ``scores``: the ranks' latest straggler scores (the controller's rank_scores), used
-    when they cover every scored rank; otherwise (or None) scored here from ``beats``.
+    for a job of more than ``listed_ranks`` ranks when they cover every scored rank;
+    otherwise (or None) scored here from ``beats``, so that each row's score is of its
+    heartbeat's window.
     ``restarts``: the restarts (S4) applied so far, in the planner part whenever there is
     one; ``restarted_from``: the (healthy, slow) iteration times the last restart answered:
     with no episode open since, the restart is the mitigation in force, and the planner
@@ -41,7 +43,11 @@ def snapshot(now: float, job: str, last_event: dict[str, Any] | None, beats: Map
         beats, "rank", "iteration", "iter_s", "node", "replica", "mb_s", "micro", "role", "tp", "pp")
     order = np.argsort(rank_col, kind="stable")  # by rank
     ranks_in = rank_col[order].astype(int).tolist()
-    scores = _scores(beats, scores)
+    # a job whose every rank is listed is scored from the heartbeats shown (each row's score
+    # is of the window its score_iteration ends: the controller scores every
+    # score_interval_s, and its latest scores lagged the rows by up to that); a larger one
+    # shows the latest rank_scores (scoring it comes less often, at most its share)
+    scores = _scores(beats, scores if len(ranks_in) > cfg.listed_ranks else None)
     if len(ranks_in) > cfg.listed_ranks:  # the slowest: by score, then by iteration time, then rank
         score = score_column(scores, ranks_in, -math.inf)
         by = np.lexsort((np.asarray(ranks_in), -iter_s[order], -score))
