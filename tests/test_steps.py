@@ -108,7 +108,7 @@ def test_stepped_alone_names_a_rank_whose_step_the_rest_of_the_job_does_not_shar
     """Rank 2 in a run at 1.3x while the others read level: named. The same run during a
     burst that lifts the others unevenly (their runs broken, recent ratios 1.15-1.25): not
     named, though two of them read under the line. Nor is a 2x GPU during that burst (the
-    others are lifted: nothing stands out until they read level again). Two ranks of a
+    others are lifted: nothing stands out until the job is calm again). Two ranks of a
     loaded host read 1.37x and 1.18x: none. A run too short, a rank alone, a rank without
     a reading: none."""
     known = np.ones(4, dtype=bool)
@@ -122,9 +122,17 @@ def test_stepped_alone_names_a_rank_whose_step_the_rest_of_the_job_does_not_shar
     assert stepped_alone(np.array([0, 0, 3, 0]), np.array([1.0, 1.0, 1.3, 1.0]), known, 4, 1.15) == []
     assert stepped_alone(run[2:3], np.array([1.3]), known[2:3], 4, 1.15) == []
     assert stepped_alone(run, np.array([1.0, 1.3, 1.3, 1.3]), np.array([True, False, True, False]), 4, 1.15) == [2]
-    # two in runs, the steeper first; the median of the rest is taken without the rank itself
+    # two in runs among 20, the steeper first (each is judged against the others, the other
+    # one among them); among five, one in five is lifted: the job is not calm, nobody named
+    run20, ratio20 = np.zeros(20, dtype=int), np.ones(20)
+    run20[[0, 2]], ratio20[[0, 2]] = 4, (1.4, 2.0)
+    assert stepped_alone(run20, ratio20, np.ones(20, dtype=bool), 4, 1.15) == [2, 0]
     assert stepped_alone(np.array([4, 0, 4, 0, 0]), np.array([1.4, 1.0, 2.0, 1.0, 1.0]),
-                         np.ones(5, dtype=bool), 4, 1.15) == [2, 0]
+                         np.ones(5, dtype=bool), 4, 1.15) == []
+    # a rank that had read flat rose 1.30x while the three others rose 1.06-1.08x (the
+    # link job on four one-rank nodes, CI 2026-12-03): not calm, nobody named
+    assert stepped_alone(np.array([0, 0, 0, 4]), np.array([1.057, 1.084, 1.062, 1.30]),
+                         np.ones(4, dtype=bool), 4, 1.15) == []
 
 
 def test_a_run_is_judged_where_half_the_others_readings_reached():
