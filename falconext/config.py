@@ -248,8 +248,8 @@ class ProfileConfig:
     #: iteration (from its own calls) reads at least fast_ratio x its own level (the median
     #: of its latest fast_baseline iterations outside a run, judged from fast_warm on) in
     #: fast_iterations iterations in a row, while the rest of the job's, read at the same
-    #: iteration, stay level (their median under 1 + (fast_ratio - 1) / 3) and its recent
-    #: compute is fast_ratio x theirs, is suspected a straggler and localized at once (the
+    #: iteration, are calm (nine in ten under 1 + (fast_ratio - 1) / 3) and its recent
+    #: compute is fast_ratio x their median, is suspected a straggler and localized at once (the
     #: validation has the last word). A
     #: data-loader stall or a checkpoint save lifts one rank for 1-3 iterations, a burst
     #: lifts every rank: neither is a run on one rank of fast_iterations. A run of
