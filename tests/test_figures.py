@@ -36,17 +36,28 @@ def test_the_run_draws_its_report_at_the_end(run):
 def test_the_figures_show_the_runs_decisions(run):
     data = figures.read_run(str(run))
     placed = figures.marks(data["events"])
-    marked = dict((label, it) for it, label in placed)
-    detected = min(e["detected_at"] for e in events(run, "fail_slow"))
-    assert marked["detected"] == detected and detected > S2_FAULT_START
+    marked: dict[str, int] = {}
+    for it, label in placed:
+        marked.setdefault(label, it)
+    # the first naming: the ranks' detector's, or the fast path's (whose S2 may cut the
+    # slowdown before the detector's min_duration, CI 2026-12-03); each marked where it came
+    detected = [e["detected_at"] for e in events(run, "fail_slow")]
+    named = [e["iteration"] for e in events(run, "straggler_suspected") if e.get("by") == "fast"]
+    assert detected or named, placed
+    if detected:
+        assert marked["detected"] == min(detected) and min(detected) > S2_FAULT_START
+    if named:
+        assert marked["named (fast path)"] == min(named) and min(named) > S2_FAULT_START
     s2 = events(run, "mitigation")[0]
     assert marked["S2"] == s2["iteration"]
-    # the first localization, before S2, was started by the detector or the score trigger;
+    # the first localization, before S2, was started by the detector, the fast path or the
+    # score trigger;
     # a later one (host noise lifting the level after S2) names who started it too
     localized = [(it, label) for it, label in placed if label.startswith("localized")]
-    assert localized[0][1] in ("localized (detector)", "localized (score trigger)"), placed
+    assert localized[0][1] in ("localized (detector)", "localized (fast path)", "localized (score trigger)"), placed
     assert localized[0][0] < s2["iteration"]
-    assert all(label in ("localized (detector)", "localized (score trigger)", "localized (re-localization)")
+    assert all(label in ("localized (detector)", "localized (fast path)", "localized (score trigger)",
+                         "localized (re-localization)")
                for _, label in localized[1:]), placed
     its, _ = figures.loop_times(data["iterations"])
     steps = figures.plan_in_force(data["events"], its[0], 4, 32)

@@ -131,6 +131,20 @@ def test_a_localization_whose_session_is_unknown_says_so() -> None:
     assert figures.localization_trigger({"evidence": {"session": 5}}, op) == "operator"
 
 
+def test_the_fast_path_s_naming_and_its_localization_are_marked_as_its() -> None:
+    """A fast-path suspicion (``by: fast``) is marked where it named the rank, and the
+    localization it started says so; a score-trigger suspicion stays the score trigger's."""
+    evs = [{"time": 10.0, "type": "straggler_suspected", "action": "localize", "rank": 1, "iteration": 34, "by": "fast"},
+           {"time": 10.0, "type": "controller_state", "new": "profiling", "session": 7, "trigger": "fail_slow"},
+           {"time": 11.0, "type": "suspended", "session": 7, "iteration": 37},
+           {"time": 12.0, "type": "localized", "gpus": [1], "links": [], "evidence": {"session": 7}}]
+    assert figures.localization_trigger(evs[3], evs) == "fast path"
+    assert figures.marks(evs) == [(34, "named (fast path)"), (37, "localized (fast path)")]
+    scores = [dict(evs[0], by="scores"), *evs[1:]]
+    assert figures.localization_trigger(scores[3], scores) == "score trigger"
+    assert figures.marks(scores) == [(37, "localized (score trigger)")]
+
+
 def test_each_attempt_lists_the_plans_it_ran_under() -> None:
     from falconext.report.plans import plans_by_attempt
 

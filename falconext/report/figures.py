@@ -112,29 +112,34 @@ SAME_ROUND_S = 1.0
 
 def localization_trigger(localized: dict[str, Any], events: list[dict[str, Any]]) -> str:
     """Who started the session that made ``localized``: "detector" (a rank's fail-slow
-    report), "score trigger" (the controller's per-rank scores, before any detector),
-    "operator" (``ctl validate``), "re-localization", or "unknown"."""
+    report), "fast path" (one rank's compute stepped up alone), "score trigger" (the
+    controller's per-rank scores, before any detector), "operator" (``ctl validate``),
+    "re-localization", or "unknown"."""
     session = (localized.get("evidence") or {}).get("session")
     started = [e for e in events if e.get("type") == "controller_state" and e.get("new") == "profiling"
                and e.get("session") == session]
     if not started:
         return "unknown"
     t, trigger = float(started[0].get("time", 0.0)), str(started[0].get("trigger"))
-    if trigger == "fail_slow" and any(
-            e.get("type") == "straggler_suspected" and e.get("action") == "localize"
-            and 0 <= t - float(e.get("time", -1e18)) <= SAME_ROUND_S for e in events):
-        return "score trigger"
+    suspects = [e for e in events if e.get("type") == "straggler_suspected" and e.get("action") == "localize"
+                and 0 <= t - float(e.get("time", -1e18)) <= SAME_ROUND_S]
+    if trigger == "fail_slow" and suspects:
+        return "fast path" if suspects[-1].get("by") == "fast" else "score trigger"
     return WHO.get(trigger, "unknown")
 
 
 def marks(events: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    """(iteration, label) of the decisions and boundaries: fail-slow detected, each
-    localization with its trigger (at its suspension's iteration), each mitigation, each
-    restart."""
+    """(iteration, label) of the decisions and boundaries: fail-slow detected, the fast
+    path's first naming, each localization with its trigger (at its suspension's
+    iteration), each mitigation, each restart."""
     out: list[tuple[int, str]] = []
     detected = [e for e in events if e.get("type") == "fail_slow" and e.get("detected_at") is not None]
     if detected:
         out.append((min(int(e["detected_at"]) for e in detected), "detected"))
+    named = [e for e in events if e.get("type") == "straggler_suspected" and e.get("by") == "fast"
+             and e.get("iteration") is not None]
+    if named:
+        out.append((min(int(e["iteration"]) for e in named), "named (fast path)"))
     sessions = {e.get("session"): e.get("iteration") for e in events if e.get("type") == "suspended"}
     for e in events:
         if e.get("type") == "localized" and (e.get("gpus") or e.get("links")):
