@@ -31,8 +31,10 @@ from pathlib import Path
 
 import pytest
 
+from falconext.config import FalconConfig
+
 from jobs import QUIET as JOBS_QUIET
-from jobs import assert_live, before_the_fault, host_factor, unexplained
+from jobs import assert_live, before_the_fault, host_factor, job_rise, unexplained
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM checkout)")
@@ -211,15 +213,27 @@ def test_the_fast_path_names_a_slow_gpu_in_four_iterations_and_validation_confir
                     "--falcon-device-gflops", device_gflops()])
     evs = events(out)
     named = [e for e in evs if e["type"] == "straggler_suspected"]
-    assert named and named[0]["rank"] == 1 and named[0]["by"] == "fast", named
-    assert 60 < named[0]["iteration"] <= 64 and named[0]["onset"] >= 58, named
+    # the fast path names only from a calm job (detect/steps.py: stands_out); where the
+    # host slowed the whole job just before the fault (the loop's own timer over the six
+    # iterations before 60 at least 1 + min_slowdown over the 20 before them: 1.2-1.6x on
+    # both ranks from 54, core_v0.19.0 in CI, 2026-12-03) it waits, and the detector and the
+    # validation must still name GPU [1] by 69
+    burst = job_rise(out, 54, 59) >= 1.0 + FalconConfig().min_slowdown
+    if burst:
+        print(f"the host slowed the whole job before the fault ({job_rise(out, 54, 59):.2f}x): "
+              f"fast path named {[(e['rank'], e['iteration']) for e in named]}")
+    else:
+        assert named and named[0]["rank"] == 1 and named[0]["by"] == "fast", named
+        assert 60 < named[0]["iteration"] <= 64 and named[0]["onset"] >= 58, named
+    assert all(e["rank"] == 1 for e in named), named
     localized = [e for e in evs if e["type"] == "localized" and e["gpus"] == [1]]
     assert localized, [e for e in evs if e["type"] in ("localized", "controller_state", "straggler_suspected")]
     session = localized[0]["evidence"]["session"]
     validating = [e for e in evs if e["type"] == "controller_state" and e["new"] == "validating"
                   and e["session"] == session]
     assert validating and validating[0]["iteration"] <= 69, validating
-    print(f"named at {named[0]['iteration']}, localized in the suspension at {validating[0]['iteration']}")
+    print(f"named at {named[0]['iteration'] if named else None}, "
+          f"localized in the suspension at {validating[0]['iteration']}")
     assert not [e for e in evs if e["type"] in ("fail_slow", "straggler_suspected", "localized")
                 and (e.get("onset") or e.get("iteration") or 60) < 58]
 
