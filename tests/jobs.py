@@ -229,6 +229,13 @@ def job_rise(out: Path, onset: int, until: int) -> float:
     return statistics.median(during) / statistics.median(before)
 
 
+def cleared_sessions(evs: list[dict]) -> set[int]:
+    """The sessions whose validation blamed nothing: a ``localized`` naming no GPU and no
+    link, with its session in its evidence."""
+    return {e["evidence"]["session"] for e in evs
+            if e["type"] == "localized" and not e["gpus"] and not e["links"] and "session" in e.get("evidence", {})}
+
+
 def unexplained(out: Path, quiet: tuple[str, ...] = QUIET) -> list[dict]:
     """The events of ``quiet`` a fault-free run raised that its own timings do not explain.
 
@@ -248,8 +255,7 @@ def unexplained(out: Path, quiet: tuple[str, ...] = QUIET) -> list[dict]:
         return evs
     print(f"{out.name}: the job slowed by {max(rises.values()):.2f}x, detected as fail_slow: "
           + ", ".join(f"rank {r} onset {e['onset']} at {e['detected_at']}" for (r, _), e in zip(rises, slows)))
-    cleared = {e["evidence"]["session"] for e in evs
-               if e["type"] == "localized" and not e["gpus"] and not e["links"] and "session" in e.get("evidence", {})}
+    cleared = cleared_sessions(evs)
     return [e for e in evs if not (e["type"] == "fail_slow" or e.get("session") in cleared
                                    or (e["type"] == "localized" and e.get("evidence", {}).get("session") in cleared))]
 
@@ -277,9 +283,7 @@ def assert_quiet(out: Path) -> None:
     assert_live(out)
     raised = unexplained(out)
     assert raised == [], raised
-    allowed = {e["session"] for e in events(out, "link_baseline")} | {
-        e["evidence"]["session"] for e in events(out, "localized")
-        if not e["gpus"] and not e["links"] and "session" in e.get("evidence", {})}
+    allowed = {e["session"] for e in events(out, "link_baseline")} | cleared_sessions(events(out))
     held = {e["session"] for e in events(out, "suspension")} | {e["session"] for e in events(out, "suspended")}
     assert held <= allowed, (held, allowed)
 

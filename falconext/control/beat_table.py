@@ -187,9 +187,8 @@ class BeatTable:
     def step_ratios(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
         """Every rank's fast-path ratio (``step_ratio``) as of ``iteration``: from its kept
         reading with the lowest ``step_iteration`` at or after it (the newest of equals), in
-        the order first heard;
-        and whether the rank has one (False: its readings have not reached ``iteration``,
-        or have none). O(ranks x keep), vectorized."""
+        the order first heard; and whether the rank has one (False: its readings have not
+        reached ``iteration``, or have none). O(ranks x keep), vectorized."""
         used = len(self._ranks)
         n, head = self._n[:used, None], self._head[:used, None]
         age = (np.arange(self.keep)[None, :] - (head - n)) % self.keep  # 0: the oldest kept

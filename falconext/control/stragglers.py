@@ -33,8 +33,7 @@ def step_ratios(beats: Mapping[int, Heartbeat], history: Mapping[int, Iterable[A
                 iteration: int) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's fast-path ratio as of step iteration ``iteration`` (from its kept
     reading with the lowest step iteration at or after it, the newest of equals), in the
-    order of ``beats``, and
-    whether it has one: read from the table at once where ``history`` is the controller's
+    order of ``beats``, and whether it has one: read from the table at once where ``history`` is the controller's
     (KeptReadings), else from each rank's kept heartbeats."""
     if hasattr(history, "step_ratios"):
         return history.step_ratios(iteration)

@@ -8,11 +8,12 @@ job-wide burst (a loaded host, a shared filesystem's hiccup) lifts every rank's 
 least ``ratio`` x its own level before them (the *run*), and what its latest few read over
 that level (:meth:`ComputeStep.recent_ratio`, run or not); the controller compares the
 ranks' recent ratios (control/stragglers.py, :func:`stepped_alone`), so that a run on one
-rank while the rest of the job reads level names a straggler, and a burst that lifts every
-rank names none, even where it lifts them unevenly and breaks their runs. Where a rank's compute is itself noisy (a host shared by many processes: the
-test bed's 16 ranks on two cores read about 9% apart from one iteration to the next), a
-step is only a step beyond that noise: the line is ``noise`` robust standard deviations of
-the level over it when that is above ``ratio``. Pure: no clock, no I/O; O(baseline) per
+rank while the rest of the job is calm names a straggler, and a burst that lifts every
+rank names none, even where it lifts them unevenly and breaks their runs. Where a rank's
+compute is itself noisy (a host shared by many processes: the test bed's 16 ranks on two
+cores read about 9% apart from one iteration to the next), a step is only a step beyond
+that noise: the line is ``noise`` robust standard deviations of the level over it when
+that is above ``ratio``. Pure: no clock, no I/O; O(baseline) per
 iteration.
 """
 
